@@ -1,0 +1,129 @@
+"""One config object for the model, and the flat parameter layout it implies.
+
+The parameter order is part of the checkpoint format (spec section 2):
+E, then per block (gamma, Wq, Wk, Wv, Wo, Wup, bup, Wdown, bdown), then Wout, bout.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+
+PHI = (1.0 + math.sqrt(5.0)) / 2.0
+PHI_INV3 = PHI ** -3  # 0.2360679...
+
+# Index of each tensor inside a block, in checkpoint order.
+BLOCK_TENSORS = ("gamma", "Wq", "Wk", "Wv", "Wo", "Wup", "bup", "Wdown", "bdown")
+GAMMA, WQ, WK, WV, WO, WUP, BUP, WDOWN, BDOWN = range(9)
+TENSORS_PER_BLOCK = len(BLOCK_TENSORS)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Model dimensions. Written into every checkpoint."""
+
+    vocab: int = 729      # V
+    width: int = 243      # d
+    heads: int = 3        # H
+    head_width: int = 81  # dh, H * dh == d
+    mlp: int = 729        # F
+    blocks: int = 3       # nb
+    window: int = 27      # L, positions per training window
+    vsa_dim: int = 1024   # D_vsa, >= 4 d
+
+    def __post_init__(self):
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"config {f.name} must be a positive integer, got {v!r}")
+        if self.heads * self.head_width != self.width:
+            raise ValueError("config: heads * head_width must equal width")
+        if self.vsa_dim < 4 * self.width:
+            raise ValueError("config: vsa_dim must be at least 4 * width")
+        if self.window > 81:
+            raise ValueError("config: window must be at most 81")
+        if self.head_width < 2:
+            raise ValueError("config: head_width must be at least 2")
+
+    # -- fixed scales (spec section 5)
+    @property
+    def attn_scale(self) -> float:
+        return float(self.head_width) ** (-PHI_INV3)
+
+    @property
+    def head_scale(self) -> float:
+        return float(self.width) ** (-PHI_INV3)
+
+    # -- layout
+    def tensors(self):
+        """[(name, shape, kind)] in checkpoint order; kind in embed/gain/ternary/bias."""
+        V, d, F = self.vocab, self.width, self.mlp
+        out = [("E", (V, d), "embed")]
+        for b in range(self.blocks):
+            p = f"blocks.{b}."
+            out += [
+                (p + "gamma", (d,), "gain"),
+                (p + "Wq", (d, d), "ternary"),
+                (p + "Wk", (d, d), "ternary"),
+                (p + "Wv", (d, d), "ternary"),
+                (p + "Wo", (d, d), "ternary"),
+                (p + "Wup", (d, F), "ternary"),
+                (p + "bup", (F,), "bias"),
+                (p + "Wdown", (F, d), "ternary"),
+                (p + "bdown", (d,), "bias"),
+            ]
+        out += [("Wout", (d, V), "ternary"), ("bout", (V,), "bias")]
+        return out
+
+    def offsets(self) -> np.ndarray:
+        """Start offset of every tensor in the flat vector, plus the total at the end."""
+        sizes = [int(np.prod(s)) for _, s, _ in self.tensors()]
+        return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+
+    @property
+    def n_params(self) -> int:
+        return int(self.offsets()[-1])
+
+    def dims(self):
+        """The integer dimensions as one tuple, the form the kernels take."""
+        return (self.vocab, self.width, self.heads, self.head_width,
+                self.mlp, self.blocks, self.window)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, s: str) -> "Config":
+        return cls(**json.loads(s))
+
+    def flops_per_token(self, scored_share: float = 1.0) -> float:
+        """Matrix FLOPs (2 per multiply-add) per token: forward, input gradient, weight gradient.
+
+        At unscored positions only the forward runs (and only k, v in the last block);
+        this count is the all-scored upper figure scaled by the scored share."""
+        d, F, V, nb = self.width, self.mlp, self.vocab, self.blocks
+        macs = nb * (4 * d * d + 2 * d * F) + d * V
+        return 2.0 * macs * (1.0 + 2.0 * scored_share)
+
+
+def tensor_index(block: int, which: int) -> int:
+    """Index of a block tensor in Config.tensors()."""
+    return 1 + block * TENSORS_PER_BLOCK + which
+
+
+def wout_index(cfg: Config) -> int:
+    return 1 + cfg.blocks * TENSORS_PER_BLOCK
+
+
+PRESETS = {
+    # The default model: 2,130,138 parameters.
+    "hslm-3": Config(),
+    # Kernel tests: the spec's small configuration of the same shape (oracles in ms).
+    "hslm-test": Config(vocab=27, width=9, heads=3, head_width=3, mlp=27, blocks=2,
+                        window=9, vsa_dim=64),
+    # Training and CLI tests: a real byte-level tokenizer needs vocab >= 260.
+    "hslm-tiny": Config(vocab=300, width=27, heads=3, head_width=9, mlp=81, blocks=2,
+                        window=9, vsa_dim=128),
+}

@@ -1,0 +1,91 @@
+"""The flat parameter vector: seeded initialisation, named views, ternary quantisation."""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .config import Config
+from .ops import Model
+from .tables import Tables
+
+
+def init_params(cfg: Config, seed: int) -> np.ndarray:
+    """Spec section 2: one generator, tensors drawn in parameter order."""
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed)))
+    parts = []
+    for name, shape, kind in cfg.tensors():
+        n = int(np.prod(shape))
+        if kind == "ternary":
+            parts.append(rng.uniform(-1.0, 1.0, n) / np.sqrt(shape[0]))
+        elif kind == "embed":
+            parts.append(rng.uniform(-1.0, 1.0, n) / np.sqrt(cfg.width))
+        elif kind == "gain":
+            parts.append(np.ones(n))
+        else:
+            parts.append(np.zeros(n))
+    return np.ascontiguousarray(np.concatenate(parts), dtype=np.float64)
+
+
+def named_views(cfg: Config, flat: np.ndarray) -> dict:
+    """{name: view of flat with the tensor's shape}, in parameter order."""
+    offs = cfg.offsets()
+    return {name: flat[offs[t]:offs[t + 1]].reshape(shape)
+            for t, (name, shape, _) in enumerate(cfg.tensors())}
+
+
+def ternary_mask(cfg: Config) -> np.ndarray:
+    return np.array([kind == "ternary" for _, _, kind in cfg.tensors()])
+
+
+@njit(cache=True, nogil=True)
+def quantize_into(theta, offs, rows, cols, is_ternary, Tf, Tb, alpha):
+    """alpha = mean|W| (1 if <= 1e-6); T = sign(W) where |W| > alpha/2 (spec section 3).
+
+    Writes T input-major into Tf and output-major into Tb, at the tensor's offsets."""
+    for t in range(rows.shape[0]):
+        if not is_ternary[t]:
+            alpha[t] = 1.0
+            continue
+        o = offs[t]
+        m, n = rows[t], cols[t]
+        s = 0.0
+        for e in range(m * n):
+            s += abs(theta[o + e])
+        a = s / (m * n)
+        if a <= 1e-6:
+            a = 1.0
+        alpha[t] = a
+        half = a / 2.0
+        for i in range(m):
+            for j in range(n):
+                w = theta[o + i * n + j]
+                q = 1.0 if w > half else (-1.0 if w < -half else 0.0)
+                Tf[o + i * n + j] = q
+                Tb[o + j * m + i] = q
+
+
+class ModelState:
+    """Parameters plus what every step derives from them: T in two layouts and alpha."""
+
+    def __init__(self, cfg: Config, theta: np.ndarray, tables: Tables):
+        self.cfg = cfg
+        self.theta = theta
+        self.tables = tables
+        self.offs = cfg.offsets()
+        shapes = [s for _, s, _ in cfg.tensors()]
+        self.rows = np.array([s[0] for s in shapes], np.int64)
+        self.cols = np.array([s[1] if len(s) > 1 else 1 for s in shapes], np.int64)
+        self.is_ternary = ternary_mask(cfg)
+        self.Tf = np.zeros_like(theta)
+        self.Tb = np.zeros_like(theta)
+        self.alpha = np.ones(len(shapes))
+        self.requantize()
+
+    def requantize(self):
+        quantize_into(self.theta, self.offs, self.rows, self.cols, self.is_ternary,
+                      self.Tf, self.Tb, self.alpha)
+
+    def kernel_model(self) -> Model:
+        c, tb = self.cfg, self.tables
+        return Model(self.theta, self.offs, self.Tf, self.Tb, self.alpha, tb.pos, tb.cos,
+                     tb.sin, c.attn_scale, c.head_scale, c.dims())
