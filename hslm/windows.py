@@ -267,3 +267,14 @@ def window_grad_layerwise(model, tokens, vsa, k, scale, acts, scr, out, logits, 
         for i in range(d):
             E[tok, i] += row[i]
     return loss_sum / k
+
+
+@njit(cache=True, nogil=True)
+def window_loss_layerwise(model, tokens, vsa, k, acts, scr):
+    """Forward only (evaluation): the window's mean loss over its last k positions."""
+    L = model.dims[6]
+    window_forward_layerwise(model, tokens, vsa, k, acts, scr)
+    loss_sum = 0.0
+    for p in range(L - k, L):
+        loss_sum += loss_forward_backward(acts.Z[p], tokens[p + 1], 1.0, scr.dZ[p - L + k])
+    return loss_sum / k

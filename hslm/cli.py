@@ -1,0 +1,177 @@
+"""The `hslm` command: train, diff, info, bench."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+
+from .errors import HslmError
+
+BYTE_OPTIONS = ("batch", "loss_positions", "lr", "warmup", "decay_steps", "weight_decay", "seed",
+                "eval_windows")
+
+
+def default_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="hslm")
+def cli():
+    """hslm: a Numba CPU trainer for ternary HSLM language models."""
+
+
+@cli.command()
+@click.option("--model", default="hslm-3", show_default=True,
+              help="Model configuration (hslm-3, hslm-tiny, hslm-test).")
+@click.option("--data", type=click.Path(path_type=Path), default=None,
+              help="UTF-8 text file to train on [default: the built-in pydoc topics].")
+@click.option("--steps", type=int, default=10, show_default=True,
+              help="Train until this step (counted from the start of the run).")
+@click.option("--batch", type=int, default=8, show_default=True, help="Windows per step.")
+@click.option("--loss-positions", "-k", type=int, default=None,
+              help="Scored positions k at the end of each window [default: the window, 27].")
+@click.option("--lr", type=float, default=1e-3, show_default=True, help="Peak learning rate.")
+@click.option("--warmup", type=int, default=100, show_default=True, help="Linear warm-up steps.")
+@click.option("--decay-steps", type=int, default=10000, show_default=True,
+              help="Step at which the cosine decay reaches 10% of the peak.")
+@click.option("--weight-decay", type=float, default=0.01, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--speed", type=click.IntRange(0, 3), default=3, show_default=True,
+              help="0 reference, 1 cached, 2 fast, 3 layerwise: all give the same bytes.")
+@click.option("--threads", type=click.IntRange(1, 1024), default=None,
+              help="Threads for the windows of a step [default: the cores available].")
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="Checkpoint folder [default: ckpt, or the resumed checkpoint's folder].")
+@click.option("--save-every", type=click.IntRange(0), default=0, show_default=True,
+              help="Also save every N steps (0: only at the end).")
+@click.option("--eval-windows", type=int, default=64, show_default=True,
+              help="Validation windows for the final validation loss.")
+@click.option("--resume", type=click.Path(path_type=Path), default=None,
+              help="Continue from DIR/ckpt_N.state (and the ckpt_N.bin beside it).")
+@click.pass_context
+def train(ctx, model, data, steps, batch, loss_positions, lr, warmup, decay_steps, weight_decay,
+          seed, speed, threads, out, save_every, eval_windows, resume):
+    """Train a model; writes OUT/ckpt_<step>.bin and OUT/ckpt_<step>.state."""
+    from .step import StepRunner, SPEED_NAMES
+    from .train import (Hyper, Run, check_hyper, load_corpus, prepare_out_dir,
+                        resolve_config, save_tokenizer)
+
+    given = {n for n in ctx.params
+             if ctx.get_parameter_source(n) == click.core.ParameterSource.COMMANDLINE}
+    threads = threads or default_threads()
+    if resume is not None:
+        out = out or resume.parent
+        prepare_out_dir(out)
+        cfg_flag = resolve_config(model) if "model" in given else None
+
+        def corpus_for(cfg, hyper):
+            if cfg_flag is not None and cfg_flag != cfg:
+                raise HslmError(f"config mismatch: --model {model} differs from the checkpoint's "
+                                "configuration")
+            flags = dict(batch=batch, loss_positions=loss_positions, lr=lr, warmup=warmup,
+                         decay_steps=decay_steps, weight_decay=weight_decay, seed=seed,
+                         eval_windows=eval_windows)
+            for n in BYTE_OPTIONS:
+                if n in given and flags[n] != getattr(hyper, n):
+                    raise HslmError(f"config mismatch: --{n.replace('_', '-')} {flags[n]} differs "
+                                    f"from the checkpoint's {getattr(hyper, n)}")
+            return load_corpus(data, cfg, hyper)
+
+        run = Run.resume(resume, corpus_for)
+        if steps <= run.step:
+            raise HslmError(f"{resume} is already at step {run.step}; pass --steps above it")
+    else:
+        cfg = resolve_config(model)
+        hyper = Hyper(batch=batch, loss_positions=loss_positions or cfg.window, lr=lr,
+                      warmup=warmup, decay_steps=decay_steps, weight_decay=weight_decay,
+                      seed=seed, eval_windows=eval_windows)
+        check_hyper(cfg, hyper)
+        out = out or Path("ckpt")
+        prepare_out_dir(out)
+        if steps < 1:
+            raise HslmError(f"--steps must be at least 1, got {steps}")
+        corpus = load_corpus(data, cfg, hyper)
+        run = Run.fresh(cfg, hyper, corpus)
+
+    cfg, h = run.cfg, run.hyper
+    save_tokenizer(out, run.corpus.tokenizer)
+    click.echo(f"model {cfg.n_params:,} parameters | data {run.corpus.source}: "
+               f"{len(run.corpus.train):,} train / {len(run.corpus.valid):,} valid tokens | "
+               f"speed {speed} ({SPEED_NAMES[speed]}) | threads {threads} | "
+               f"batch {h.batch} x {cfg.window} | k {h.loss_positions}")
+    runner = StepRunner(cfg, speed, threads)
+    first = last = None
+    try:
+        while run.step < steps:
+            t0 = time.perf_counter()
+            loss = run.train_step(runner)
+            dt = time.perf_counter() - t0
+            first = loss if first is None else first
+            last = loss
+            click.echo(f"step {run.step:5d} | loss {loss:.4f} | lr {run.lr_at(run.step):.2e} | "
+                       f"{h.batch * cfg.window / dt:8.1f} tok/s")
+            if save_every and run.step % save_every == 0 and run.step < steps:
+                run.save(out)
+        b, s = run.save(out)
+        click.echo(f"saved {b} and {s}")
+        valid = run.validation_loss(runner)
+    finally:
+        runner.close()
+    click.echo(f"first {first:.4f}, last {last:.4f}, valid {valid:.4f}")
+
+
+@cli.command()
+@click.argument("a", type=click.Path(path_type=Path))
+@click.argument("b", type=click.Path(path_type=Path))
+@click.pass_context
+def diff(ctx, a, b):
+    """Compare two checkpoints (.bin or .state): exit 0 if byte-identical, else 1."""
+    from .inspect import diff_checkpoints
+    same, lines = diff_checkpoints(a, b)
+    for line in lines:
+        click.echo(line)
+    ctx.exit(0 if same else 1)
+
+
+@cli.command()
+@click.argument("file", type=click.Path(path_type=Path))
+def info(file):
+    """Describe a checkpoint: config, step, checksum, ternary shares."""
+    from .inspect import describe
+    for line in describe(file):
+        click.echo(line)
+
+
+def main(argv=None):
+    """Entry point: every error is one line on stderr and a non-zero exit."""
+    try:
+        rv = cli.main(args=argv, prog_name="hslm", standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as e:
+        click.echo(e.ctx.get_help())
+        sys.exit(0)
+    except click.UsageError as e:
+        msg = e.format_message().replace("\n", " ")
+        click.echo(f"error: {msg}", err=True)
+        sys.exit(2)
+    except click.ClickException as e:
+        click.echo(f"error: {e.format_message()}", err=True)
+        sys.exit(e.exit_code)
+    except click.Abort:
+        click.echo("error: interrupted", err=True)
+        sys.exit(130)
+    except HslmError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    sys.exit(rv if isinstance(rv, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""Text, the byte-level BPE tokenizer and the train/validation split (spec section 10).
+
+Ids 0-3 are PAD, BOS, EOS, UNK; 4-259 the 256 bytes; 260.. the merges, learned
+from the run's text over the whole byte stream (no pre-splitting into words):
+each merge joins the most frequent adjacent pair, ties going to the smaller
+(first id, second id), while some pair occurs at least twice. Encoding a new
+text applies the merges in the order they were learned, so encoding the
+training text gives exactly the sequence the training produced.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+from numba import njit
+
+from .errors import HslmError
+
+N_SPECIAL = 4
+BYTE0 = N_SPECIAL
+FIRST_MERGE = N_SPECIAL + 256
+VALID_SHARE = 0.1
+
+
+def builtin_text() -> str:
+    """The Python documentation topics that ship with CPython, in sorted key order."""
+    from pydoc_data.topics import topics
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+@njit(cache=True)
+def _apply_merge(seq, n, a, b, new):
+    """Replace non-overlapping (a, b) left to right; returns the new length."""
+    w = 0
+    i = 0
+    while i < n:
+        if i + 1 < n and seq[i] == a and seq[i + 1] == b:
+            seq[w] = new
+            i += 2
+        else:
+            seq[w] = seq[i]
+            i += 1
+        w += 1
+    return w
+
+
+@njit(cache=True)
+def _learn_merges(seq, vocab, n_merges, merges):
+    """Learn up to n_merges merges in place on seq; returns (count, final length)."""
+    n = seq.shape[0]
+    counts = np.zeros((vocab, vocab), np.int64)
+    m = 0
+    while m < n_merges:
+        counts[:, :] = 0
+        for i in range(n - 1):
+            counts[seq[i], seq[i + 1]] += 1
+        best = 1
+        ba = -1
+        bb = -1
+        for a in range(vocab):  # row-major: the first maximum is the smallest pair
+            for b in range(vocab):
+                if counts[a, b] > best:
+                    best = counts[a, b]
+                    ba = a
+                    bb = b
+        if ba < 0:
+            break
+        merges[m, 0] = ba
+        merges[m, 1] = bb
+        n = _apply_merge(seq, n, ba, bb, FIRST_MERGE + m)
+        m += 1
+    return m, n
+
+
+@njit(cache=True)
+def _encode(seq, merges):
+    n = seq.shape[0]
+    for m in range(merges.shape[0]):
+        n = _apply_merge(seq, n, merges[m, 0], merges[m, 1], FIRST_MERGE + m)
+    return n
+
+
+class Tokenizer:
+    def __init__(self, vocab: int, merges: np.ndarray):
+        self.vocab = vocab
+        self.merges = np.ascontiguousarray(merges, dtype=np.int64).reshape(-1, 2)
+        pieces = [b""] * N_SPECIAL + [bytes([i]) for i in range(256)]
+        for a, b in self.merges:
+            pieces.append(pieces[a] + pieces[b])
+        self.pieces = pieces
+
+    @classmethod
+    def train(cls, text: str, vocab: int) -> "Tokenizer":
+        if vocab < FIRST_MERGE:
+            raise HslmError(f"vocabulary {vocab} is too small for the byte-level tokenizer "
+                            f"(needs at least {FIRST_MERGE})")
+        seq = _bytes_to_ids(text)
+        merges = np.zeros((vocab - FIRST_MERGE, 2), np.int64)
+        m, _ = _learn_merges(seq, vocab, vocab - FIRST_MERGE, merges)
+        return cls(vocab, merges[:m])
+
+    def encode(self, text: str) -> np.ndarray:
+        seq = _bytes_to_ids(text)
+        n = _encode(seq, self.merges)
+        return seq[:n].copy()
+
+    def decode_bytes(self, ids) -> bytes:
+        return b"".join(self.pieces[int(i)] if 0 <= int(i) < len(self.pieces) else b""
+                        for i in ids)
+
+    def decode(self, ids) -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    @property
+    def identity(self) -> str:
+        """sha256 of the vocabulary size and the merges: the tokenizer's identity."""
+        h = hashlib.sha256(f"hslm-bpe/1/{self.vocab}/".encode())
+        h.update(self.merges.astype("<i8").tobytes())
+        return h.hexdigest()
+
+    def to_json(self) -> str:
+        return json.dumps({"format": "hslm-bpe", "version": 1, "vocab": self.vocab,
+                           "merges": self.merges.tolist()}, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, s: str) -> "Tokenizer":
+        try:
+            obj = json.loads(s)
+            if obj.get("format") != "hslm-bpe":
+                raise ValueError("not an hslm tokenizer")
+            return cls(int(obj["vocab"]), np.array(obj["merges"], np.int64))
+        except (ValueError, KeyError, TypeError) as e:
+            raise HslmError(f"tokenizer file is not valid: {e}") from None
+
+
+def _bytes_to_ids(text: str) -> np.ndarray:
+    return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int64) + BYTE0
+
+
+def read_text(path) -> str:
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        raise HslmError(f"data file not found: {p}") from None
+    except IsADirectoryError:
+        raise HslmError(f"data path is a directory, not a text file: {p}") from None
+    except OSError as e:
+        raise HslmError(f"cannot read data file {p}: {e.strerror}") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise HslmError(f"data file {p} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset "
+                        f"{e.start})") from None
+
+
+class Corpus:
+    """A text's tokens, split: the last 10% of the token stream is validation."""
+
+    def __init__(self, text: str, vocab: int, window: int, source: str):
+        if not text:
+            raise HslmError(f"the corpus is empty ({source})")
+        self.source = source
+        self.text_sha256 = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        self.tokenizer = Tokenizer.train(text, vocab)
+        self.tokens = self.tokenizer.encode(text)
+        n = len(self.tokens)
+        n_valid = int(n * VALID_SHARE)
+        self.train = self.tokens[: n - n_valid]
+        self.valid = self.tokens[n - n_valid:]
+        need_train, need_valid = window + 2, window + 1
+        if len(self.train) < need_train or len(self.valid) < need_valid:
+            raise HslmError(
+                f"the corpus is too short: {n} tokens ({source}); a window of {window} needs "
+                f"at least {need_train} training and {need_valid} validation tokens "
+                f"(about {need_valid * 10} tokens in all)")
+
+    @classmethod
+    def load(cls, data, vocab: int, window: int) -> "Corpus":
+        if data is None:
+            return cls(builtin_text(), vocab, window, "built-in pydoc topics")
+        return cls(read_text(data), vocab, window, str(data))
+
+    def draw_windows(self, rng: np.random.Generator, batch: int, window: int) -> np.ndarray:
+        """[batch, window + 1] token windows with uniform start offsets in the training split."""
+        starts = rng.integers(0, len(self.train) - window, size=batch)
+        return np.stack([self.train[s:s + window + 1] for s in starts]).astype(np.int64)
+
+    def validation_windows(self, count: int, window: int) -> np.ndarray:
+        """Up to `count` non-overlapping windows spread evenly over the validation split."""
+        n_win = (len(self.valid) - 1) // window
+        idx = np.unique(np.linspace(0, n_win - 1, num=min(count, n_win)).round().astype(int))
+        return np.stack([self.valid[i * window:i * window + window + 1] for i in idx])

@@ -1,0 +1,90 @@
+"""`hslm diff` and `hslm info`: what a checkpoint holds, and exactly how two differ."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from . import checkpoint as ckpt
+from .errors import HslmError
+
+
+def diff_checkpoints(a, b):
+    """Returns (identical, lines). Elements are compared by their bits (so -0.0 != +0.0)."""
+    A, B = ckpt.read(a), ckpt.read(b)
+    if A.raw == B.raw:
+        return True, [f"identical: {a} and {b} ({len(A.raw):,} bytes, sha256 of data "
+                      f"{A.data_sha256[:16]}...)"]
+    if A.kind != B.kind:
+        raise HslmError(f"cannot compare a '{A.kind}' file with a '{B.kind}' file")
+    lines = [f"differ: {a} and {b}"]
+    for key in sorted(set(A.meta) | set(B.meta)):
+        if key in ("data_sha256", "params_sha256"):
+            continue
+        va, vb = A.meta.get(key), B.meta.get(key)
+        if va != vb:
+            lines.append(f"  metadata {key}: {_short(va)} != {_short(vb)}")
+    names = A.names() + [n for n in B.names() if n not in A.header]
+    n_diff_tensors = 0
+    for name in names:
+        if name not in A.header or name not in B.header:
+            lines.append(f"  {name}: only in {a if name in A.header else b}")
+            n_diff_tensors += 1
+            continue
+        x, y = A.tensor(name), B.tensor(name)
+        if x.shape != y.shape:
+            lines.append(f"  {name}: shape {list(x.shape)} != {list(y.shape)}")
+            n_diff_tensors += 1
+            continue
+        neq = x.view(np.uint64) != y.view(np.uint64)
+        count = int(np.count_nonzero(neq))
+        if count == 0:
+            continue
+        n_diff_tensors += 1
+        first = np.unravel_index(int(np.argmax(neq.ravel())), x.shape)
+        with np.errstate(invalid="ignore"):
+            mad = float(np.nanmax(np.abs(x[neq] - y[neq])))
+        idx = ",".join(str(int(i)) for i in first)
+        lines.append(f"  {name}: {count:,} of {x.size:,} elements differ, max |diff| {mad:.3e}, "
+                     f"first at [{idx}] ({x[first]!r} vs {y[first]!r})")
+    lines.append(f"{n_diff_tensors} tensor(s) differ")
+    return False, lines
+
+
+def _short(v, n=60):
+    s = str(v)
+    return s if len(s) <= n else s[:n] + "..."
+
+
+def describe(path):
+    ck = ckpt.read(path)
+    cfg = ck.config
+    lines = [
+        f"file      {path}",
+        f"kind      {ck.kind} (format {ck.meta['format']} v{ck.meta['format_version']})",
+        f"step      {ck.step}",
+        f"config    {cfg.to_json()}",
+        f"params    {cfg.n_params:,}",
+        f"checksum  ok (sha256 {ck.data_sha256})",
+    ]
+    if ck.kind == "params":
+        lines.append("ternary   share of -1 / 0 / +1, scale alpha")
+        for name, shape, kind in cfg.tensors():
+            if kind != "ternary":
+                continue
+            W = ck.tensor(name)
+            a = float(np.abs(W).mean())
+            a = 1.0 if a <= 1e-6 else a
+            neg = np.count_nonzero(W < -a / 2) / W.size
+            pos = np.count_nonzero(W > a / 2) / W.size
+            lines.append(f"  {name:16s} {neg:6.1%} {1 - neg - pos:6.1%} {pos:6.1%}  "
+                         f"alpha {a:.6f}")
+    else:
+        hyper = json.loads(ck.meta["hyper"])
+        lines += [
+            f"hyper     {json.dumps(hyper, sort_keys=True)}",
+            f"data      {ck.meta.get('data_source')} (text sha256 {ck.meta.get('text_sha256', '')[:16]}...)",
+            f"tokenizer {ck.meta.get('tokenizer', '')[:16]}...",
+            f"weights   {ck.meta.get('params_sha256', '')[:16]}... (the .bin this state belongs to)",
+        ]
+    return lines
