@@ -72,7 +72,7 @@ def train(ctx, model, data, steps, batch, loss_positions, lr, warmup, decay_step
         prepare_out_dir(out)
         cfg_flag = resolve_config(model) if "model" in given else None
 
-        def corpus_for(cfg, hyper):
+        def corpus_for(cfg, hyper, text_sha256):
             if cfg_flag is not None and cfg_flag != cfg:
                 raise HslmError(f"config mismatch: --model {model} differs from the checkpoint's "
                                 "configuration")
@@ -83,14 +83,14 @@ def train(ctx, model, data, steps, batch, loss_positions, lr, warmup, decay_step
                 if n in given and flags[n] != getattr(hyper, n):
                     raise HslmError(f"config mismatch: --{n.replace('_', '-')} {flags[n]} differs "
                                     f"from the checkpoint's {getattr(hyper, n)}")
-            return load_corpus(data, cfg, hyper)
+            return load_corpus(data, cfg, text_sha256)
 
         run = Run.resume(resume, corpus_for)
         if steps <= run.step:
             raise HslmError(f"{resume} is already at step {run.step}; pass --steps above it")
     else:
         cfg = resolve_config(model)
-        hyper = Hyper(batch=batch, loss_positions=loss_positions or cfg.window, lr=lr,
+        hyper = Hyper(batch=batch, loss_positions=cfg.window if loss_positions is None else loss_positions, lr=lr,
                       warmup=warmup, decay_steps=decay_steps, weight_decay=weight_decay,
                       seed=seed, eval_windows=eval_windows)
         check_hyper(cfg, hyper)
@@ -98,7 +98,7 @@ def train(ctx, model, data, steps, batch, loss_positions, lr, warmup, decay_step
         prepare_out_dir(out)
         if steps < 1:
             raise HslmError(f"--steps must be at least 1, got {steps}")
-        corpus = load_corpus(data, cfg, hyper)
+        corpus = load_corpus(data, cfg)
         run = Run.fresh(cfg, hyper, corpus)
 
     cfg, h = run.cfg, run.hyper

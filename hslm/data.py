@@ -135,6 +135,10 @@ class Tokenizer:
             raise HslmError(f"tokenizer file is not valid: {e}") from None
 
 
+def text_sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
 def _bytes_to_ids(text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int64) + BYTE0
 
@@ -163,7 +167,7 @@ class Corpus:
         if not text:
             raise HslmError(f"the corpus is empty ({source})")
         self.source = source
-        self.text_sha256 = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        self.text_sha256 = text_sha256(text)
         self.tokenizer = Tokenizer.train(text, vocab)
         self.tokens = self.tokenizer.encode(text)
         n = len(self.tokens)
@@ -178,10 +182,15 @@ class Corpus:
                 f"(about {need_valid * 10} tokens in all)")
 
     @classmethod
-    def load(cls, data, vocab: int, window: int) -> "Corpus":
-        if data is None:
-            return cls(builtin_text(), vocab, window, "built-in pydoc topics")
-        return cls(read_text(data), vocab, window, str(data))
+    def load(cls, data, vocab: int, window: int, expect_sha256=None) -> "Corpus":
+        """The built-in corpus (data None) or a UTF-8 file; with expect_sha256, the text
+        must be the one a checkpoint was trained on."""
+        text, source = (builtin_text(), "built-in pydoc topics") if data is None else (
+            read_text(data), str(data))
+        if expect_sha256 is not None and text_sha256(text) != expect_sha256:
+            raise HslmError(f"the training text ({source}) differs from the one the checkpoint "
+                            "was trained on; pass the same --data")
+        return cls(text, vocab, window, source)
 
     def draw_windows(self, rng: np.random.Generator, batch: int, window: int) -> np.ndarray:
         """[batch, window + 1] token windows with uniform start offsets in the training split."""

@@ -1,6 +1,7 @@
 """`hslm diff` and `hslm info`: what a checkpoint holds, and exactly how two differ."""
 from __future__ import annotations
 
+import hashlib
 import json
 
 import numpy as np
@@ -22,7 +23,14 @@ def diff_checkpoints(a, b):
         if key in ("data_sha256", "params_sha256"):
             continue
         va, vb = A.meta.get(key), B.meta.get(key)
-        if va != vb:
+        if va == vb:
+            continue
+        ja, jb = _json_dict(va), _json_dict(vb)
+        if ja is not None and jb is not None:  # config, hyper: name the fields that differ
+            for f in sorted(set(ja) | set(jb)):
+                if ja.get(f) != jb.get(f):
+                    lines.append(f"  metadata {key}: {f} {_short(ja.get(f))} != {_short(jb.get(f))}")
+        else:
             lines.append(f"  metadata {key}: {_short(va)} != {_short(vb)}")
     names = A.names() + [n for n in B.names() if n not in A.header]
     n_diff_tensors = 0
@@ -46,14 +54,22 @@ def diff_checkpoints(a, b):
             mad = float(np.nanmax(np.abs(x[neq] - y[neq])))
         idx = ",".join(str(int(i)) for i in first)
         lines.append(f"  {name}: {count:,} of {x.size:,} elements differ, max |diff| {mad:.3e}, "
-                     f"first at [{idx}] ({x[first]!r} vs {y[first]!r})")
+                     f"first at [{idx}] ({float(x[first])!r} vs {float(y[first])!r})")
     lines.append(f"{n_diff_tensors} tensor(s) differ")
     return False, lines
 
 
+def _json_dict(s):
+    try:
+        v = json.loads(s)
+    except (TypeError, ValueError):
+        return None
+    return v if isinstance(v, dict) else None
+
+
 def _short(v, n=60):
     s = str(v)
-    return s if len(s) <= n else s[:n] + "..."
+    return s if len(s) <= n else f"<{len(s)} chars, sha256 {hashlib.sha256(s.encode()).hexdigest()[:12]}>"
 
 
 def describe(path):

@@ -103,10 +103,7 @@ class Run:
         if pb.step != st.step or pb.config != st.config:
             raise HslmError(f"{bin_path} and {state_path} disagree on step or config")
         hyper = Hyper(**json.loads(st.meta["hyper"]))
-        corpus = corpus_for(st.config, hyper)
-        if corpus.text_sha256 != st.meta.get("text_sha256"):
-            raise HslmError(f"the training text differs from the one {state_path} was trained on "
-                            f"(was: {st.meta.get('data_source')}); pass the same --data")
+        corpus = corpus_for(st.config, hyper, st.meta.get("text_sha256"))
         if corpus.tokenizer.identity != st.meta.get("tokenizer"):
             raise HslmError("the tokenizer differs from the checkpoint's")
         return cls(st.config, hyper, corpus, pb.flat(), st.tensor("adam.m").copy(),
@@ -162,8 +159,8 @@ class Run:
         return zeros / total
 
 
-def load_corpus(data, cfg: Config, hyper: Hyper) -> Corpus:
-    return Corpus.load(data, cfg.vocab, cfg.window)
+def load_corpus(data, cfg: Config, expect_sha256=None) -> Corpus:
+    return Corpus.load(data, cfg.vocab, cfg.window, expect_sha256)
 
 
 def save_tokenizer(out: Path, tok: Tokenizer):

@@ -1,0 +1,49 @@
+"""Shared test helpers: one window at a speed, and exact comparisons."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from hslm.config import PRESETS
+from hslm.params import ModelState, init_params
+from hslm.step import Worker
+from hslm.tables import Tables
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def setup(name, structured, seed=1):
+    cfg = PRESETS[name]
+    tb = Tables(cfg, structured_vsa=structured)
+    ms = ModelState(cfg, init_params(cfg, seed), tb)
+    tokens = np.random.default_rng(seed).integers(0, cfg.vocab, cfg.window + 1)
+    return cfg, tb, ms, tokens
+
+
+def window_result(speed, cfg, tb, ms, tokens, k):
+    """(loss, logits of scored positions, gradient, dloss/dx_0 of scored positions, worker)."""
+    w = Worker(cfg, speed)
+    out = np.zeros(cfg.n_params)
+    loss = w.window(ms.kernel_model(), tb.vsa, tokens, k, 1.0 / k, out)
+    L = cfg.window
+    return loss, w.logits[L - k:].copy(), out, w.dx0[L - k:].copy(), w
+
+
+def assert_bits_equal(a, b, what):
+    """Exact equality, by bits (so -0.0 != +0.0), with a count of the elements that differ."""
+    a = np.ascontiguousarray(a, dtype=np.float64)
+    b = np.ascontiguousarray(b, dtype=np.float64)
+    assert a.shape == b.shape, f"{what}: shape {a.shape} != {b.shape}"
+    neq = a.view(np.uint64) != b.view(np.uint64)
+    n = int(np.count_nonzero(neq))
+    assert n == 0, f"{what}: {n} of {a.size} elements differ (max |diff| {np.abs(a - b).max():.3e})"
+
+
+def hslm(*args, cwd=None):
+    """Run the CLI in a fresh process: (exit code, stdout, stderr)."""
+    p = subprocess.run([sys.executable, str(ROOT / "cli.py"), *map(str, args)], cwd=cwd,
+                       capture_output=True, text=True, timeout=600)
+    return p.returncode, p.stdout, p.stderr

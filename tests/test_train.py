@@ -1,0 +1,91 @@
+"""Whole runs: speeds and thread counts write the same bytes; resume; learning; diff."""
+import re
+
+import numpy as np
+import pytest
+
+from hslm import checkpoint as ckpt
+from hslm.cli import main
+
+TINY = ["--model", "hslm-tiny", "--seed", "1729", "--batch", "4"]
+
+
+def run(capsys, *args):
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return e.value.code, out, err
+
+
+def losses(out):
+    return re.findall(r"loss (\d+\.\d+)", out)
+
+
+def train(capsys, tmp_path, name, *extra, steps=3):
+    d = tmp_path / name
+    code, out, err = run(capsys, "train", *TINY, "--steps", steps, "--out", d, *extra)
+    assert code == 0, err
+    return d, out
+
+
+def test_speeds_and_thread_counts_write_identical_checkpoints(tmp_path, capsys):
+    ref, ref_out = train(capsys, tmp_path, "s0", "--speed", 0, "--threads", 1)
+    assert len(losses(ref_out)) == 3
+    for speed, threads in [(1, 1), (2, 1), (3, 1), (1, 2), (2, 3), (3, 2), (3, 3), (3, 8)]:
+        d, out = train(capsys, tmp_path, f"s{speed}t{threads}", "--speed", speed,
+                       "--threads", threads)
+        assert losses(out) == losses(ref_out), (speed, threads)
+        for ext in ("bin", "state"):
+            a = (ref / f"ckpt_3.{ext}").read_bytes()
+            b = (d / f"ckpt_3.{ext}").read_bytes()
+            assert a == b, f"speed {speed}, {threads} threads: ckpt_3.{ext} differs"
+        code, out, _ = run(capsys, "diff", ref / "ckpt_3.bin", d / "ckpt_3.bin")
+        assert code == 0 and out.startswith("identical")
+
+
+def test_resume_is_byte_identical_to_an_uninterrupted_run(tmp_path, capsys):
+    full, _ = train(capsys, tmp_path, "full", "--save-every", 2, steps=5)
+    part, _ = train(capsys, tmp_path, "part", steps=2)
+    assert (full / "ckpt_2.bin").read_bytes() == (part / "ckpt_2.bin").read_bytes()
+    code, out, err = run(capsys, "train", "--resume", part / "ckpt_2.state", "--steps", 5,
+                         "--speed", 2, "--threads", 2)
+    assert code == 0, err
+    for ext in ("bin", "state"):
+        assert (full / f"ckpt_5.{ext}").read_bytes() == (part / f"ckpt_5.{ext}").read_bytes()
+
+
+def test_loss_goes_down(tmp_path, capsys):
+    d, out = train(capsys, tmp_path, "learn", "--lr", "0.01", "--warmup", 0, "--batch", 8,
+                   steps=30)
+    ls = [float(x) for x in losses(out)]
+    first, last, valid = map(float, re.search(
+        r"first (\d+\.\d+), last (\d+\.\d+), valid (\d+\.\d+)", out).groups())
+    assert first == ls[0] and last == ls[-1]
+    assert np.mean(ls[-5:]) < ls[0] - 0.6, ls
+    assert valid < first - 0.6
+
+
+def test_diff_reports_what_differs(tmp_path, capsys):
+    a, _ = train(capsys, tmp_path, "a", steps=2)
+    b, _ = train(capsys, tmp_path, "b", "--lr", "0.002", steps=2)
+    code, out, _ = run(capsys, "diff", a / "ckpt_2.bin", b / "ckpt_2.bin")
+    assert code == 1
+    assert "blocks.0.Wq:" in out and "elements differ" in out and "first at [" in out
+    code, out, _ = run(capsys, "diff", a / "ckpt_2.state", b / "ckpt_2.state")
+    assert code == 1 and "metadata hyper: lr 0.001 != 0.002" in out and "adam.m:" in out
+
+
+def test_checkpoints_are_safetensors_and_self_describing(tmp_path, capsys):
+    from safetensors.numpy import load_file
+    d, _ = train(capsys, tmp_path, "st", steps=1)
+    ck = ckpt.read(d / "ckpt_1.bin", expect_kind="params")
+    loaded = load_file(str(d / "ckpt_1.bin"))
+    cfg = ck.config
+    assert list(loaded) and sum(v.size for v in loaded.values()) == cfg.n_params
+    for name, shape, _ in cfg.tensors():
+        assert loaded[name].shape == shape
+        assert np.array_equal(loaded[name], ck.tensor(name))
+    st = load_file(str(d / "ckpt_1.state"))
+    assert st["adam.m"].shape == (cfg.n_params,)
+    code, out, _ = run(capsys, "info", d / "ckpt_1.bin")
+    assert code == 0 and "checksum  ok" in out and "blocks.1.Wdown" in out and "31,350" in out
