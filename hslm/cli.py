@@ -150,6 +150,103 @@ def info(file):
         click.echo(line)
 
 
+def _int_list(s, name):
+    try:
+        vals = [int(x) for x in str(s).split(",") if x.strip()]
+    except ValueError:
+        raise HslmError(f"{name} takes a comma-separated list of integers, got {s!r}") from None
+    if not vals:
+        raise HslmError(f"{name} is empty")
+    return vals
+
+
+@cli.command()
+@click.option("--model", default="hslm-3", show_default=True)
+@click.option("--data", type=click.Path(path_type=Path), default=None)
+@click.option("--speeds", default="0,1,2,3", show_default=True, help="Speeds to compare.")
+@click.option("--threads", default="1", show_default=True, help="Thread counts, e.g. 1,2.")
+@click.option("--steps", type=int, default=2, show_default=True, help="Timed steps per run.")
+@click.option("--batch", type=int, default=8, show_default=True)
+@click.option("--loss-positions", "-k", type=int, default=None)
+@click.option("--torch/--no-torch", "with_torch", default=True, show_default=True,
+              help="Also time the PyTorch baseline (f64 and f32, one thread) if installed.")
+@click.option("--profile/--no-profile", default=True, show_default=True,
+              help="Per-phase profile of a speed-3 step.")
+def bench(model, data, speeds, threads, steps, batch, loss_positions, with_torch, profile):
+    """Train the same seeded steps at each speed side by side; report tok/s and ratios."""
+    from .bench import (bench_speed, flops_per_token, machine_peak_gflops_per_core,
+                        profile_layerwise, threading_description, torch_baseline)
+    from .step import SPEED_NAMES
+    from .train import Hyper, check_hyper, load_corpus, resolve_config
+
+    cfg = resolve_config(model)
+    speeds = _int_list(speeds, "--speeds")
+    threads = _int_list(threads, "--threads")
+    if any(s not in SPEED_NAMES for s in speeds):
+        raise HslmError(f"--speeds must be among 0,1,2,3, got {speeds}")
+    if any(t < 1 for t in threads) or steps < 1:
+        raise HslmError("--threads and --steps must be at least 1")
+    k = cfg.window if loss_positions is None else loss_positions
+    hyper = Hyper(batch=batch, loss_positions=k, seed=1729)
+    check_hyper(cfg, hyper)
+    corpus = load_corpus(data, cfg)
+    peak, peak_desc = machine_peak_gflops_per_core()
+    fpt = flops_per_token(cfg, k)
+    click.echo(f"hslm bench: {model} ({cfg.n_params:,} parameters), batch {batch} x "
+               f"{cfg.window}, k {k}, {steps} timed steps per run, seed 1729")
+    click.echo(f"machine: {peak_desc}: f64 peak {peak:.1f} GFLOP/s per core "
+               f"({peak / 2:.1f} without FMA, which bit-exact kernels cannot use)")
+    click.echo(f"threads: {threading_description(threads)}")
+    click.echo(f"FLOPs per token: {fpt / 1e6:.2f} M (2 per multiply-add of the ternary "
+               f"matrices: forward, input gradient and weight gradient at scored positions)")
+    results = []
+    for t in threads:
+        for s in speeds:
+            r = bench_speed(cfg, hyper, corpus, s, t, steps)
+            results.append(r)
+            click.echo(f"  ran speed {s} on {t} thread(s): {r['tok_s']:.1f} tok/s", err=True)
+    slowest = min(r["tok_s"] for r in results)
+    base = {r["speed"]: r["tok_s"] for r in results if r["threads"] == threads[0]}
+    click.echo(f"{'speed':>5} {'name':>10} {'threads':>7} {'tok/s':>10} {'x slowest':>9} "
+               f"{'GFLOP/s':>8} {'% peak':>7} {'par. eff.':>9}")
+    for r in results:
+        gf = r["tok_s"] * fpt / 1e9
+        eff = r["tok_s"] / (r["threads"] / threads[0] * base[r["speed"]])
+        click.echo(f"{r['speed']:>5} {SPEED_NAMES[r['speed']]:>10} {r['threads']:>7} "
+                   f"{r['tok_s']:>10.1f} {r['tok_s'] / slowest:>9.2f} {gf:>8.2f} "
+                   f"{100 * gf / (peak * r['threads']):>6.1f}% {100 * eff:>8.1f}%")
+    digests = {r["digest"] for r in results}
+    losses = {tuple(r["losses"]) for r in results}
+    if len(digests) == 1 and len(losses) == 1:
+        click.echo(f"checkpoints after {steps} steps: byte-identical across all runs "
+                   f"(sha256 {next(iter(digests))[:16]}...), losses identical")
+    else:
+        click.echo(f"CHECKPOINTS DIFFER: {len(digests)} distinct digests across runs")
+    if with_torch:
+        try:
+            import torch
+        except ImportError:
+            click.echo("PyTorch baseline: torch not installed (pip install torch==2.13.0)")
+        else:
+            ours = max((r for r in results if r["threads"] == 1), key=lambda r: r["tok_s"],
+                       default=None)
+            tt = {dt: torch_baseline(cfg, hyper, corpus, dt, steps) for dt in ("f64", "f32")}
+            line = (f"PyTorch {torch.__version__} baseline, one thread, windows batched: "
+                    f"f64 {tt['f64']:.1f} tok/s, f32 {tt['f32']:.1f} tok/s")
+            if ours:
+                line += (f"; speed {ours['speed']} is {ours['tok_s'] / tt['f64']:.2f}x torch f64, "
+                         f"{ours['tok_s'] / tt['f32']:.2f}x torch f32")
+            click.echo(line)
+    if profile:
+        rows = profile_layerwise(cfg, hyper, corpus)
+        total = sum(ms for _, ms in rows)
+        click.echo(f"speed-3 step profile, one thread ({total:.1f} ms per step of {batch} windows):")
+        for name, ms in rows:
+            click.echo(f"  {name:46s} {ms:8.1f} ms {100 * ms / total:5.1f}%")
+    if len(digests) != 1:
+        sys.exit(1)
+
+
 def main(argv=None):
     """Entry point: every error is one line on stderr and a non-zero exit."""
     try:

@@ -12,14 +12,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-COL_TILE = 64  # columns per tile: a tile's slice of 4 matrix rows stays in L1
+COL_TILE = 256  # columns per tile: a pass's 4 matrix-row slices (8 KB) stay in L1
 
 
 @njit(cache=True, nogil=True)
 def matmul_rows(X, T, alpha, Y):
-    """Y [n, b] = alpha * (X [n, a] . T [a, b]); each Y[r, j] sums i = 0, 1, ... from 0.0.
-
-    Used for the forward (T input-major) and the input gradient (T output-major)."""
+    """Y [n, b] = alpha * (X [n, a] . T [a, b]); each Y[r, j] sums i = 0, 1, ... from 0.0."""
     n, a = X.shape
     b = T.shape[1]
     for j0 in range(0, b, COL_TILE):
@@ -92,37 +90,116 @@ def matmul_rows(X, T, alpha, Y):
             r += 1
 
 
-@njit(cache=True, nogil=True)
-def weight_grad_rows(X, DY, G, tmp):
-    """G [a, b] += sum_r X[r, i] DY[r, j], the sum over rows r in increasing order from 0.0.
+@njit(cache=True, nogil=True, fastmath={"contract"})
+def ternary_matmul_rows(X, T, alpha, Y):
+    """matmul_rows for a ternary T (entries -1, 0, +1): the forward (T input-major)
+    and the input gradient (T output-major) of every ternary matrix.
 
-    A gradient row is held in `tmp` ([4, b]) while every position adds to it, so
-    each element is summed in the same order as the per-position outer_add.
-    A zero X[r, i] is skipped: adding the product +-0.0 to a sum that started at
-    +0.0 never changes its bits."""
+    The same source as matmul_rows, compiled with FMA contraction allowed: each
+    product a * w with w in {-1, 0, +1} is exact, so fma(a, w, y) rounds once,
+    exactly like y + a * w, and the bits do not change (on machines with or
+    without FMA). Never call it with a non-ternary T."""
+    n, a = X.shape
+    b = T.shape[1]
+    for j0 in range(0, b, COL_TILE):
+        j1 = min(j0 + COL_TILE, b)
+        w = j1 - j0
+        r = 0
+        while r + 4 <= n:
+            y0 = Y[r, j0:j1]
+            y1 = Y[r + 1, j0:j1]
+            y2 = Y[r + 2, j0:j1]
+            y3 = Y[r + 3, j0:j1]
+            for j in range(w):
+                y0[j] = 0.0
+                y1[j] = 0.0
+                y2[j] = 0.0
+                y3[j] = 0.0
+            i = 0
+            while i + 4 <= a:
+                w0 = T[i, j0:j1]
+                w1 = T[i + 1, j0:j1]
+                w2 = T[i + 2, j0:j1]
+                w3 = T[i + 3, j0:j1]
+                a00, a01, a02, a03 = X[r, i], X[r, i + 1], X[r, i + 2], X[r, i + 3]
+                a10, a11, a12, a13 = X[r + 1, i], X[r + 1, i + 1], X[r + 1, i + 2], X[r + 1, i + 3]
+                a20, a21, a22, a23 = X[r + 2, i], X[r + 2, i + 1], X[r + 2, i + 2], X[r + 2, i + 3]
+                a30, a31, a32, a33 = X[r + 3, i], X[r + 3, i + 1], X[r + 3, i + 2], X[r + 3, i + 3]
+                for j in range(w):
+                    y0[j] = (((y0[j] + a00 * w0[j]) + a01 * w1[j]) + a02 * w2[j]) + a03 * w3[j]
+                    y1[j] = (((y1[j] + a10 * w0[j]) + a11 * w1[j]) + a12 * w2[j]) + a13 * w3[j]
+                    y2[j] = (((y2[j] + a20 * w0[j]) + a21 * w1[j]) + a22 * w2[j]) + a23 * w3[j]
+                    y3[j] = (((y3[j] + a30 * w0[j]) + a31 * w1[j]) + a32 * w2[j]) + a33 * w3[j]
+                i += 4
+            while i < a:
+                w0 = T[i, j0:j1]
+                a00, a10, a20, a30 = X[r, i], X[r + 1, i], X[r + 2, i], X[r + 3, i]
+                for j in range(w):
+                    y0[j] = y0[j] + a00 * w0[j]
+                    y1[j] = y1[j] + a10 * w0[j]
+                    y2[j] = y2[j] + a20 * w0[j]
+                    y3[j] = y3[j] + a30 * w0[j]
+                i += 1
+            for j in range(w):
+                y0[j] = alpha * y0[j]
+                y1[j] = alpha * y1[j]
+                y2[j] = alpha * y2[j]
+                y3[j] = alpha * y3[j]
+            r += 4
+        while r < n:
+            y0 = Y[r, j0:j1]
+            for j in range(w):
+                y0[j] = 0.0
+            i = 0
+            while i + 4 <= a:
+                w0 = T[i, j0:j1]
+                w1 = T[i + 1, j0:j1]
+                w2 = T[i + 2, j0:j1]
+                w3 = T[i + 3, j0:j1]
+                a00, a01, a02, a03 = X[r, i], X[r, i + 1], X[r, i + 2], X[r, i + 3]
+                for j in range(w):
+                    y0[j] = (((y0[j] + a00 * w0[j]) + a01 * w1[j]) + a02 * w2[j]) + a03 * w3[j]
+                i += 4
+            while i < a:
+                w0 = T[i, j0:j1]
+                a00 = X[r, i]
+                for j in range(w):
+                    y0[j] = y0[j] + a00 * w0[j]
+                i += 1
+            for j in range(w):
+                y0[j] = alpha * y0[j]
+            r += 1
+
+
+WGRAD_ROW_BLOCK = 32  # gradient rows computed per pass (a [32, b] block stays in L2)
+
+
+@njit(cache=True, nogil=True)
+def weight_grad_rows(X, DY, G, XT, tmp):
+    """G [a, b] += X^T . DY, each element summed over the rows r = 0, 1, ... of
+    X [n, a] and DY [n, b] in increasing order from 0.0.
+
+    This is matmul_rows with X transposed: a block of gradient rows is held
+    while every position adds to it (in position order, 4 positions per pass),
+    then added into G; so each element is the same chain of additions as the
+    per-position outer_add, and G gets the window's sum added once.
+    XT (>= a n) and tmp (>= WGRAD_ROW_BLOCK b) are flat scratch, shaped here so
+    that every array the inner loops touch is C-contiguous (they vectorise)."""
     n, a = X.shape
     b = DY.shape[1]
-    i = 0
-    while i < a:
-        m = min(4, a - i)
-        for q in range(m):
-            t = tmp[q]
-            for j in range(b):
-                t[j] = 0.0
-        for r in range(n):
-            dy = DY[r]
-            for q in range(m):
-                x = X[r, i + q]
-                if x != 0.0:
-                    t = tmp[q]
-                    for j in range(b):
-                        t[j] += x * dy[j]
-        for q in range(m):
-            t = tmp[q]
-            g = G[i + q]
+    xt = XT[:a * n].reshape((a, n))
+    for r in range(n):
+        for i in range(a):
+            xt[i, r] = X[r, i]
+    for i0 in range(0, a, WGRAD_ROW_BLOCK):
+        i1 = min(i0 + WGRAD_ROW_BLOCK, a)
+        blk = tmp[:(i1 - i0) * b].reshape((i1 - i0, b))
+        matmul_rows(xt[i0:i1], DY, 1.0, blk)
+        for i in range(i1 - i0):
+            g = G[i0 + i]
+            t = blk[i]
             for j in range(b):
                 g[j] += t[j]
-        i += m
 
 
 @njit(cache=True, nogil=True)

@@ -26,7 +26,7 @@ import numpy as np
 from numba import njit
 
 from .config import (BDOWN, BUP, GAMMA, TENSORS_PER_BLOCK, WDOWN, WK, WO, WQ, WUP, WV)
-from .kernels import matmul_rows
+from .kernels import WGRAD_ROW_BLOCK, ternary_matmul_rows
 
 RMS_EPS = 1e-6
 LABEL_SMOOTH = 0.1  # epsilon of the K-position objective
@@ -40,8 +40,10 @@ Model = namedtuple("Model", "theta offs Tf Tb alpha pos cos sin attn_scale head_
 Acts = namedtuple("Acts", "XIN R1 XR1 NN Q K VV A O HH U RR XF RF XRF Z LOSS")
 
 # Gradient-side rows of one window (row r = r-th scored position at speed 3,
-# row p = position p at the per-position speeds) and the window accumulator S.
-Scratch = namedtuple("Scratch", "dX dH dR dO dQ dK dV dN dXR dZ dY t1 t2 t3 rows S")
+# row p = position p at the per-position speeds), the weight-gradient scratch
+# (XT: a layer input transposed, WG: a block of held gradient rows) and the
+# window accumulator S of the per-position speeds.
+Scratch = namedtuple("Scratch", "dX dH dR dO dQ dK dV dN dXR dZ dY t1 t2 t3 XT WG S")
 
 
 def alloc_acts(dims):
@@ -59,7 +61,8 @@ def alloc_scratch(dims, n_params, with_accumulator=True):
     S = f(n_params if with_accumulator else 0)
     return Scratch(f((L, d)), f((L, d)), f((L, F)), f((L, d)), f((L, d)), f((L, d)),
                    f((L, d)), f((L, d)), f((L, d)), f((L, V)), f((L, V)), f((L, F)),
-                   f((L, d)), f((L, d)), f((4, max(V, F, d))), S)
+                   f((L, d)), f((L, d)), f(max(V, F, d) * L),
+                   f(WGRAD_ROW_BLOCK * max(V, F, d)), S)
 
 
 # ----------------------------------------------------------------- views
@@ -107,7 +110,7 @@ def ternary_forward(model, t, rows, cols, x, y, fast):
     """y = x . (alpha T) for tensor t ([rows, cols] input-major)."""
     a = model.alpha[t]
     if fast:
-        matmul_rows(x.reshape((1, rows)), view2(model.Tf, model.offs, t, rows, cols), a,
+        ternary_matmul_rows(x.reshape((1, rows)), view2(model.Tf, model.offs, t, rows, cols), a,
                     y.reshape((1, cols)))
     else:
         matvec_ref(x, view2(model.Tf, model.offs, t, rows, cols), a, y)
@@ -118,7 +121,7 @@ def ternary_input_grad(model, t, rows, cols, dy, dx, fast):
     """dx = alpha T . dy for tensor t; fast reads the output-major copy Tb."""
     a = model.alpha[t]
     if fast:
-        matmul_rows(dy.reshape((1, cols)), view2(model.Tb, model.offs, t, cols, rows), a,
+        ternary_matmul_rows(dy.reshape((1, cols)), view2(model.Tb, model.offs, t, cols, rows), a,
                     dx.reshape((1, rows)))
     else:
         matvec_t_ref(dy, view2(model.Tf, model.offs, t, rows, cols), a, dx)

@@ -56,12 +56,14 @@ def quantize_into(theta, offs, rows, cols, is_ternary, Tf, Tb, alpha):
             a = 1.0
         alpha[t] = a
         half = a / 2.0
-        for i in range(m):
+        for e in range(m * n):
+            w = theta[o + e]
+            Tf[o + e] = 1.0 if w > half else (-1.0 if w < -half else 0.0)
+        for i0 in range(0, m, 16):  # the transpose in blocks of 16 rows, cache-friendly
+            i1 = min(i0 + 16, m)
             for j in range(n):
-                w = theta[o + i * n + j]
-                q = 1.0 if w > half else (-1.0 if w < -half else 0.0)
-                Tf[o + i * n + j] = q
-                Tb[o + j * m + i] = q
+                for i in range(i0, i1):
+                    Tb[o + j * m + i] = Tf[o + i * n + j]
 
 
 class ModelState:

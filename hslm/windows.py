@@ -26,7 +26,7 @@ import numpy as np
 from numba import njit
 
 from .config import BDOWN, BUP, GAMMA, TENSORS_PER_BLOCK, WDOWN, WK, WO, WQ, WUP, WV
-from .kernels import column_sum_rows, matmul_rows, weight_grad_rows
+from .kernels import column_sum_rows, ternary_matmul_rows, weight_grad_rows
 from .ops import (attention_backward, attention_forward, embed, loss_forward_backward,
                   position_backward, position_forward, rms_backward, rms_forward,
                   rotary_backward, rotary_forward, tidx, view1, view2)
@@ -112,11 +112,11 @@ def window_forward_layerwise(model, tokens, vsa, k, acts, scr):
                 n[i] = xr[i] * gamma[i]
         # x [L, d] . Wk, Wv [d, d] -> K, V [L, d]; x[s:] . Wq -> Q[s:]
         t = tidx(b, WK)
-        matmul_rows(acts.NN[b], view2(model.Tf, offs, t, d, d), model.alpha[t], acts.K[b])
+        ternary_matmul_rows(acts.NN[b], view2(model.Tf, offs, t, d, d), model.alpha[t], acts.K[b])
         t = tidx(b, WV)
-        matmul_rows(acts.NN[b], view2(model.Tf, offs, t, d, d), model.alpha[t], acts.VV[b])
+        ternary_matmul_rows(acts.NN[b], view2(model.Tf, offs, t, d, d), model.alpha[t], acts.VV[b])
         t = tidx(b, WQ)
-        matmul_rows(acts.NN[b, s:], view2(model.Tf, offs, t, d, d), model.alpha[t], acts.Q[b, s:])
+        ternary_matmul_rows(acts.NN[b, s:], view2(model.Tf, offs, t, d, d), model.alpha[t], acts.Q[b, s:])
         for p in range(L):
             rotary_forward(acts.K[b, p], model.cos, model.sin, p, H, hw)
         for p in range(s, L):
@@ -125,14 +125,14 @@ def window_forward_layerwise(model, tokens, vsa, k, acts, scr):
                               acts.A[b, p], acts.O[b, p])
         # o [n, d] . Wo [d, d] -> h = x + o Wo
         t = tidx(b, WO)
-        matmul_rows(acts.O[b, s:], view2(model.Tf, offs, t, d, d), model.alpha[t], acts.HH[b, s:])
+        ternary_matmul_rows(acts.O[b, s:], view2(model.Tf, offs, t, d, d), model.alpha[t], acts.HH[b, s:])
         for p in range(s, L):
             h = acts.HH[b, p]
             for i in range(d):
                 h[i] = X[p, i] + h[i]
         # h [n, d] . Wup [d, F] + bup -> u, r = relu(u)
         t = tidx(b, WUP)
-        matmul_rows(acts.HH[b, s:], view2(model.Tf, offs, t, d, F), model.alpha[t], acts.U[b, s:])
+        ternary_matmul_rows(acts.HH[b, s:], view2(model.Tf, offs, t, d, F), model.alpha[t], acts.U[b, s:])
         bup = view1(th, offs, tidx(b, BUP))
         for p in range(s, L):
             u = acts.U[b, p]
@@ -143,7 +143,7 @@ def window_forward_layerwise(model, tokens, vsa, k, acts, scr):
         # r [n, F] . Wdown [F, d] + bdown -> x' = h + mlp + vsa
         XO = acts.XIN[b + 1] if b + 1 < nb else acts.XF
         t = tidx(b, WDOWN)
-        matmul_rows(acts.RR[b, s:], view2(model.Tf, offs, t, F, d), model.alpha[t], XO[s:])
+        ternary_matmul_rows(acts.RR[b, s:], view2(model.Tf, offs, t, F, d), model.alpha[t], XO[s:])
         bdown = view1(th, offs, tidx(b, BDOWN))
         for p in range(s, L):
             xo = XO[p]
@@ -155,7 +155,7 @@ def window_forward_layerwise(model, tokens, vsa, k, acts, scr):
     for p in range(s, L):
         acts.RF[p] = rms_forward(acts.XF[p], acts.XRF[p])
     t = 1 + nb * TENSORS_PER_BLOCK
-    matmul_rows(acts.XRF[s:], view2(model.Tf, offs, t, d, V), model.alpha[t], acts.Z[s:])
+    ternary_matmul_rows(acts.XRF[s:], view2(model.Tf, offs, t, d, V), model.alpha[t], acts.Z[s:])
     bout = view1(th, offs, t + 1)
     c = model.head_scale
     for p in range(s, L):
@@ -185,9 +185,9 @@ def window_grad_layerwise(model, tokens, vsa, k, scale, acts, scr, out, logits, 
             dY[r, j] = c * dZ[r, j]
     t = 1 + nb * TENSORS_PER_BLOCK
     column_sum_rows(dZ, view1(out, offs, t + 1))
-    weight_grad_rows(acts.XRF[s:], dY, view2(out, offs, t, d, V), scr.rows)
+    weight_grad_rows(acts.XRF[s:], dY, view2(out, offs, t, d, V), scr.XT, scr.WG)
     dXR = scr.dXR[:k]
-    matmul_rows(dY, view2(model.Tb, offs, t, V, d), model.alpha[t], dXR)
+    ternary_matmul_rows(dY, view2(model.Tb, offs, t, V, d), model.alpha[t], dXR)
     dX = scr.dX[:k]
     for r in range(k):
         rms_backward(acts.XF[s + r], acts.RF[s + r], dXR[r], dX[r])
@@ -198,8 +198,8 @@ def window_grad_layerwise(model, tokens, vsa, k, scale, acts, scr, out, logits, 
         # x' = h + (r . Wdown + bdown) + vsa
         column_sum_rows(dX, view1(out, offs, tidx(b, BDOWN)))
         t = tidx(b, WDOWN)
-        weight_grad_rows(acts.RR[b, s:], dX, view2(out, offs, t, F, d), scr.rows)
-        matmul_rows(dX, view2(model.Tb, offs, t, d, F), model.alpha[t], dR)
+        weight_grad_rows(acts.RR[b, s:], dX, view2(out, offs, t, F, d), scr.XT, scr.WG)
+        ternary_matmul_rows(dX, view2(model.Tb, offs, t, d, F), model.alpha[t], dR)
         for r in range(k):
             u = acts.U[b, s + r]
             for j in range(F):
@@ -208,15 +208,15 @@ def window_grad_layerwise(model, tokens, vsa, k, scale, acts, scr, out, logits, 
         # u = h . Wup + bup
         column_sum_rows(dR, view1(out, offs, tidx(b, BUP)))
         t = tidx(b, WUP)
-        weight_grad_rows(acts.HH[b, s:], dR, view2(out, offs, t, d, F), scr.rows)
-        matmul_rows(dR, view2(model.Tb, offs, t, F, d), model.alpha[t], T1)
+        weight_grad_rows(acts.HH[b, s:], dR, view2(out, offs, t, d, F), scr.XT, scr.WG)
+        ternary_matmul_rows(dR, view2(model.Tb, offs, t, F, d), model.alpha[t], T1)
         for r in range(k):
             for i in range(d):
                 dH[r, i] = dX[r, i] + T1[r, i]
         # h = x + o . Wo
         t = tidx(b, WO)
-        weight_grad_rows(acts.O[b, s:], dH, view2(out, offs, t, d, d), scr.rows)
-        matmul_rows(dH, view2(model.Tb, offs, t, d, d), model.alpha[t], dO)
+        weight_grad_rows(acts.O[b, s:], dH, view2(out, offs, t, d, d), scr.XT, scr.WG)
+        ternary_matmul_rows(dH, view2(model.Tb, offs, t, d, d), model.alpha[t], dO)
         for r in range(k):
             p = s + r
             attention_backward(acts.Q[b, p], acts.K[b], acts.VV[b], acts.A[b, p], p, H, hw,
@@ -225,14 +225,14 @@ def window_grad_layerwise(model, tokens, vsa, k, scale, acts, scr, out, logits, 
             rotary_backward(dK[r], model.cos, model.sin, p, H, hw)
         NN = acts.NN[b, s:]
         t = tidx(b, WQ)
-        weight_grad_rows(NN, dQ, view2(out, offs, t, d, d), scr.rows)
-        matmul_rows(dQ, view2(model.Tb, offs, t, d, d), model.alpha[t], T1)
+        weight_grad_rows(NN, dQ, view2(out, offs, t, d, d), scr.XT, scr.WG)
+        ternary_matmul_rows(dQ, view2(model.Tb, offs, t, d, d), model.alpha[t], T1)
         t = tidx(b, WK)
-        weight_grad_rows(NN, dK, view2(out, offs, t, d, d), scr.rows)
-        matmul_rows(dK, view2(model.Tb, offs, t, d, d), model.alpha[t], T2)
+        weight_grad_rows(NN, dK, view2(out, offs, t, d, d), scr.XT, scr.WG)
+        ternary_matmul_rows(dK, view2(model.Tb, offs, t, d, d), model.alpha[t], T2)
         t = tidx(b, WV)
-        weight_grad_rows(NN, dV, view2(out, offs, t, d, d), scr.rows)
-        matmul_rows(dV, view2(model.Tb, offs, t, d, d), model.alpha[t], T3)
+        weight_grad_rows(NN, dV, view2(out, offs, t, d, d), scr.XT, scr.WG)
+        ternary_matmul_rows(dV, view2(model.Tb, offs, t, d, d), model.alpha[t], T3)
         # n = rms(x) * gamma
         gamma = view1(th, offs, tidx(b, GAMMA))
         for r in range(k):
@@ -248,7 +248,7 @@ def window_grad_layerwise(model, tokens, vsa, k, scale, acts, scr, out, logits, 
                 dX[r, i] = dH[r, i] + T2[r, i]
     # E[t_p] gets the scored positions' dx_0 in position order, one token row at a time
     E = view2(out, offs, 0, V, d)
-    row = scr.rows[0, :d]
+    row = scr.WG[:d]
     for r in range(k):
         dx0[s + r] = dX[r]
         tok = tokens[s + r]

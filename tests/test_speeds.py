@@ -55,7 +55,7 @@ def reordered_wout_gradient(cfg, worker, k):
     X = np.ascontiguousarray(worker.acts.XRF[L - k:][::-1])
     DY = np.ascontiguousarray(worker.scr.dY[:k][::-1])
     G = np.zeros((d, V))
-    weight_grad_rows(X, DY, G, np.zeros((4, V)))
+    weight_grad_rows(X, DY, G, np.zeros(d * k), np.zeros(32 * V))
     return G.ravel()
 
 

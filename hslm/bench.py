@@ -1,0 +1,171 @@
+"""`hslm bench`: the speeds side by side in one process, as ratios, plus PyTorch.
+
+Every speed trains the same seeded steps from the same start (after compiling),
+so the checkpoints they end with must be byte-identical; the benchmark checks it.
+"""
+from __future__ import annotations
+
+import hashlib
+import platform
+import time
+
+import numpy as np
+
+from . import checkpoint as ckpt
+from .config import Config
+from .step import SPEED_NAMES, StepRunner
+from .train import Hyper, Run, rng_state_json
+
+
+def machine_peak_gflops_per_core():
+    """Theoretical f64 peak of one core: GHz x flops/cycle (2 FMA pipes x vector width).
+
+    Returns (gflops, description). Without FMA contraction (which the bit-identity
+    rules forbid) the attainable ceiling is half of it: a multiply and an add
+    issue separately."""
+    mhz, flags, model = None, "", platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("cpu MHz") and mhz is None:
+                    mhz = float(line.split(":")[1])
+                elif line.startswith("flags") and not flags:
+                    flags = line
+                elif line.startswith("model name") and not model:
+                    model = line.split(":")[1].strip()
+    except OSError:
+        pass
+    lanes = 8 if "avx512f" in flags else (4 if "avx2" in flags else 2)
+    fma = 2 if (" fma" in flags or "avx512f" in flags) else 1
+    flops_per_cycle = 2 * lanes * fma if fma > 1 else 2 * lanes
+    ghz = (mhz or 2000.0) / 1000.0
+    return ghz * flops_per_cycle, (f"{model or 'cpu'}, {ghz:.2f} GHz x {flops_per_cycle} f64 "
+                                   f"flops/cycle ({lanes}-wide, 2 FMA pipes)")
+
+
+def checkpoint_digest(run: Run) -> str:
+    """sha256 of the .bin and .state bytes the run would write now."""
+    p = ckpt.params_blob(run.cfg, run.state.theta, run.step)
+    s = ckpt.state_blob(run.cfg, run.m, run.v, run.step, ckpt.params_sha256_of(p),
+                        {"rng": rng_state_json(run.rng)})
+    return hashlib.sha256(p + s).hexdigest()
+
+
+def bench_speed(cfg, hyper, corpus, speed, threads, steps, warm=True):
+    run = Run.fresh(cfg, hyper, corpus)
+    runner = StepRunner(cfg, speed, threads)
+    try:
+        if warm:  # compile / load the kernels, outside the timing and the run's state
+            model = run.state.kernel_model()
+            w = corpus.draw_windows(np.random.default_rng(0), min(threads, hyper.batch), cfg.window)
+            runner.gradient(model, run.tables.vsa, w, hyper.loss_positions, run.grad)
+        losses = []
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            losses.append(run.train_step(runner))
+        dt = time.perf_counter() - t0
+    finally:
+        runner.close()
+    return dict(speed=speed, threads=threads, seconds=dt,
+                tok_s=steps * hyper.batch * cfg.window / dt, losses=losses,
+                digest=checkpoint_digest(run))
+
+
+def torch_baseline(cfg, hyper, corpus, dtype_name, steps):
+    """The same model and objective in PyTorch, one thread, windows batched: forward,
+    autograd backward, per-tensor clipping and AdamW, per step."""
+    import torch
+
+    from .oracle_torch import vsa_stream, window_losses
+    from .params import init_params
+    from .tables import vsa_table
+
+    torch.set_num_threads(1)
+    dtype = {"f64": torch.float64, "f32": torch.float32}[dtype_name]
+    theta = init_params(cfg, hyper.seed)
+    offs = cfg.offsets()
+    params = {name: torch.tensor(theta[offs[t]:offs[t + 1]].reshape(shape), dtype=dtype,
+                                 requires_grad=True)
+              for t, (name, shape, _) in enumerate(cfg.tensors())}
+    decay = [p for (n, _, k), p in zip(cfg.tensors(), params.values()) if k == "ternary"]
+    other = [p for (n, _, k), p in zip(cfg.tensors(), params.values()) if k != "ternary"]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": hyper.weight_decay},
+                             {"params": other, "weight_decay": 0.0}], lr=hyper.lr)
+    table = vsa_table(cfg)
+    rng = np.random.default_rng(0)
+    batches = [corpus.draw_windows(rng, hyper.batch, cfg.window) for _ in range(steps + 1)]
+    vsas = [np.stack([vsa_stream(cfg, table, w) for w in b]) for b in batches]
+
+    def step(i):
+        loss, _, _ = window_losses(cfg, params, batches[i], vsas[i], hyper.loss_positions,
+                                   dtype=dtype)
+        opt.zero_grad()
+        loss.backward()
+        for p in params.values():
+            torch.nn.utils.clip_grad_norm_([p], 1.0)
+        opt.step()
+
+    step(0)  # warm-up
+    t0 = time.perf_counter()
+    for i in range(1, steps + 1):
+        step(i)
+    dt = time.perf_counter() - t0
+    return steps * hyper.batch * cfg.window / dt
+
+
+def profile_layerwise(cfg, hyper, corpus, repeats=5):
+    """Per-phase milliseconds of one speed-3 step on one thread."""
+    from .kernels import weight_grad_rows
+    from .optim import adamw_step
+    from .step import Worker
+    from .vsa import vsa_window
+    from .windows import window_forward_layerwise, window_grad_layerwise
+
+    run = Run.fresh(cfg, hyper, corpus)
+    model = run.state.kernel_model()
+    w = Worker(cfg, 3)
+    tokens = corpus.draw_windows(np.random.default_rng(0), 1, cfg.window)[0]
+    k = hyper.loss_positions
+    out = np.zeros(cfg.n_params)
+
+    def best(f):
+        f()
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t0)
+        return min(ts) * 1e3
+
+    t_vsa = best(lambda: vsa_window(run.tables.vsa, tokens, cfg.blocks, cfg.width, w.vsa))
+    t_fwd = best(lambda: window_forward_layerwise(model, tokens, w.vsa, k, w.acts, w.scr))
+    t_all = best(lambda: window_grad_layerwise(model, tokens, w.vsa, k, 1.0, w.acts, w.scr, out,
+                                               w.logits, w.dx0))
+    d, F, V = cfg.width, cfg.mlp, cfg.vocab
+    shapes = [(d, d)] * 4 * cfg.blocks + [(d, F), (F, d)] * cfg.blocks + [(d, V)]
+    rng = np.random.default_rng(1)
+    mats = [(rng.normal(size=(k, a)), rng.normal(size=(k, b)), np.zeros((a, b))) for a, b in shapes]
+    t_wg = best(lambda: [weight_grad_rows(X, DY, G, w.scr.XT, w.scr.WG) for X, DY, G in mats])
+    norms = np.zeros(len(cfg.tensors()))
+    th, m, v = run.state.theta.copy(), run.m.copy(), run.v.copy()
+
+    def opt():
+        adamw_step(th, out, m, v, run.state.offs, run.decay, 1, 1e-9, 0.0, norms)
+        run.state.requantize()
+
+    t_opt = best(opt)
+    B = hyper.batch
+    rows = [("VSA stream", B * t_vsa), ("forward", B * t_fwd),
+            ("backward: input gradients, attention, norms", B * (t_all - t_fwd - t_wg)),
+            ("backward: weight gradients", B * t_wg), ("optimiser + requantise", t_opt)]
+    return rows
+
+
+def flops_per_token(cfg: Config, k: int) -> float:
+    return cfg.flops_per_token(k / cfg.window)
+
+
+def threading_description(threads):
+    return ("Python threads over nogil Numba kernels (one worker and scratch per thread; "
+            "no Numba threading layer, so fork and Ctrl-C are safe)") if max(threads) > 1 else \
+        "one thread"
