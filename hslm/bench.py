@@ -113,52 +113,53 @@ def torch_baseline(cfg, hyper, corpus, dtype_name, steps):
     return steps * hyper.batch * cfg.window / dt
 
 
-def profile_layerwise(cfg, hyper, corpus, repeats=5):
-    """Per-phase milliseconds of one speed-3 step on one thread."""
-    from .kernels import weight_grad_rows
+def profile_layerwise(cfg, hyper, corpus, steps=3):
+    """Per-phase milliseconds of a speed-3 step on one thread: [(phase, ms)]."""
     from .optim import adamw_step
-    from .step import Worker
     from .vsa import vsa_window
-    from .windows import window_forward_layerwise, window_grad_layerwise
+    from .windows import window_forward_layerwise
 
     run = Run.fresh(cfg, hyper, corpus)
+    runner = StepRunner(cfg, 3, 1)
+    run.train_step(runner)  # warm
+    runner.timings = {}
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        run.train_step(runner)
+    t_step = (time.perf_counter() - t0) / steps
+    t_win = runner.timings["windows"] / steps
+    t_wg = runner.timings["weight gradients"] / steps
     model = run.state.kernel_model()
-    w = Worker(cfg, 3)
-    tokens = corpus.draw_windows(np.random.default_rng(0), 1, cfg.window)[0]
+    w = runner.workers[0]
+    windows = corpus.draw_windows(np.random.default_rng(0), hyper.batch, cfg.window)
     k = hyper.loss_positions
-    out = np.zeros(cfg.n_params)
 
-    def best(f):
+    def timed(f):
         f()
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
+        t = time.perf_counter()
+        for _ in range(steps):
             f()
-            ts.append(time.perf_counter() - t0)
-        return min(ts) * 1e3
+        return (time.perf_counter() - t) / steps
 
-    t_vsa = best(lambda: vsa_window(run.tables.vsa, tokens, cfg.blocks, cfg.width, w.vsa))
-    t_fwd = best(lambda: window_forward_layerwise(model, tokens, w.vsa, k, w.acts, w.scr))
-    t_all = best(lambda: window_grad_layerwise(model, tokens, w.vsa, k, 1.0, w.acts, w.scr, out,
-                                               w.logits, w.dx0))
-    d, F, V = cfg.width, cfg.mlp, cfg.vocab
-    shapes = [(d, d)] * 4 * cfg.blocks + [(d, F), (F, d)] * cfg.blocks + [(d, V)]
-    rng = np.random.default_rng(1)
-    mats = [(rng.normal(size=(k, a)), rng.normal(size=(k, b)), np.zeros((a, b))) for a, b in shapes]
-    t_wg = best(lambda: [weight_grad_rows(X, DY, G, w.scr.XT, w.scr.WG) for X, DY, G in mats])
-    norms = np.zeros(len(cfg.tensors()))
+    t_vsa = timed(lambda: [vsa_window(run.tables.vsa, x, cfg.blocks, cfg.width, w.vsa)
+                           for x in windows])
+    t_fwd = timed(lambda: [window_forward_layerwise(model, x, w.vsa, k, w.acts, w.scr)
+                           for x in windows])
     th, m, v = run.state.theta.copy(), run.m.copy(), run.v.copy()
+    norms = np.zeros(len(cfg.tensors()))
 
     def opt():
-        adamw_step(th, out, m, v, run.state.offs, run.decay, 1, 1e-9, 0.0, norms)
+        adamw_step(th, run.grad, m, v, run.state.offs, run.decay, 5, 1e-9, 0.0, norms, 0,
+                   len(norms))
         run.state.requantize()
 
-    t_opt = best(opt)
-    B = hyper.batch
-    rows = [("VSA stream", B * t_vsa), ("forward", B * t_fwd),
-            ("backward: input gradients, attention, norms", B * (t_all - t_fwd - t_wg)),
-            ("backward: weight gradients", B * t_wg), ("optimiser + requantise", t_opt)]
-    return rows
+    t_opt = timed(opt)
+    rows = [("VSA stream", t_vsa), ("forward", t_fwd),
+            ("backward through the layers' inputs", t_win - t_fwd - t_vsa),
+            ("weight gradients (all windows, once per step)", t_wg),
+            ("optimiser + requantise", t_opt)]
+    rows.append(("other (drawing windows, zeroing G, Python)", t_step - sum(t for _, t in rows)))
+    return [(name, 1e3 * t) for name, t in rows]
 
 
 def flops_per_token(cfg: Config, k: int) -> float:

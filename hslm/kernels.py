@@ -175,29 +175,30 @@ WGRAD_ROW_BLOCK = 32  # gradient rows computed per pass (a [32, b] block stays i
 
 
 @njit(cache=True, nogil=True)
-def weight_grad_rows(X, DY, G, XT, tmp):
-    """G [a, b] += X^T . DY, each element summed over the rows r = 0, 1, ... of
-    X [n, a] and DY [n, b] in increasing order from 0.0.
+def weight_grad_rows(X, i0, i1, DY, G, XT, tmp):
+    """G[i0:i1] += (X^T . DY)[i0:i1]: G [a, b], X [n, a], DY [n, b]; each element
+    summed over the rows r = 0, 1, ... in increasing order from 0.0.
 
     This is matmul_rows with X transposed: a block of gradient rows is held
     while every position adds to it (in position order, 4 positions per pass),
     then added into G; so each element is the same chain of additions as the
     per-position outer_add, and G gets the window's sum added once.
-    XT (>= a n) and tmp (>= WGRAD_ROW_BLOCK b) are flat scratch, shaped here so
-    that every array the inner loops touch is C-contiguous (they vectorise)."""
-    n, a = X.shape
+    XT (>= (i1 - i0) n) and tmp (>= WGRAD_ROW_BLOCK b) are flat scratch, shaped
+    here so that every array the inner loops touch is C-contiguous."""
+    n = X.shape[0]
     b = DY.shape[1]
-    xt = XT[:a * n].reshape((a, n))
+    m = i1 - i0
+    xt = XT[:m * n].reshape((m, n))
     for r in range(n):
-        for i in range(a):
-            xt[i, r] = X[r, i]
-    for i0 in range(0, a, WGRAD_ROW_BLOCK):
-        i1 = min(i0 + WGRAD_ROW_BLOCK, a)
-        blk = tmp[:(i1 - i0) * b].reshape((i1 - i0, b))
-        matmul_rows(xt[i0:i1], DY, 1.0, blk)
-        for i in range(i1 - i0):
-            g = G[i0 + i]
-            t = blk[i]
+        for i in range(m):
+            xt[i, r] = X[r, i0 + i]
+    for q0 in range(0, m, WGRAD_ROW_BLOCK):
+        q1 = min(q0 + WGRAD_ROW_BLOCK, m)
+        blk = tmp[:(q1 - q0) * b].reshape((q1 - q0, b))
+        matmul_rows(xt[q0:q1], DY, 1.0, blk)
+        for q in range(q1 - q0):
+            g = G[i0 + q0 + q]
+            t = blk[q]
             for j in range(b):
                 g[j] += t[j]
 

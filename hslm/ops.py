@@ -46,13 +46,33 @@ Acts = namedtuple("Acts", "XIN R1 XR1 NN Q K VV A O HH U RR XF RF XRF Z LOSS")
 Scratch = namedtuple("Scratch", "dX dH dR dO dQ dK dV dN dXR dZ dY t1 t2 t3 XT WG S")
 
 
-def alloc_acts(dims):
+# Speed 3's record of one window's backward: each layer's output gradient for
+# the r-th scored position (the DY of its weight gradient; the X are in Acts).
+Record = namedtuple("Record", "dZ dY dXo dR dH dQ dK dV dG dX0")
+
+
+def alloc_acts(dims, batch=None):
+    """Activations of one window, or with batch=B of B windows ([B, ...] each)."""
     V, d, H, dh, F, nb, L = dims
-    f = np.zeros
-    return Acts(f((nb, L, d)), f((nb, L)), f((nb, L, d)), f((nb, L, d)), f((nb, L, d)),
-                f((nb, L, d)), f((nb, L, d)), f((nb, L, H, L)), f((nb, L, d)),
-                f((nb, L, d)), f((nb, L, F)), f((nb, L, F)), f((L, d)), f(L), f((L, d)),
-                f((L, V)), f(L))
+    pre = () if batch is None else (batch,)
+    f = lambda *s: np.zeros(pre + s)
+    return Acts(f(nb, L, d), f(nb, L), f(nb, L, d), f(nb, L, d), f(nb, L, d),
+                f(nb, L, d), f(nb, L, d), f(nb, L, H, L), f(nb, L, d),
+                f(nb, L, d), f(nb, L, F), f(nb, L, F), f(L, d), f(L), f(L, d),
+                f(L, V), f(L))
+
+
+def alloc_record(dims, batch=None):
+    V, d, H, dh, F, nb, L = dims
+    pre = () if batch is None else (batch,)
+    f = lambda *s: np.zeros(pre + s)
+    return Record(f(L, V), f(L, V), f(nb, L, d), f(nb, L, F), f(nb, L, d), f(nb, L, d),
+                  f(nb, L, d), f(nb, L, d), f(nb, L, d), f(L, d))
+
+
+def window_view(batched, w):
+    """The namedtuple of window w's slices of a batched Acts or Record."""
+    return type(batched)(*[a[w] for a in batched])
 
 
 def alloc_scratch(dims, n_params, with_accumulator=True):
@@ -271,12 +291,14 @@ def loss_forward_backward(z, target, scale, dz):
     se = 0.0
     zs = 0.0
     for j in range(V):
-        se += math.exp(z[j] - m)
+        ex = math.exp(z[j] - m)
+        dz[j] = ex  # kept, so exp runs once per id
+        se += ex
         zs += z[j]
     lse = m + math.log(se)
     loss = (1.0 - eps) * (lse - z[target]) + eps * (lse - zs / V)
     for j in range(V):
-        g = math.exp(z[j] - m) / se - eps / V
+        g = dz[j] / se - eps / V
         if j == target:
             g = g - (1.0 - eps)
         dz[j] = g * scale

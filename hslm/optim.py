@@ -20,18 +20,19 @@ def learning_rate(step: int, peak: float, warmup: int, decay_steps: int) -> floa
 
 
 @njit(cache=True, nogil=True)
-def adamw_step(theta, grad, m, v, offs, decay, step, lr, weight_decay, norms):
+def adamw_step(theta, grad, m, v, offs, decay, step, lr, weight_decay, norms, t0, t1):
     """One AdamW update in place, tensor by tensor.
 
     Each tensor's gradient is clipped to L2 norm 1 on its own (g * (1 / norm)
     when norm > 1); its pre-clip norm goes to norms[t]. Weight decay is
     decoupled and applies where decay[t]. The update follows torch.optim.AdamW:
-    w *= 1 - lr wd; w -= (lr / (1 - b1^t)) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)."""
+    w *= 1 - lr wd; w -= (lr / (1 - b1^t)) * m / (sqrt(v) / sqrt(1 - b2^t) + eps).
+    Updates tensors t0..t1-1: tensors are independent, so threads may split them."""
     bc1 = 1.0 - BETA1 ** step
     bc2 = 1.0 - BETA2 ** step
     step_size = lr / bc1
     sbc2 = math.sqrt(bc2)
-    for t in range(offs.shape[0] - 1):
+    for t in range(t0, t1):
         a, b = offs[t], offs[t + 1]
         ss = 0.0
         for e in range(a, b):

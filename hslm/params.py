@@ -38,11 +38,12 @@ def ternary_mask(cfg: Config) -> np.ndarray:
 
 
 @njit(cache=True, nogil=True)
-def quantize_into(theta, offs, rows, cols, is_ternary, Tf, Tb, alpha):
+def quantize_into(theta, offs, rows, cols, is_ternary, Tf, Tb, alpha, t0, t1):
     """alpha = mean|W| (1 if <= 1e-6); T = sign(W) where |W| > alpha/2 (spec section 3).
 
-    Writes T input-major into Tf and output-major into Tb, at the tensor's offsets."""
-    for t in range(rows.shape[0]):
+    Writes T input-major into Tf and output-major into Tb, at the tensor's offsets,
+    for tensors t0..t1-1."""
+    for t in range(t0, t1):
         if not is_ternary[t]:
             alpha[t] = 1.0
             continue
@@ -83,9 +84,10 @@ class ModelState:
         self.alpha = np.ones(len(shapes))
         self.requantize()
 
-    def requantize(self):
+    def requantize(self, t0=0, t1=None):
+        t1 = len(self.rows) if t1 is None else t1
         quantize_into(self.theta, self.offs, self.rows, self.cols, self.is_ternary,
-                      self.Tf, self.Tb, self.alpha)
+                      self.Tf, self.Tb, self.alpha, t0, t1)
 
     def kernel_model(self) -> Model:
         c, tb = self.cfg, self.tables

@@ -1,39 +1,71 @@
-"""A training step's gradient: windows to workers, accumulators added in window order.
+"""A training step's gradient: windows to threads, sums added in window order.
 
-Each worker (one per thread) owns its scratch, allocated once per run:
-activations and KV cache (Acts), gradient rows (Scratch), and at speeds 0-2 the
-window accumulator S. The step's gradient is
+The step's gradient is G = ((0 + S_w0) + S_w1) + ... in window order (each
+S_w summed over its scored positions in position order, spec section 9),
+whatever the thread count. Each thread has its own scratch, allocated once per
+run, chosen by the thread's slot, never by a thread id.
 
-    G = ((0 + S_w0) + S_w1) + ...      (each S_w in position order, spec section 9)
+* Speeds 0-2 (per position) stream each position's products into the window's
+  accumulator S_w. With one thread the window adds S_w into G directly. With N
+  threads the windows run in groups of N, each into its own zeroed buffer (the
+  buffer chosen by the window's place in its group); the group's buffers are
+  then added into G in window order, the flat vector split into N ranges.
+* Speed 3 runs in two phases. (1) Each window's forward and backward through
+  the layers' inputs, on any thread, into that window's own record. (2) The
+  weight-gradient phase: the gradient is cut into units (a block of 32 rows of
+  a matrix, or a whole small tensor), and each unit adds every window's sum in
+  window order; threads take contiguous runs of units. G is written once per
+  step, and no thread needs a copy of it.
 
-whatever the thread count. With one thread the windows add into G directly,
-in order. With N threads, the windows run in groups of N, each into its own
-zeroed buffer (a buffer is chosen by the window's place in its group, never by
-thread id), and the group's buffers are then added into G in window order, the
-flat vector split into N ranges. Threads are plain Python threads running
-nogil Numba kernels: no Numba threading layer is involved, so forking and
-Ctrl-C behave as in any Python program.
+Threads are plain Python threads running nogil Numba kernels: no Numba
+threading layer is involved, so forking and Ctrl-C behave as in any Python
+program, and nothing depends on which layer a machine has.
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from numba import njit
 
-from .ops import alloc_acts, alloc_scratch
+from .kernels import WGRAD_ROW_BLOCK
+from .ops import alloc_acts, alloc_record, alloc_scratch, window_view
 from .vsa import vsa_window
-from .windows import (window_grad_cached, window_grad_fast, window_grad_layerwise,
-                      window_grad_reference, window_loss_layerwise)
+from .windows import (gradients_from_records, window_backward_layerwise, window_grad_cached,
+                      window_grad_fast, window_grad_reference, window_loss_layerwise)
 
-WINDOW_KERNELS = {
+PER_POSITION_KERNELS = {
     0: window_grad_reference,
     1: window_grad_cached,
     2: window_grad_fast,
-    3: window_grad_layerwise,
 }
 SPEED_NAMES = {0: "reference", 1: "cached", 2: "fast", 3: "layerwise"}
-SPEEDS = tuple(WINDOW_KERNELS)
+SPEEDS = tuple(SPEED_NAMES)
+
+
+def gradient_units(cfg):
+    """[(tensor, row0, row1)] covering the gradient, and each unit's cost (multiply-adds
+    per scored position): blocks of WGRAD_ROW_BLOCK rows of each ternary matrix, and
+    each other tensor whole."""
+    units, cost = [], []
+    for t, (_, shape, kind) in enumerate(cfg.tensors()):
+        if kind == "ternary":
+            for r0 in range(0, shape[0], WGRAD_ROW_BLOCK):
+                r1 = min(r0 + WGRAD_ROW_BLOCK, shape[0])
+                units.append((t, r0, r1))
+                cost.append((r1 - r0) * shape[1])
+        else:
+            units.append((t, 0, shape[0]))
+            cost.append(shape[-1])
+    return np.array(units, np.int64), np.array(cost, np.float64)
+
+
+def split_by_cost(cost, n):
+    """n contiguous ranges of units with about equal cost: [(lo, hi)]."""
+    cum = np.concatenate([[0.0], np.cumsum(cost)])
+    cuts = [0] + [int(np.searchsorted(cum, cum[-1] * r / n)) for r in range(1, n)] + [len(cost)]
+    return [(cuts[r], max(cuts[r], cuts[r + 1])) for r in range(n)]
 
 
 class Worker:
@@ -41,19 +73,31 @@ class Worker:
 
     def __init__(self, cfg, speed: int):
         dims = cfg.dims()
+        self.cfg = cfg
         self.speed = speed
-        self.acts = alloc_acts(dims)
         # Speeds 0-2 build the window's gradient in scr.S before adding it to the output.
         self.scr = alloc_scratch(dims, cfg.n_params, with_accumulator=speed < 3)
+        self.acts_b = alloc_acts(dims, 1)
+        self.acts = window_view(self.acts_b, 0)
         self.vsa = np.zeros((cfg.blocks, cfg.window, cfg.width))
         self.logits = np.zeros((cfg.window, cfg.vocab))
         self.dx0 = np.zeros((cfg.window, cfg.width))
+        if speed == 3:
+            self.rec_b = alloc_record(dims, 1)
+            self.rec = window_view(self.rec_b, 0)
+            self.units, _ = gradient_units(cfg)
 
     def window(self, model, vsa_table, tokens, k, scale, out):
         """Add one window's gradient into out; return the window's mean loss."""
         vsa_window(vsa_table, tokens, model.dims[5], model.dims[1], self.vsa)
-        return WINDOW_KERNELS[self.speed](model, tokens, self.vsa, k, scale, self.acts,
-                                          self.scr, out, self.logits, self.dx0)
+        if self.speed < 3:
+            return PER_POSITION_KERNELS[self.speed](model, tokens, self.vsa, k, scale, self.acts,
+                                                    self.scr, out, self.logits, self.dx0)
+        loss = window_backward_layerwise(model, tokens, self.vsa, k, scale, self.acts, self.rec,
+                                         self.scr, self.logits, self.dx0)
+        gradients_from_records(model, self.acts_b, self.rec_b, tokens.reshape(1, -1), k,
+                               self.units, 0, len(self.units), out, self.scr.XT, self.scr.WG)
+        return loss
 
     def window_loss(self, model, vsa_table, tokens, k):
         """Forward only: the window's mean loss over its last k positions."""
@@ -70,6 +114,13 @@ def add_in_order(G, bufs, n, lo, hi):
             G[e] += B[e]
 
 
+def ordered_mean(values) -> float:
+    total = 0.0
+    for v in values:
+        total += float(v)
+    return total / len(values)
+
+
 class StepRunner:
     """Computes the gradient of a batch of windows at one speed on N threads."""
 
@@ -78,12 +129,30 @@ class StepRunner:
         self.speed = speed
         self.threads = max(1, int(threads))
         self.workers = [Worker(cfg, speed) for _ in range(self.threads)]
-        self.bufs = (np.zeros((self.threads, cfg.n_params)) if self.threads > 1 else None)
         self.pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
+        self.bufs = None  # speeds 0-2, several threads: one buffer per thread slot
+        if speed < 3 and self.threads > 1:
+            self.bufs = np.zeros((self.threads, cfg.n_params))
+        self.batch = 0  # speed 3: per-window records, allocated for the batch size
+        if speed == 3:
+            self.units, cost = gradient_units(cfg)
+            self.parts = split_by_cost(cost, self.threads)
+        self.timings = None  # set to a dict to collect per-phase seconds (speed 3)
 
     def close(self):
         if self.pool is not None:
             self.pool.shutdown(wait=True)
+
+    def map_parts(self, fn, parts):
+        """fn(part) for each part, one per thread slot."""
+        if self.pool is None or len(parts) == 1:
+            return [fn(p) for p in parts]
+        return list(self.pool.map(fn, parts))
+
+    def _map(self, fn, n):
+        if self.pool is None or n == 1:
+            return [fn(j) for j in range(n)]
+        return list(self.pool.map(fn, range(n)))
 
     def gradient(self, model, vsa_table, windows: np.ndarray, k: int, G: np.ndarray) -> float:
         """G = the batch's gradient (scaled by 1/(k B)); returns the step's mean loss."""
@@ -91,12 +160,16 @@ class StepRunner:
         scale = 1.0 / (k * B)
         G[:] = 0.0
         losses = np.zeros(B)
-        if self.threads == 1:
+        if self.speed == 3:
+            self._gradient_layerwise(model, vsa_table, windows, k, scale, G, losses)
+        elif self.threads == 1:
             w = self.workers[0]
             for i in range(B):
                 losses[i] = w.window(model, vsa_table, windows[i], k, scale, G)
         else:
             N = self.threads
+            P = self.cfg.n_params
+            cuts = [P * r // N for r in range(N + 1)]
             for g0 in range(0, B, N):
                 n = min(N, B - g0)
 
@@ -105,32 +178,49 @@ class StepRunner:
                     buf[:] = 0.0
                     return self.workers[j].window(model, vsa_table, windows[g0 + j], k, scale, buf)
 
-                losses[g0:g0 + n] = list(self.pool.map(one, range(n)))
-                P = self.cfg.n_params
-                cuts = [P * r // N for r in range(N + 1)]
-                list(self.pool.map(lambda r: add_in_order(G, self.bufs, n, cuts[r], cuts[r + 1]),
-                                   range(N)))
-        total = 0.0
-        for i in range(B):
-            total += losses[i]
-        return total / B
+                losses[g0:g0 + n] = self._map(one, n)
+                self._map(lambda r: add_in_order(G, self.bufs, n, cuts[r], cuts[r + 1]), N)
+        return ordered_mean(losses)
+
+    def _gradient_layerwise(self, model, vsa_table, windows, k, scale, G, losses):
+        B, N = windows.shape[0], self.threads
+        if self.batch != B:
+            self.acts_b = alloc_acts(self.cfg.dims(), B)
+            self.rec_b = alloc_record(self.cfg.dims(), B)
+            self.batch = B
+        nb, d = model.dims[5], model.dims[1]
+
+        def run_windows(j):  # thread slot j takes windows j, j + N, ...
+            wk = self.workers[j]
+            for i in range(j, B, N):
+                vsa_window(vsa_table, windows[i], nb, d, wk.vsa)
+                losses[i] = window_backward_layerwise(
+                    model, windows[i], wk.vsa, k, scale, window_view(self.acts_b, i),
+                    window_view(self.rec_b, i), wk.scr, wk.logits, wk.dx0)
+
+        def run_units(j):
+            lo, hi = self.parts[j]
+            wk = self.workers[j]
+            gradients_from_records(model, self.acts_b, self.rec_b, windows, k, self.units, lo, hi,
+                                   G, wk.scr.XT, wk.scr.WG)
+
+        t0 = time.perf_counter()
+        self._map(run_windows, min(N, B))
+        t1 = time.perf_counter()
+        self._map(run_units, N)
+        if self.timings is not None:
+            self.timings["windows"] = self.timings.get("windows", 0.0) + t1 - t0
+            self.timings["weight gradients"] = (self.timings.get("weight gradients", 0.0)
+                                                + time.perf_counter() - t1)
 
     def loss(self, model, vsa_table, windows: np.ndarray, k: int) -> float:
         """Mean loss of windows, forward only (validation)."""
-        B = windows.shape[0]
+        B, N = windows.shape[0], self.threads
         losses = np.zeros(B)
-        if self.threads == 1:
-            for i in range(B):
-                losses[i] = self.workers[0].window_loss(model, vsa_table, windows[i], k)
-        else:
-            N = self.threads
 
-            def part(j):
-                for i in range(j, B, N):
-                    losses[i] = self.workers[j].window_loss(model, vsa_table, windows[i], k)
+        def part(j):
+            for i in range(j, B, N):
+                losses[i] = self.workers[j].window_loss(model, vsa_table, windows[i], k)
 
-            list(self.pool.map(part, range(N)))
-        total = 0.0
-        for i in range(B):
-            total += losses[i]
-        return total / B
+        self._map(part, min(N, B))
+        return ordered_mean(losses)

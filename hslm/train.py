@@ -120,9 +120,15 @@ class Run:
         model = self.state.kernel_model()
         loss = runner.gradient(model, self.tables.vsa, windows, h.loss_positions, self.grad)
         self.step += 1
-        adamw_step(self.state.theta, self.grad, self.m, self.v, self.state.offs, self.decay,
-                   self.step, self.lr_at(self.step), h.weight_decay, self.norms)
-        self.state.requantize()
+        lr = self.lr_at(self.step)
+
+        def update(part):  # tensors are independent: threads take contiguous runs of them
+            t0, t1 = part
+            adamw_step(self.state.theta, self.grad, self.m, self.v, self.state.offs, self.decay,
+                       self.step, lr, h.weight_decay, self.norms, t0, t1)
+            self.state.requantize(t0, t1)
+
+        runner.map_parts(update, tensor_parts(self.cfg, runner.threads))
         return loss
 
     def validation_loss(self, runner: StepRunner) -> float:
@@ -157,6 +163,12 @@ class Run:
                 zeros += int(np.count_nonzero(seg == 0.0))
                 total += seg.size
         return zeros / total
+
+
+def tensor_parts(cfg: Config, n: int):
+    """n contiguous runs of tensors with about equal sizes."""
+    from .step import split_by_cost
+    return split_by_cost(np.diff(cfg.offsets()).astype(np.float64), n)
 
 
 def load_corpus(data, cfg: Config, expect_sha256=None) -> Corpus:

@@ -12,13 +12,18 @@ hslm.ops (one position) and hslm.kernels (the fast matrix loops).
                                     its backward; plain loops
     speed 2  window_grad_fast       speed 1 with the fast kernels, k/v only in the
                                     last block at unscored positions
-    speed 3  window_grad_layerwise  layer by layer over all positions: each ternary
-                                    matrix and each gradient row read once per window
+    speed 3  window_backward_layerwise + gradients_from_records
+                                    layer by layer over all positions: each ternary
+                                    matrix read once per window, and each gradient
+                                    row once per step
 
 Speeds 0-2 build S_w in scratch.S (per position, streaming the whole gradient)
-and add it to `out` at the end; speed 3 holds one gradient row while every
-scored position adds to it, then adds the row to `out`. Both give
-out + ((0.0 + c_0) + c_1 + ...) per element, c_p being position p's product.
+and add it to `out` at the end. Speed 3 records each layer's output gradients
+for the window; after all windows of a step, it holds one block of gradient
+rows while every scored position of window 0 adds to it, adds the block to
+`out`, then does the same for window 1, and so on. Both give
+out + ((0.0 + c_0) + c_1 + ...) per element and window, c_p being position
+p's product.
 """
 from __future__ import annotations
 
@@ -165,57 +170,60 @@ def window_forward_layerwise(model, tokens, vsa, k, acts, scr):
 
 
 @njit(cache=True, nogil=True)
-def window_grad_layerwise(model, tokens, vsa, k, scale, acts, scr, out, logits, dx0):
-    """Speed 3: forward layer by layer, then the backward of all scored rows at once."""
+def window_backward_layerwise(model, tokens, vsa, k, scale, acts, rec, scr, logits, dx0):
+    """Speed 3, one window: forward layer by layer, then the backward of all k
+    scored rows at once, through every layer's input gradient.
+
+    Each layer's output gradients (the DY of its weight gradient) go to the
+    window's record `rec`, row r for the r-th scored position; its inputs (the
+    X) stay in `acts`. gradients_from_records then turns them into weight
+    gradients, one held block of gradient rows at a time. Returns the loss."""
     V, d, H, hw, F, nb, L = model.dims
     th, offs = model.theta, model.offs
     window_forward_layerwise(model, tokens, vsa, k, acts, scr)
     s = L - k
-    tmp = scr.t1  # [L, F] >= [4, max(d, F)]: the held gradient rows
     loss_sum = 0.0
+    dZ = rec.dZ[:k]
     for r in range(k):
         p = s + r
-        loss_sum += loss_forward_backward(acts.Z[p], tokens[p + 1], scale, scr.dZ[r])
+        loss_sum += loss_forward_backward(acts.Z[p], tokens[p + 1], scale, dZ[r])
         logits[p] = acts.Z[p]
-    dZ = scr.dZ[:k]
-    dY = scr.dY[:k]
+    # z = c y + bout, y = rms(x) . Wout: dy = c dz [k, V]
+    dY = rec.dY[:k]
     c = model.head_scale
     for r in range(k):
         for j in range(V):
             dY[r, j] = c * dZ[r, j]
     t = 1 + nb * TENSORS_PER_BLOCK
-    column_sum_rows(dZ, view1(out, offs, t + 1))
-    weight_grad_rows(acts.XRF[s:], dY, view2(out, offs, t, d, V), scr.XT, scr.WG)
     dXR = scr.dXR[:k]
     ternary_matmul_rows(dY, view2(model.Tb, offs, t, V, d), model.alpha[t], dXR)
     dX = scr.dX[:k]
     for r in range(k):
         rms_backward(acts.XF[s + r], acts.RF[s + r], dXR[r], dX[r])
-    dH, dR, dO = scr.dH[:k], scr.dR[:k], scr.dO[:k]
-    dQ, dK, dV, dN = scr.dQ[:k], scr.dK[:k], scr.dV[:k], scr.dN[:k]
-    T1, T2, T3 = scr.t1[:k, :d], scr.t2[:k], scr.t3[:k]
+    T1, T2 = scr.t1[:k, :d], scr.t2[:k]
     for b in range(nb - 1, -1, -1):
-        # x' = h + (r . Wdown + bdown) + vsa
-        column_sum_rows(dX, view1(out, offs, tidx(b, BDOWN)))
+        dXo, dR, dH = rec.dXo[b, :k], rec.dR[b, :k], rec.dH[b, :k]
+        dQ, dK, dV, dG = rec.dQ[b, :k], rec.dK[b, :k], rec.dV[b, :k], rec.dG[b, :k]
+        dO, dN = scr.dO[:k], scr.dN[:k]
+        # x' = h + (r . Wdown + bdown) + vsa: dx' [k, d] -> dr [k, F]
+        for r in range(k):
+            for i in range(d):
+                dXo[r, i] = dX[r, i]
         t = tidx(b, WDOWN)
-        weight_grad_rows(acts.RR[b, s:], dX, view2(out, offs, t, F, d), scr.XT, scr.WG)
-        ternary_matmul_rows(dX, view2(model.Tb, offs, t, d, F), model.alpha[t], dR)
+        ternary_matmul_rows(dXo, view2(model.Tb, offs, t, d, F), model.alpha[t], dR)
         for r in range(k):
             u = acts.U[b, s + r]
             for j in range(F):
                 if not u[j] > 0.0:
                     dR[r, j] = 0.0
-        # u = h . Wup + bup
-        column_sum_rows(dR, view1(out, offs, tidx(b, BUP)))
+        # u = h . Wup + bup: du [k, F] -> dh = dx' + du . Wup^T [k, d]
         t = tidx(b, WUP)
-        weight_grad_rows(acts.HH[b, s:], dR, view2(out, offs, t, d, F), scr.XT, scr.WG)
         ternary_matmul_rows(dR, view2(model.Tb, offs, t, F, d), model.alpha[t], T1)
         for r in range(k):
             for i in range(d):
-                dH[r, i] = dX[r, i] + T1[r, i]
-        # h = x + o . Wo
+                dH[r, i] = dXo[r, i] + T1[r, i]
+        # h = x + o . Wo: dh [k, d] -> do [k, d]
         t = tidx(b, WO)
-        weight_grad_rows(acts.O[b, s:], dH, view2(out, offs, t, d, d), scr.XT, scr.WG)
         ternary_matmul_rows(dH, view2(model.Tb, offs, t, d, d), model.alpha[t], dO)
         for r in range(k):
             p = s + r
@@ -223,50 +231,105 @@ def window_grad_layerwise(model, tokens, vsa, k, scale, acts, scr, out, logits, 
                                model.attn_scale, dO[r], dQ[r], dK[r], dV[r])
             rotary_backward(dQ[r], model.cos, model.sin, p, H, hw)
             rotary_backward(dK[r], model.cos, model.sin, p, H, hw)
-        NN = acts.NN[b, s:]
+        # q, k, v = n . Wq, Wk, Wv: dn = ((dq Wq^T) + dk Wk^T) + dv Wv^T [k, d]
         t = tidx(b, WQ)
-        weight_grad_rows(NN, dQ, view2(out, offs, t, d, d), scr.XT, scr.WG)
         ternary_matmul_rows(dQ, view2(model.Tb, offs, t, d, d), model.alpha[t], T1)
         t = tidx(b, WK)
-        weight_grad_rows(NN, dK, view2(out, offs, t, d, d), scr.XT, scr.WG)
         ternary_matmul_rows(dK, view2(model.Tb, offs, t, d, d), model.alpha[t], T2)
         t = tidx(b, WV)
-        weight_grad_rows(NN, dV, view2(out, offs, t, d, d), scr.XT, scr.WG)
-        ternary_matmul_rows(dV, view2(model.Tb, offs, t, d, d), model.alpha[t], T3)
+        ternary_matmul_rows(dV, view2(model.Tb, offs, t, d, d), model.alpha[t], dN)
         # n = rms(x) * gamma
         gamma = view1(th, offs, tidx(b, GAMMA))
         for r in range(k):
             xr = acts.XR1[b, s + r]
             for i in range(d):
-                dN[r, i] = (T1[r, i] + T2[r, i]) + T3[r, i]
-                T3[r, i] = dN[r, i] * xr[i]  # the gain's contribution
-                dN[r, i] = dN[r, i] * gamma[i]
-        column_sum_rows(T3, view1(out, offs, tidx(b, GAMMA)))
+                g = (T1[r, i] + T2[r, i]) + dN[r, i]
+                dG[r, i] = g * xr[i]  # the gain's contribution
+                dN[r, i] = g * gamma[i]
         for r in range(k):
             rms_backward(acts.XIN[b, s + r], acts.R1[b, s + r], dN[r], T2[r])
             for i in range(d):
                 dX[r, i] = dH[r, i] + T2[r, i]
-    # E[t_p] gets the scored positions' dx_0 in position order, one token row at a time
-    E = view2(out, offs, 0, V, d)
-    row = scr.WG[:d]
     for r in range(k):
         dx0[s + r] = dX[r]
-        tok = tokens[s + r]
-        seen = False
-        for r2 in range(r):
-            if tokens[s + r2] == tok:
-                seen = True
-        if seen:
-            continue
-        for i in range(d):
-            row[i] = 0.0
-        for r2 in range(r, k):
-            if tokens[s + r2] == tok:
-                for i in range(d):
-                    row[i] += dX[r2, i]
-        for i in range(d):
-            E[tok, i] += row[i]
+        rec.dX0[r] = dX[r]
     return loss_sum / k
+
+
+@njit(cache=True, nogil=True)
+def gradients_from_records(model, acts, rec, tokens, k, units, u0, u1, out, XT, WG):
+    """Speed 3's weight-gradient phase for a batch of windows.
+
+    acts, rec and tokens hold every window of the batch ([window, ...]). For
+    each unit u0..u1-1 (tensor t, rows r0..r1), adds into `out` each window's
+    sum in window order; a window's sum over its scored positions runs in
+    position order from 0.0 (for a ternary matrix: a held block of gradient
+    rows, X^T . DY). Units write disjoint parts of `out`, so threads may take
+    any units: the bits do not depend on who computes what."""
+    V, d, H, hw, F, nb, L = model.dims
+    offs = model.offs
+    s = L - k
+    B = tokens.shape[0]
+    t_out = 1 + nb * TENSORS_PER_BLOCK
+    for u in range(u0, u1):
+        t, r0, r1 = units[u, 0], units[u, 1], units[u, 2]
+        if t == 0:  # E[t_p] += dx_0 of the scored positions, one token row at a time
+            E = view2(out, offs, 0, V, d)
+            row = WG[:d]
+            for w in range(B):
+                tok = tokens[w]
+                for r in range(k):
+                    seen = False
+                    for r2 in range(r):
+                        if tok[s + r2] == tok[s + r]:
+                            seen = True
+                    if seen:
+                        continue
+                    for i in range(d):
+                        row[i] = 0.0
+                    for r2 in range(r, k):
+                        if tok[s + r2] == tok[s + r]:
+                            for i in range(d):
+                                row[i] += rec.dX0[w, r2, i]
+                    for i in range(d):
+                        E[tok[s + r], i] += row[i]
+            continue
+        if t == t_out:
+            for w in range(B):
+                weight_grad_rows(acts.XRF[w, s:], r0, r1, rec.dY[w, :k], view2(out, offs, t, d, V),
+                                 XT, WG)
+            continue
+        if t == t_out + 1:
+            for w in range(B):
+                column_sum_rows(rec.dZ[w, :k], view1(out, offs, t))
+            continue
+        b = (t - 1) // TENSORS_PER_BLOCK
+        which = (t - 1) % TENSORS_PER_BLOCK
+        for w in range(B):
+            if which == GAMMA:
+                column_sum_rows(rec.dG[w, b, :k], view1(out, offs, t))
+            elif which == WQ:
+                weight_grad_rows(acts.NN[w, b, s:], r0, r1, rec.dQ[w, b, :k],
+                                 view2(out, offs, t, d, d), XT, WG)
+            elif which == WK:
+                weight_grad_rows(acts.NN[w, b, s:], r0, r1, rec.dK[w, b, :k],
+                                 view2(out, offs, t, d, d), XT, WG)
+            elif which == WV:
+                weight_grad_rows(acts.NN[w, b, s:], r0, r1, rec.dV[w, b, :k],
+                                 view2(out, offs, t, d, d), XT, WG)
+            elif which == WO:
+                weight_grad_rows(acts.O[w, b, s:], r0, r1, rec.dH[w, b, :k],
+                                 view2(out, offs, t, d, d), XT, WG)
+            elif which == WUP:
+                weight_grad_rows(acts.HH[w, b, s:], r0, r1, rec.dR[w, b, :k],
+                                 view2(out, offs, t, d, F), XT, WG)
+            elif which == BUP:
+                column_sum_rows(rec.dR[w, b, :k], view1(out, offs, t))
+            elif which == WDOWN:
+                weight_grad_rows(acts.RR[w, b, s:], r0, r1, rec.dXo[w, b, :k],
+                                 view2(out, offs, t, F, d), XT, WG)
+            else:  # BDOWN
+                column_sum_rows(rec.dXo[w, b, :k], view1(out, offs, t))
 
 
 @njit(cache=True, nogil=True)

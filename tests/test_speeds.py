@@ -53,9 +53,9 @@ def reordered_wout_gradient(cfg, worker, k):
     summed in reverse order (a test helper, not product code)."""
     L, V, d = cfg.window, cfg.vocab, cfg.width
     X = np.ascontiguousarray(worker.acts.XRF[L - k:][::-1])
-    DY = np.ascontiguousarray(worker.scr.dY[:k][::-1])
+    DY = np.ascontiguousarray(worker.rec.dY[:k][::-1])
     G = np.zeros((d, V))
-    weight_grad_rows(X, DY, G, np.zeros(d * k), np.zeros(32 * V))
+    weight_grad_rows(X, 0, d, DY, G, np.zeros(d * k), np.zeros(32 * V))
     return G.ravel()
 
 
