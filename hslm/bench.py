@@ -53,6 +53,7 @@ def checkpoint_digest(run: Run) -> str:
 
 def bench_speed(cfg, hyper, corpus, speed, threads, steps, warm=True):
     run = Run.fresh(cfg, hyper, corpus)
+    run.state.use_plain_layouts(speed < 3)
     runner = StepRunner(cfg, speed, threads)
     try:
         if warm:  # compile / load the kernels, outside the timing and the run's state
@@ -120,6 +121,7 @@ def profile_layerwise(cfg, hyper, corpus, steps=3):
     from .windows import window_forward_layerwise
 
     run = Run.fresh(cfg, hyper, corpus)
+    run.state.use_plain_layouts(False)
     runner = StepRunner(cfg, 3, 1)
     run.train_step(runner)  # warm
     runner.timings = {}

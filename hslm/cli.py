@@ -102,6 +102,7 @@ def train(ctx, model, data, steps, batch, loss_positions, lr, warmup, decay_step
         run = Run.fresh(cfg, hyper, corpus)
 
     cfg, h = run.cfg, run.hyper
+    run.state.use_plain_layouts(speed < 3)
     save_tokenizer(out, run.corpus.tokenizer)
     click.echo(f"model {cfg.n_params:,} parameters | data {run.corpus.source}: "
                f"{len(run.corpus.train):,} train / {len(run.corpus.valid):,} valid tokens | "

@@ -9,8 +9,11 @@ as the plain dot product in hslm.ops.matvec_ref.
 """
 from __future__ import annotations
 
+import numba.core.config as numba_config
 import numpy as np
 from numba import njit
+
+from .panel_kernels import PANEL, panel_matmul_add, ternary_panel_matmul
 
 COL_TILE = 256  # columns per tile: a pass's 4 matrix-row slices (8 KB) stay in L1
 
@@ -171,20 +174,46 @@ def ternary_matmul_rows(X, T, alpha, Y):
             r += 1
 
 
-WGRAD_ROW_BLOCK = 32  # gradient rows computed per pass (a [32, b] block stays in L2)
+WGRAD_ROW_BLOCK = 36  # gradient rows per unit of the weight-gradient phase (a multiple of 3 rows)
+
+
+def _compile_with_slp(kernel, signature):
+    """Compile a register-tiled kernel with LLVM's SLP vectoriser on (Numba turns it
+    off by default; it is what packs a tile's named scalars into vector registers).
+    SLP never reorders arithmetic, so the bits are those of the plain loops. With
+    cache=True a cached build loads instead. Other signatures are then refused,
+    so a wrong-typed call fails loudly instead of building a slow scalar copy."""
+    old = numba_config.SLP_VECTORIZE
+    numba_config.SLP_VECTORIZE = 1
+    try:
+        kernel.compile(signature)
+    finally:
+        numba_config.SLP_VECTORIZE = old
+    kernel.disable_compile()
+
+
+_compile_with_slp(ternary_panel_matmul,
+                  "(float64[:, ::1], float64[:, :, ::1], int64, float64, float64[:, ::1])")
+_compile_with_slp(panel_matmul_add, "(float64[:, ::1], float64[:, :, ::1], int64, float64[:, ::1])")
 
 
 @njit(cache=True, nogil=True)
-def weight_grad_rows(X, i0, i1, DY, G, XT, tmp):
-    """G[i0:i1] += (X^T . DY)[i0:i1]: G [a, b], X [n, a], DY [n, b]; each element
-    summed over the rows r = 0, 1, ... in increasing order from 0.0.
+def ternary_panels(P, poffs, alpha, t, a, b, X, Y):
+    """Y [n, b] = alpha[t] * (X [n, a] . T_t), T_t read from its column panels in P."""
+    npan = (b + PANEL - 1) // PANEL
+    ternary_panel_matmul(X, P[poffs[t]:poffs[t + 1]].reshape((npan, a, PANEL)), b, alpha[t], Y)
 
-    This is matmul_rows with X transposed: a block of gradient rows is held
-    while every position adds to it (in position order, 4 positions per pass),
-    then added into G; so each element is the same chain of additions as the
+
+@njit(cache=True, nogil=True)
+def weight_grad_rows(X, i0, i1, DY, G, XT, PD):
+    """G[i0:i1] += (X^T . DY)[i0:i1]: G [a, b], X [n, a], DY [n, b]; each element
+    summed over the positions r = 0, 1, ... in increasing order from 0.0.
+
+    A tile of gradient rows is held in registers while every position adds to
+    it, then added into G: each element is the same chain of additions as the
     per-position outer_add, and G gets the window's sum added once.
-    XT (>= (i1 - i0) n) and tmp (>= WGRAD_ROW_BLOCK b) are flat scratch, shaped
-    here so that every array the inner loops touch is C-contiguous."""
+    XT (>= (i1 - i0) n) and PD (>= n b + PANEL n) are flat scratch for X's columns
+    transposed and DY in column panels."""
     n = X.shape[0]
     b = DY.shape[1]
     m = i1 - i0
@@ -192,15 +221,14 @@ def weight_grad_rows(X, i0, i1, DY, G, XT, tmp):
     for r in range(n):
         for i in range(m):
             xt[i, r] = X[r, i0 + i]
-    for q0 in range(0, m, WGRAD_ROW_BLOCK):
-        q1 = min(q0 + WGRAD_ROW_BLOCK, m)
-        blk = tmp[:(q1 - q0) * b].reshape((q1 - q0, b))
-        matmul_rows(xt[q0:q1], DY, 1.0, blk)
-        for q in range(q1 - q0):
-            g = G[i0 + q0 + q]
-            t = blk[q]
-            for j in range(b):
-                g[j] += t[j]
+    npan = (b + PANEL - 1) // PANEL
+    pd = PD[:npan * n * PANEL].reshape((npan, n, PANEL))
+    for q in range(npan):
+        for r in range(n):
+            for c in range(PANEL):
+                j = q * PANEL + c
+                pd[q, r, c] = DY[r, j] if j < b else 0.0
+    panel_matmul_add(xt, pd, b, G[i0:i1])
 
 
 @njit(cache=True, nogil=True)

@@ -26,15 +26,18 @@ import numpy as np
 from numba import njit
 
 from .config import (BDOWN, BUP, GAMMA, TENSORS_PER_BLOCK, WDOWN, WK, WO, WQ, WUP, WV)
-from .kernels import WGRAD_ROW_BLOCK, ternary_matmul_rows
+from .kernels import ternary_matmul_rows
+from .panel_kernels import PANEL
 
 RMS_EPS = 1e-6
 LABEL_SMOOTH = 0.1  # epsilon of the K-position objective
 
 # The model as the kernels see it: flat parameters, their offsets, the ternary
 # matrices in both layouts (input-major Tf, output-major Tb) with one scale per
-# tensor, and the fixed tables.
-Model = namedtuple("Model", "theta offs Tf Tb alpha pos cos sin attn_scale head_scale dims")
+# tensor, the fixed tables, and Tf and Tb again in column panels (Pf, Pb, at
+# their own offsets) for the register-tiled kernels of speed 3.
+Model = namedtuple("Model", "theta offs Tf Tb alpha pos cos sin attn_scale head_scale dims "
+                             "Pf pf_offs Pb pb_offs")
 
 # Activations of one window, [block, position, ...]. The K and V rows are the KV cache.
 Acts = namedtuple("Acts", "XIN R1 XR1 NN Q K VV A O HH U RR XF RF XRF Z LOSS")
@@ -82,7 +85,7 @@ def alloc_scratch(dims, n_params, with_accumulator=True):
     return Scratch(f((L, d)), f((L, d)), f((L, F)), f((L, d)), f((L, d)), f((L, d)),
                    f((L, d)), f((L, d)), f((L, d)), f((L, V)), f((L, V)), f((L, F)),
                    f((L, d)), f((L, d)), f(max(V, F, d) * L),
-                   f(WGRAD_ROW_BLOCK * max(V, F, d)), S)
+                   f((max(V, F, d) + PANEL) * L), S)
 
 
 # ----------------------------------------------------------------- views
@@ -100,6 +103,7 @@ def view1(a, offs, t):
 @njit(cache=True)
 def view2(a, offs, t, rows, cols):
     return a[offs[t]:offs[t] + rows * cols].reshape((rows, cols))
+
 
 
 # ----------------------------------------------------------- ternary matvec

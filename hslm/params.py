@@ -6,6 +6,7 @@ from numba import njit
 
 from .config import Config
 from .ops import Model
+from .panel_kernels import PANEL
 from .tables import Tables
 
 
@@ -38,11 +39,15 @@ def ternary_mask(cfg: Config) -> np.ndarray:
 
 
 @njit(cache=True, nogil=True)
-def quantize_into(theta, offs, rows, cols, is_ternary, Tf, Tb, alpha, t0, t1):
-    """alpha = mean|W| (1 if <= 1e-6); T = sign(W) where |W| > alpha/2 (spec section 3).
+def quantize_into(theta, offs, rows, cols, is_ternary, alpha, plain, Tf, Tb, pf_offs, Pf,
+                  pb_offs, Pb, panel, t0, t1):
+    """alpha = mean|W| (1 if <= 1e-6); T = sign(W) where |W| > alpha/2 (spec section 3),
+    for tensors t0..t1-1, written in the layouts the kernels read:
 
-    Writes T input-major into Tf and output-major into Tb, at the tensor's offsets,
-    for tensors t0..t1-1."""
+    * always the column panels of T (Pf) and of its transpose (Pb), for the
+      register-tiled kernels: P[q, i, c] = M[i, q * panel + c], zero past the last column;
+    * with `plain`, also T input-major (Tf) and output-major (Tb) at the tensor's
+      offsets, for the per-position speeds."""
     for t in range(t0, t1):
         if not is_ternary[t]:
             alpha[t] = 1.0
@@ -57,20 +62,53 @@ def quantize_into(theta, offs, rows, cols, is_ternary, Tf, Tb, alpha, t0, t1):
             a = 1.0
         alpha[t] = a
         half = a / 2.0
-        for e in range(m * n):
-            w = theta[o + e]
-            Tf[o + e] = 1.0 if w > half else (-1.0 if w < -half else 0.0)
-        for i0 in range(0, m, 16):  # the transpose in blocks of 16 rows, cache-friendly
-            i1 = min(i0 + 16, m)
+        if plain:
+            for e in range(m * n):
+                w = theta[o + e]
+                Tf[o + e] = 1.0 if w > half else (-1.0 if w < -half else 0.0)
+            for i0 in range(0, m, 16):  # the transpose in blocks of 16 rows, cache-friendly
+                i1 = min(i0 + 16, m)
+                for j in range(n):
+                    for i in range(i0, i1):
+                        Tb[o + j * m + i] = Tf[o + i * n + j]
+        # Pf[q, i, c] = T[i, q panel + c] and Pb[q, j, c] = T[q panel + c, j]. T is made
+        # in flat runs first (they vectorise), then copied; the zero padding past the
+        # last column is never written.
+        pf, pb = pf_offs[t], pb_offs[t]
+        buf = np.empty(panel * max(m, n))
+        row = buf[:n]
+        for i in range(m):
             for j in range(n):
-                for i in range(i0, i1):
-                    Tb[o + j * m + i] = Tf[o + i * n + j]
+                w = theta[o + i * n + j]
+                row[j] = 1.0 if w > half else (-1.0 if w < -half else 0.0)
+            for q in range((n + panel - 1) // panel):
+                j0 = q * panel
+                dst = pf + (q * m + i) * panel
+                for c in range(min(panel, n - j0)):
+                    Pf[dst + c] = row[j0 + c]
+        for q in range((m + panel - 1) // panel):
+            i0 = q * panel
+            h = min(panel, m - i0)
+            blk = buf[:h * n]
+            for e in range(h * n):
+                w = theta[o + i0 * n + e]
+                blk[e] = 1.0 if w > half else (-1.0 if w < -half else 0.0)
+            for j in range(n):
+                dst = pb + (q * n + j) * panel
+                for c in range(h):
+                    Pb[dst + c] = blk[c * n + j]
+
+
+def panel_offsets(rows, cols, is_ternary, panel):
+    """Offsets of each tensor's panels (0-sized for non-ternary tensors), plus the total."""
+    sizes = [(-(-c // panel)) * panel * r if t else 0 for r, c, t in zip(rows, cols, is_ternary)]
+    return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
 
 
 class ModelState:
     """Parameters plus what every step derives from them: T in two layouts and alpha."""
 
-    def __init__(self, cfg: Config, theta: np.ndarray, tables: Tables):
+    def __init__(self, cfg: Config, theta: np.ndarray, tables: Tables, plain: bool = True):
         self.cfg = cfg
         self.theta = theta
         self.tables = tables
@@ -79,17 +117,33 @@ class ModelState:
         self.rows = np.array([s[0] for s in shapes], np.int64)
         self.cols = np.array([s[1] if len(s) > 1 else 1 for s in shapes], np.int64)
         self.is_ternary = ternary_mask(cfg)
-        self.Tf = np.zeros_like(theta)
-        self.Tb = np.zeros_like(theta)
+        self.plain = plain  # keep Tf and Tb (speeds 0-2); speed 3 reads only the panels
+        self.Tf = np.zeros_like(theta) if plain else np.zeros(0)
+        self.Tb = np.zeros_like(theta) if plain else np.zeros(0)
         self.alpha = np.ones(len(shapes))
+        # speed 3's layouts: Tf and Tb again, in column panels (hslm.panel_kernels)
+        self.pf_offs = panel_offsets(self.rows, self.cols, self.is_ternary, PANEL)
+        self.pb_offs = panel_offsets(self.cols, self.rows, self.is_ternary, PANEL)
+        self.Pf = np.zeros(self.pf_offs[-1])
+        self.Pb = np.zeros(self.pb_offs[-1])
         self.requantize()
 
     def requantize(self, t0=0, t1=None):
         t1 = len(self.rows) if t1 is None else t1
-        quantize_into(self.theta, self.offs, self.rows, self.cols, self.is_ternary,
-                      self.Tf, self.Tb, self.alpha, t0, t1)
+        quantize_into(self.theta, self.offs, self.rows, self.cols, self.is_ternary, self.alpha,
+                      self.plain, self.Tf, self.Tb, self.pf_offs, self.Pf, self.pb_offs, self.Pb,
+                      PANEL, t0, t1)
+
+    def use_plain_layouts(self, plain: bool):
+        """Whether to keep Tf and Tb too (the per-position speeds read them)."""
+        if plain != self.plain:
+            self.plain = plain
+            self.Tf = np.zeros_like(self.theta) if plain else np.zeros(0)
+            self.Tb = np.zeros_like(self.theta) if plain else np.zeros(0)
+            self.requantize()
 
     def kernel_model(self) -> Model:
         c, tb = self.cfg, self.tables
         return Model(self.theta, self.offs, self.Tf, self.Tb, self.alpha, tb.pos, tb.cos,
-                     tb.sin, c.attn_scale, c.head_scale, c.dims())
+                     tb.sin, c.attn_scale, c.head_scale, c.dims(), self.Pf, self.pf_offs,
+                     self.Pb, self.pb_offs)

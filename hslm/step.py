@@ -12,7 +12,7 @@ run, chosen by the thread's slot, never by a thread id.
   then added into G in window order, the flat vector split into N ranges.
 * Speed 3 runs in two phases. (1) Each window's forward and backward through
   the layers' inputs, on any thread, into that window's own record. (2) The
-  weight-gradient phase: the gradient is cut into units (a block of 32 rows of
+  weight-gradient phase: the gradient is cut into units (a block of 36 rows of
   a matrix, or a whole small tensor), and each unit adds every window's sum in
   window order; threads take contiguous runs of units. G is written once per
   step, and no thread needs a copy of it.

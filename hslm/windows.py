@@ -31,7 +31,7 @@ import numpy as np
 from numba import njit
 
 from .config import BDOWN, BUP, GAMMA, TENSORS_PER_BLOCK, WDOWN, WK, WO, WQ, WUP, WV
-from .kernels import column_sum_rows, ternary_matmul_rows, weight_grad_rows
+from .kernels import column_sum_rows, ternary_panels, weight_grad_rows
 from .ops import (attention_backward, attention_forward, embed, loss_forward_backward,
                   position_backward, position_forward, rms_backward, rms_forward,
                   rotary_backward, rotary_forward, tidx, view1, view2)
@@ -117,11 +117,11 @@ def window_forward_layerwise(model, tokens, vsa, k, acts, scr):
                 n[i] = xr[i] * gamma[i]
         # x [L, d] . Wk, Wv [d, d] -> K, V [L, d]; x[s:] . Wq -> Q[s:]
         t = tidx(b, WK)
-        ternary_matmul_rows(acts.NN[b], view2(model.Tf, offs, t, d, d), model.alpha[t], acts.K[b])
+        ternary_panels(model.Pf, model.pf_offs, model.alpha, t, d, d, acts.NN[b], acts.K[b])
         t = tidx(b, WV)
-        ternary_matmul_rows(acts.NN[b], view2(model.Tf, offs, t, d, d), model.alpha[t], acts.VV[b])
+        ternary_panels(model.Pf, model.pf_offs, model.alpha, t, d, d, acts.NN[b], acts.VV[b])
         t = tidx(b, WQ)
-        ternary_matmul_rows(acts.NN[b, s:], view2(model.Tf, offs, t, d, d), model.alpha[t], acts.Q[b, s:])
+        ternary_panels(model.Pf, model.pf_offs, model.alpha, t, d, d, acts.NN[b, s:], acts.Q[b, s:])
         for p in range(L):
             rotary_forward(acts.K[b, p], model.cos, model.sin, p, H, hw)
         for p in range(s, L):
@@ -130,14 +130,14 @@ def window_forward_layerwise(model, tokens, vsa, k, acts, scr):
                               acts.A[b, p], acts.O[b, p])
         # o [n, d] . Wo [d, d] -> h = x + o Wo
         t = tidx(b, WO)
-        ternary_matmul_rows(acts.O[b, s:], view2(model.Tf, offs, t, d, d), model.alpha[t], acts.HH[b, s:])
+        ternary_panels(model.Pf, model.pf_offs, model.alpha, t, d, d, acts.O[b, s:], acts.HH[b, s:])
         for p in range(s, L):
             h = acts.HH[b, p]
             for i in range(d):
                 h[i] = X[p, i] + h[i]
         # h [n, d] . Wup [d, F] + bup -> u, r = relu(u)
         t = tidx(b, WUP)
-        ternary_matmul_rows(acts.HH[b, s:], view2(model.Tf, offs, t, d, F), model.alpha[t], acts.U[b, s:])
+        ternary_panels(model.Pf, model.pf_offs, model.alpha, t, d, F, acts.HH[b, s:], acts.U[b, s:])
         bup = view1(th, offs, tidx(b, BUP))
         for p in range(s, L):
             u = acts.U[b, p]
@@ -148,7 +148,7 @@ def window_forward_layerwise(model, tokens, vsa, k, acts, scr):
         # r [n, F] . Wdown [F, d] + bdown -> x' = h + mlp + vsa
         XO = acts.XIN[b + 1] if b + 1 < nb else acts.XF
         t = tidx(b, WDOWN)
-        ternary_matmul_rows(acts.RR[b, s:], view2(model.Tf, offs, t, F, d), model.alpha[t], XO[s:])
+        ternary_panels(model.Pf, model.pf_offs, model.alpha, t, F, d, acts.RR[b, s:], XO[s:])
         bdown = view1(th, offs, tidx(b, BDOWN))
         for p in range(s, L):
             xo = XO[p]
@@ -160,7 +160,7 @@ def window_forward_layerwise(model, tokens, vsa, k, acts, scr):
     for p in range(s, L):
         acts.RF[p] = rms_forward(acts.XF[p], acts.XRF[p])
     t = 1 + nb * TENSORS_PER_BLOCK
-    ternary_matmul_rows(acts.XRF[s:], view2(model.Tf, offs, t, d, V), model.alpha[t], acts.Z[s:])
+    ternary_panels(model.Pf, model.pf_offs, model.alpha, t, d, V, acts.XRF[s:], acts.Z[s:])
     bout = view1(th, offs, t + 1)
     c = model.head_scale
     for p in range(s, L):
@@ -196,11 +196,11 @@ def window_backward_layerwise(model, tokens, vsa, k, scale, acts, rec, scr, logi
             dY[r, j] = c * dZ[r, j]
     t = 1 + nb * TENSORS_PER_BLOCK
     dXR = scr.dXR[:k]
-    ternary_matmul_rows(dY, view2(model.Tb, offs, t, V, d), model.alpha[t], dXR)
+    ternary_panels(model.Pb, model.pb_offs, model.alpha, t, V, d, dY, dXR)
     dX = scr.dX[:k]
     for r in range(k):
         rms_backward(acts.XF[s + r], acts.RF[s + r], dXR[r], dX[r])
-    T1, T2 = scr.t1[:k, :d], scr.t2[:k]
+    T1, T2 = scr.t3[:k], scr.t2[:k]
     for b in range(nb - 1, -1, -1):
         dXo, dR, dH = rec.dXo[b, :k], rec.dR[b, :k], rec.dH[b, :k]
         dQ, dK, dV, dG = rec.dQ[b, :k], rec.dK[b, :k], rec.dV[b, :k], rec.dG[b, :k]
@@ -210,7 +210,7 @@ def window_backward_layerwise(model, tokens, vsa, k, scale, acts, rec, scr, logi
             for i in range(d):
                 dXo[r, i] = dX[r, i]
         t = tidx(b, WDOWN)
-        ternary_matmul_rows(dXo, view2(model.Tb, offs, t, d, F), model.alpha[t], dR)
+        ternary_panels(model.Pb, model.pb_offs, model.alpha, t, d, F, dXo, dR)
         for r in range(k):
             u = acts.U[b, s + r]
             for j in range(F):
@@ -218,13 +218,13 @@ def window_backward_layerwise(model, tokens, vsa, k, scale, acts, rec, scr, logi
                     dR[r, j] = 0.0
         # u = h . Wup + bup: du [k, F] -> dh = dx' + du . Wup^T [k, d]
         t = tidx(b, WUP)
-        ternary_matmul_rows(dR, view2(model.Tb, offs, t, F, d), model.alpha[t], T1)
+        ternary_panels(model.Pb, model.pb_offs, model.alpha, t, F, d, dR, T1)
         for r in range(k):
             for i in range(d):
                 dH[r, i] = dXo[r, i] + T1[r, i]
         # h = x + o . Wo: dh [k, d] -> do [k, d]
         t = tidx(b, WO)
-        ternary_matmul_rows(dH, view2(model.Tb, offs, t, d, d), model.alpha[t], dO)
+        ternary_panels(model.Pb, model.pb_offs, model.alpha, t, d, d, dH, dO)
         for r in range(k):
             p = s + r
             attention_backward(acts.Q[b, p], acts.K[b], acts.VV[b], acts.A[b, p], p, H, hw,
@@ -233,11 +233,11 @@ def window_backward_layerwise(model, tokens, vsa, k, scale, acts, rec, scr, logi
             rotary_backward(dK[r], model.cos, model.sin, p, H, hw)
         # q, k, v = n . Wq, Wk, Wv: dn = ((dq Wq^T) + dk Wk^T) + dv Wv^T [k, d]
         t = tidx(b, WQ)
-        ternary_matmul_rows(dQ, view2(model.Tb, offs, t, d, d), model.alpha[t], T1)
+        ternary_panels(model.Pb, model.pb_offs, model.alpha, t, d, d, dQ, T1)
         t = tidx(b, WK)
-        ternary_matmul_rows(dK, view2(model.Tb, offs, t, d, d), model.alpha[t], T2)
+        ternary_panels(model.Pb, model.pb_offs, model.alpha, t, d, d, dK, T2)
         t = tidx(b, WV)
-        ternary_matmul_rows(dV, view2(model.Tb, offs, t, d, d), model.alpha[t], dN)
+        ternary_panels(model.Pb, model.pb_offs, model.alpha, t, d, d, dV, dN)
         # n = rms(x) * gamma
         gamma = view1(th, offs, tidx(b, GAMMA))
         for r in range(k):
