@@ -56,9 +56,9 @@ def bench_speed(cfg, hyper, corpus, speed, threads, steps, warm=True):
     run.state.use_plain_layouts(speed < 3)
     runner = StepRunner(cfg, speed, threads)
     try:
-        if warm:  # compile / load the kernels, outside the timing and the run's state
-            model = run.state.kernel_model()
-            w = corpus.draw_windows(np.random.default_rng(0), min(threads, hyper.batch), cfg.window)
+        if warm:  # compile / load the kernels and touch every buffer, outside the timing
+            model = run.state.kernel_model()  # and without changing the run's state
+            w = corpus.draw_windows(np.random.default_rng(0), hyper.batch, cfg.window)
             runner.gradient(model, run.tables.vsa, w, hyper.loss_positions, run.grad)
         losses = []
         t0 = time.perf_counter()

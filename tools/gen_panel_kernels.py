@@ -29,9 +29,10 @@ PANEL = {panel}
 def kernel(name, flags, doc, store):
     """store(row_expr, col_expr, acc) -> the statement that writes one finished sum."""
     L = [f"@njit(cache=True, nogil=True{flags})", f"def {name}:", f'    """{doc}"""',
-         "    n, a = X.shape", "    npan = P.shape[0]", "    r = 0",
-         f"    while r + {ROWS} <= n:", "        for q in range(npan):",
-         f"            j = q * {PANEL}", "            pan = P[q]"]
+         "    n, a = X.shape", "    npan = P.shape[0]",
+         "    for q in range(npan):  # a panel is reused by every row while it is in cache",
+         f"        j = q * {PANEL}", "        pan = P[q]", "        r = 0",
+         f"        while r + {ROWS} <= n:"]
     for rr in range(ROWS):
         L.append("            " + "; ".join(f"y{rr}_{c} = 0.0" for c in range(PANEL)))
     L.append("            for i in range(a):")
@@ -52,10 +53,9 @@ def kernel(name, flags, doc, store):
         for c in range(PANEL):
             L.append(f"                if j + {c} < b:")
             L.append("                    " + store(f"r + {rr}", f"j + {c}", f"y{rr}_{c}"))
-    L.append(f"        r += {ROWS}")
+    L.append(f"            r += {ROWS}")
     # remaining rows, one at a time
-    L += ["    while r < n:", "        for q in range(npan):", f"            j = q * {PANEL}",
-          "            pan = P[q]"]
+    L += ["        while r < n:"]
     L.append("            " + "; ".join(f"y0_{c} = 0.0" for c in range(PANEL)))
     L += ["            for i in range(a):", "                t = pan[i]", "                x0 = X[r, i]"]
     for c in range(PANEL):
@@ -63,7 +63,7 @@ def kernel(name, flags, doc, store):
     for c in range(PANEL):
         L.append(f"            if j + {c} < b:")
         L.append("                " + store("r", f"j + {c}", f"y0_{c}"))
-    L.append("        r += 1")
+    L.append("            r += 1")
     return "\n".join(L) + "\n"
 
 
