@@ -56,9 +56,17 @@ def cli():
               help="Validation windows for the final validation loss.")
 @click.option("--resume", type=click.Path(path_type=Path), default=None,
               help="Continue from DIR/ckpt_N.state (and the ckpt_N.bin beside it).")
+@click.option("--eval-every", type=click.IntRange(0), default=0, show_default=True,
+              help="Validation loss every N steps (0: only at the end).")
+@click.option("--metrics", type=click.Path(path_type=Path), default=None,
+              help="Append one JSON object per step and per evaluation to this file.")
+@click.option("--log-every", type=click.IntRange(1), default=1, show_default=True,
+              help="A plain progress line every N steps (when stdout is not a terminal).")
+@click.option("--quiet", "-q", is_flag=True, help="No per-step output.")
 @click.pass_context
 def train(ctx, model, data, steps, batch, loss_positions, lr, warmup, decay_steps, weight_decay,
-          seed, speed, threads, out, save_every, eval_windows, resume):
+          seed, speed, threads, out, save_every, eval_windows, resume, eval_every, metrics,
+          log_every, quiet):
     """Train a model; writes OUT/ckpt_<step>.bin and OUT/ckpt_<step>.state."""
     from .step import StepRunner, SPEED_NAMES
     from .train import (Hyper, Run, check_hyper, load_corpus, prepare_out_dir,
@@ -104,12 +112,36 @@ def train(ctx, model, data, steps, batch, loss_positions, lr, warmup, decay_step
     cfg, h = run.cfg, run.hyper
     run.state.use_plain_layouts(speed < 3)
     save_tokenizer(out, run.corpus.tokenizer)
-    click.echo(f"model {cfg.n_params:,} parameters | data {run.corpus.source}: "
-               f"{len(run.corpus.train):,} train / {len(run.corpus.valid):,} valid tokens | "
-               f"speed {speed} ({SPEED_NAMES[speed]}) | threads {threads} | "
-               f"batch {h.batch} x {cfg.window} | k {h.loss_positions}")
+    if not quiet:
+        click.echo(f"model {cfg.n_params:,} parameters | data {run.corpus.source}: "
+                   f"{len(run.corpus.train):,} train / {len(run.corpus.valid):,} valid tokens | "
+                   f"speed {speed} ({SPEED_NAMES[speed]}) | threads {threads} | "
+                   f"batch {h.batch} x {cfg.window} | k {h.loss_positions}")
+    run_loop(run, out, steps, speed, threads, save_every, eval_every, metrics, log_every, quiet)
+
+
+def run_loop(run, out, steps, speed, threads, save_every, eval_every, metrics_path, log_every,
+             quiet):
+    """The step loop: progress, metrics, checkpoints, and a clean stop on SIGINT/SIGTERM."""
+    import math
+    import signal
+
+    from .progress import Metrics, Progress
+    from .step import StepRunner
+
+    cfg, h = run.cfg, run.hyper
+    progress = Progress(run.step, steps, quiet=quiet, log_every=log_every)
+    metrics = Metrics(metrics_path)
+    stop = StopRequest()
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     runner = StepRunner(cfg, speed, threads)
     first = last = None
+
+    def evaluate():
+        v = run.validation_loss(runner)
+        metrics.write(kind="eval", step=run.step, valid_loss=v, perplexity=math.exp(v))
+        return v
+
     try:
         while run.step < steps:
             t0 = time.perf_counter()
@@ -117,16 +149,55 @@ def train(ctx, model, data, steps, batch, loss_positions, lr, warmup, decay_step
             dt = time.perf_counter() - t0
             first = loss if first is None else first
             last = loss
-            click.echo(f"step {run.step:5d} | loss {loss:.4f} | lr {run.lr_at(run.step):.2e} | "
-                       f"{h.batch * cfg.window / dt:8.1f} tok/s")
+            tok_s = h.batch * cfg.window / dt
+            progress.step(run.step, loss, run.lr_at(run.step), tok_s)
+            if metrics.f is not None:
+                metrics.write(kind="train", step=run.step, loss=loss, lr=run.lr_at(run.step),
+                              grad_norm=float(np.sqrt(np.sum(run.norms ** 2))), tok_s=tok_s,
+                              ternary_zero_share=run.ternary_zero_share())
+            if stop.signum is not None:
+                b, s = run.save(out)
+                progress.message(f"{signal.Signals(stop.signum).name}: stopped after step "
+                                 f"{run.step}; saved {b} and {s}")
+                progress.message(f"resume with: hslm train --resume {s} --steps {steps}")
+                sys.exit(128 + stop.signum)
+            if eval_every and run.step % eval_every == 0 and run.step < steps:
+                v = evaluate()
+                progress.message(f"step {run.step}: valid {v:.4f} (perplexity {math.exp(v):.1f})")
             if save_every and run.step % save_every == 0 and run.step < steps:
                 run.save(out)
         b, s = run.save(out)
-        click.echo(f"saved {b} and {s}")
-        valid = run.validation_loss(runner)
+        progress.close()
+        if not quiet:
+            click.echo(f"saved {b} and {s}")
+        valid = evaluate()
     finally:
+        progress.close()
         runner.close()
+        metrics.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     click.echo(f"first {first:.4f}, last {last:.4f}, valid {valid:.4f}")
+
+
+class StopRequest:
+    """Signal handler: the first SIGINT/SIGTERM asks the loop to stop after the
+    current step (with a checkpoint); a second one stops at once."""
+
+    def __init__(self):
+        self.signum = None
+
+    def __call__(self, signum, frame):
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+        click.echo(f"\n{signal_name(signum)}: finishing the current step, then saving "
+                   "(again to stop at once)", err=True)
+
+
+def signal_name(signum):
+    import signal
+    return signal.Signals(signum).name
 
 
 @cli.command()
@@ -149,6 +220,74 @@ def info(file):
     from .inspect import describe
     for line in describe(file):
         click.echo(line)
+
+
+@cli.command(name="eval")
+@click.argument("ckpt_path", metavar="CKPT", type=click.Path(path_type=Path))
+@click.option("--data", type=click.Path(path_type=Path), default=None,
+              help="The text whose validation split to score [default: the built-in corpus].")
+@click.option("--windows", type=click.IntRange(1), default=64, show_default=True)
+@click.option("--loss-positions", "-k", type=int, default=None,
+              help="Scored positions [default: the run's, or the window].")
+@click.option("--threads", type=click.IntRange(1, 1024), default=None)
+def eval_cmd(ckpt_path, data, windows, loss_positions, threads):
+    """Validation loss and perplexity of a checkpoint (.bin)."""
+    import math
+
+    from .data import Corpus
+    from .step import StepRunner
+    from .train import load_for_inference
+
+    cfg, state, tok, hyper = load_for_inference(ckpt_path, data)
+    k = loss_positions or (hyper.loss_positions if hyper else cfg.window)
+    if not 1 <= k <= cfg.window:
+        raise HslmError(f"--loss-positions must be between 1 and {cfg.window}, got {k}")
+    corpus = Corpus.load(data, cfg.vocab, cfg.window, tokenizer=tok)
+    runner = StepRunner(cfg, 3, threads or default_threads())
+    try:
+        w = corpus.validation_windows(windows, cfg.window)
+        v = runner.loss(state.kernel_model(), state.tables.vsa, w, k)
+    finally:
+        runner.close()
+    click.echo(f"valid loss {v:.4f}, perplexity {math.exp(v):.2f} ({len(w)} windows of "
+               f"{cfg.window}, last {k} scored; uniform baseline {math.log(cfg.vocab):.4f})")
+
+
+@cli.command()
+@click.argument("ckpt_path", metavar="CKPT", type=click.Path(path_type=Path))
+@click.option("--prompt", default="", help="Text to continue.")
+@click.option("--tokens", "n_tokens", type=click.IntRange(1), default=100, show_default=True)
+@click.option("--temperature", type=click.FloatRange(0.0), default=0.8, show_default=True,
+              help="0 takes the most likely token.")
+@click.option("--top-k", type=click.IntRange(0), default=40, show_default=True,
+              help="Sample among the k most likely tokens (0: all).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--data", type=click.Path(path_type=Path), default=None,
+              help="Rebuild the tokenizer from this text if no tokenizer.json is beside CKPT.")
+def sample(ckpt_path, prompt, n_tokens, temperature, top_k, seed, data):
+    """Continue a prompt with a trained model (reproducible for a seed)."""
+    from .sample import sample as sample_ids
+    from .step import Worker
+    from .train import load_for_inference
+
+    cfg, state, tok, _ = load_for_inference(ckpt_path, data)
+    if tok is None:
+        from .data import Corpus
+        tok = Corpus.load(data, cfg.vocab, cfg.window).tokenizer
+    ids = sample_ids(Worker(cfg, 3), state.kernel_model(), state.tables.vsa, tok.encode(prompt),
+                     n_tokens, temperature, top_k, seed, cfg.window)
+    click.echo(prompt + tok.decode(ids))
+
+
+@cli.command()
+@click.argument("metrics_file", metavar="METRICS", type=click.Path(path_type=Path))
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=Path("loss.png"),
+              show_default=True)
+def plot(metrics_file, output):
+    """Training and validation loss against step, from a --metrics file."""
+    from .plot import plot_metrics
+    plot_metrics(metrics_file, output)
+    click.echo(f"wrote {output}")
 
 
 def _int_list(s, name):
@@ -262,7 +401,7 @@ def main(argv=None):
     except click.ClickException as e:
         click.echo(f"error: {e.format_message()}", err=True)
         sys.exit(e.exit_code)
-    except click.Abort:
+    except (click.Abort, KeyboardInterrupt):
         click.echo("error: interrupted", err=True)
         sys.exit(130)
     except HslmError as e:

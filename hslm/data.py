@@ -163,12 +163,12 @@ def read_text(path) -> str:
 class Corpus:
     """A text's tokens, split: the last 10% of the token stream is validation."""
 
-    def __init__(self, text: str, vocab: int, window: int, source: str):
+    def __init__(self, text: str, vocab: int, window: int, source: str, tokenizer=None):
         if not text:
             raise HslmError(f"the corpus is empty ({source})")
         self.source = source
         self.text_sha256 = text_sha256(text)
-        self.tokenizer = Tokenizer.train(text, vocab)
+        self.tokenizer = tokenizer or Tokenizer.train(text, vocab)
         self.tokens = self.tokenizer.encode(text)
         n = len(self.tokens)
         n_valid = int(n * VALID_SHARE)
@@ -182,15 +182,15 @@ class Corpus:
                 f"(about {need_valid * 10} tokens in all)")
 
     @classmethod
-    def load(cls, data, vocab: int, window: int, expect_sha256=None) -> "Corpus":
+    def load(cls, data, vocab: int, window: int, expect_sha256=None, tokenizer=None) -> "Corpus":
         """The built-in corpus (data None) or a UTF-8 file; with expect_sha256, the text
-        must be the one a checkpoint was trained on."""
+        must be the one a checkpoint was trained on. A given tokenizer is used as it is."""
         text, source = (builtin_text(), "built-in pydoc topics") if data is None else (
             read_text(data), str(data))
         if expect_sha256 is not None and text_sha256(text) != expect_sha256:
             raise HslmError(f"the training text ({source}) differs from the one the checkpoint "
                             "was trained on; pass the same --data")
-        return cls(text, vocab, window, source)
+        return cls(text, vocab, window, source, tokenizer)
 
     def draw_windows(self, rng: np.random.Generator, batch: int, window: int) -> np.ndarray:
         """[batch, window + 1] token windows with uniform start offsets in the training split."""

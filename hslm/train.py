@@ -154,14 +154,14 @@ class Run:
         return base.with_suffix(".bin"), base.with_suffix(".state")
 
     def ternary_zero_share(self) -> float:
-        c = self.cfg
-        offs = c.offsets()
+        """Share of zeros over all ternary matrices (|W| <= alpha / 2)."""
+        offs = self.state.offs
         zeros = total = 0
-        for t, (_, _, kind) in enumerate(c.tensors()):
-            if kind == "ternary":
-                seg = self.state.Tf[offs[t]:offs[t + 1]]
-                zeros += int(np.count_nonzero(seg == 0.0))
-                total += seg.size
+        for t in np.flatnonzero(self.state.is_ternary):
+            seg = self.state.theta[offs[t]:offs[t + 1]]
+            half = self.state.alpha[t] / 2.0
+            zeros += int(np.count_nonzero(np.abs(seg) <= half))
+            total += seg.size
         return zeros / total
 
 
@@ -177,6 +177,29 @@ def load_corpus(data, cfg: Config, expect_sha256=None) -> Corpus:
 
 def save_tokenizer(out: Path, tok: Tokenizer):
     ckpt.write_atomic(out / "tokenizer.json", tok.to_json().encode("utf-8"))
+
+
+def load_for_inference(path, data=None):
+    """(config, ModelState, tokenizer or None, Hyper or None) from a .bin (or the .bin
+    beside a .state). The tokenizer comes from tokenizer.json beside the checkpoint;
+    the hyper-parameters from the .state beside it, when there."""
+    path = Path(path)
+    if path.suffix == ".state":
+        path = path.with_suffix(".bin")
+    ck = ckpt.read(path, expect_kind="params")
+    cfg = ck.config
+    state = ModelState(cfg, ck.flat(), Tables(cfg), plain=False)
+    tok = None
+    tok_path = path.parent / "tokenizer.json"
+    if tok_path.exists():
+        tok = Tokenizer.from_json(tok_path.read_text(encoding="utf-8"))
+        if tok.vocab != cfg.vocab:
+            raise HslmError(f"{tok_path} has a vocabulary of {tok.vocab}, the model {cfg.vocab}")
+    hyper = None
+    st = path.with_suffix(".state")
+    if st.exists():
+        hyper = Hyper(**json.loads(ckpt.read(st, expect_kind="state").meta["hyper"]))
+    return cfg, state, tok, hyper
 
 
 def resolve_config(model: str) -> Config:

@@ -1,0 +1,55 @@
+"""`hslm plot`: training and validation loss against step, from a metrics file."""
+from __future__ import annotations
+
+import json
+
+from .errors import HslmError
+
+
+def read_metrics(path):
+    train, valid = [], []
+    try:
+        lines = open(path, encoding="utf-8").read().splitlines()
+    except OSError as e:
+        raise HslmError(f"cannot read metrics file {path}: {e.strerror}") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            if r.get("kind") == "train":
+                train.append((int(r["step"]), float(r["loss"])))
+            elif r.get("kind") == "eval":
+                valid.append((int(r["step"]), float(r["valid_loss"])))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise HslmError(f"{path}:{n} is not a metrics record") from None
+    if not train and not valid:
+        raise HslmError(f"{path} holds no training or validation records")
+    return train, valid
+
+
+def plot_metrics(path, output):
+    train, valid = read_metrics(path)
+    try:
+        import matplotlib
+    except ImportError:
+        raise HslmError("hslm plot needs matplotlib: pip install 'hslm[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    if train:
+        ax.plot(*zip(*train), label="training loss", lw=1)
+    if valid:
+        ax.plot(*zip(*valid), "o-", label="validation loss", lw=1.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    try:
+        fig.savefig(output)
+    except OSError as e:
+        raise HslmError(f"cannot write {output}: {e.strerror}") from None
+    finally:
+        plt.close(fig)

@@ -1,0 +1,79 @@
+"""What a training run tells its user: a progress bar on a terminal, plain lines
+elsewhere, and an optional JSON-lines metrics file."""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+
+
+def _duration(s: float) -> str:
+    s = int(round(s))
+    h, rem = divmod(s, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+class Progress:
+    """Per-step reporting. On a terminal: one line redrawn in place (steps, loss,
+    tok/s, time left). Otherwise: a plain line every `log_every` steps (and at the
+    last step). `quiet` prints neither."""
+
+    def __init__(self, first_step: int, last_step: int, quiet=False, log_every=1, stream=None):
+        self.stream = stream or sys.stdout
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.first, self.last = first_step, last_step
+        self.quiet, self.log_every = quiet, max(1, log_every)
+        self.t0 = time.perf_counter()
+        self.bar_shown = False
+
+    def step(self, step, loss, lr, tok_s):
+        if self.quiet:
+            return
+        if self.tty:
+            done = step - self.first
+            total = max(self.last - self.first, 1)
+            elapsed = time.perf_counter() - self.t0
+            left = elapsed / done * (total - done) if done else 0.0
+            width = max(10, min(30, shutil.get_terminal_size((80, 20)).columns - 70))
+            fill = int(width * done / total)
+            line = (f"\r[{'#' * fill}{'.' * (width - fill)}] step {step}/{self.last} | "
+                    f"loss {loss:.4f} | {tok_s:,.0f} tok/s | {_duration(left)} left ")
+            self.stream.write(line)
+            self.stream.flush()
+            self.bar_shown = True
+        elif step % self.log_every == 0 or step == self.last:
+            self.stream.write(f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | "
+                              f"{tok_s:8.1f} tok/s\n")
+            self.stream.flush()
+
+    def message(self, text):
+        """A line that must not be overwritten by the bar."""
+        if self.bar_shown:
+            self.stream.write("\n")
+            self.bar_shown = False
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def close(self):
+        if self.bar_shown:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.bar_shown = False
+
+
+class Metrics:
+    """Appends one JSON object per line to a file (flushed, so a crash loses nothing)."""
+
+    def __init__(self, path):
+        self.f = open(path, "a", encoding="utf-8") if path else None
+
+    def write(self, **record):
+        if self.f is not None:
+            self.f.write(json.dumps(record, sort_keys=True) + "\n")
+            self.f.flush()
+
+    def close(self):
+        if self.f is not None:
+            self.f.close()

@@ -1,0 +1,41 @@
+"""Text from a trained model: a sliding window of the last L tokens, one token at a time."""
+from __future__ import annotations
+
+import numpy as np
+
+from .data import N_SPECIAL
+from .step import Worker
+
+
+def next_token_logits(worker: Worker, model, vsa_table, context: np.ndarray, L: int):
+    """Logits after `context` (at most L ids). Attention and the VSA stream are
+    causal, so padding the window after the context changes nothing before it."""
+    n = len(context)
+    window = np.zeros(L + 1, np.int64)  # PAD after the context
+    window[:n] = context
+    worker.window_loss(model, vsa_table, window, L)  # forward, all L positions to the head
+    return worker.acts.Z[n - 1].copy()
+
+
+def sample(worker, model, vsa_table, prompt_ids, n_tokens, temperature, top_k, seed, L,
+           bos_id=1):
+    """Returns the generated ids (the prompt excluded)."""
+    rng = np.random.Generator(np.random.PCG64(seed))
+    ids = list(prompt_ids) if len(prompt_ids) else [bos_id]
+    out = []
+    for _ in range(n_tokens):
+        z = next_token_logits(worker, model, vsa_table, np.array(ids[-L:], np.int64), L)
+        z[:N_SPECIAL] = -np.inf  # PAD, BOS, EOS and UNK are never targets
+        if temperature <= 0:
+            t = int(np.argmax(z))
+        else:
+            z = z / temperature
+            if top_k and top_k < len(z):
+                cut = np.partition(z, -top_k)[-top_k]
+                z = np.where(z >= cut, z, -np.inf)
+            p = np.exp(z - z.max())
+            p /= p.sum()
+            t = int(rng.choice(len(p), p=p))
+        ids.append(t)
+        out.append(t)
+    return out

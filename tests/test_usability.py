@@ -1,0 +1,140 @@
+"""Progress, metrics, evaluation, sampling, plots, interruption (issue: a trainer people enjoy)."""
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from hslm import checkpoint as ckpt
+from hslm.progress import Progress
+
+from helpers import ROOT, hslm
+
+TINY = ["--model", "hslm-tiny", "--batch", "4", "--seed", "7", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    d = tmp_path_factory.mktemp("run")
+    code, out, err = hslm("train", *TINY, "--steps", 12, "--lr", "0.01", "--warmup", 0, "--out", d,
+                          "--metrics", d / "m.jsonl", "--eval-every", 4, "--log-every", 4)
+    assert code == 0, err
+    return d, out
+
+
+def test_plain_lines_metrics_and_periodic_evaluation(trained):
+    d, out = trained
+    steps = [int(l.split()[1]) for l in out.splitlines() if l.startswith("step ") and "|" in l]
+    assert steps == [4, 8, 12]  # --log-every 4, and the last step
+    assert "step 4: valid" in out and "step 8: valid" in out
+    recs = [json.loads(l) for l in (d / "m.jsonl").read_text().splitlines()]
+    train = [r for r in recs if r["kind"] == "train"]
+    evals = [r for r in recs if r["kind"] == "eval"]
+    assert [r["step"] for r in train] == list(range(1, 13))
+    assert set(train[0]) == {"kind", "step", "loss", "lr", "grad_norm", "tok_s", "ternary_zero_share"}
+    assert 0.1 < train[-1]["ternary_zero_share"] < 0.5 and train[-1]["grad_norm"] > 0
+    assert [r["step"] for r in evals] == [4, 8, 12]
+    assert evals[-1]["perplexity"] == pytest.approx(np.exp(evals[-1]["valid_loss"]))
+    final_valid = float(out.strip().splitlines()[-1].split("valid ")[1])
+    assert round(evals[-1]["valid_loss"], 4) == final_valid
+
+
+def test_eval_command_matches_the_run(trained):
+    d, out = trained
+    code, eout, err = hslm("eval", d / "ckpt_12.bin")
+    assert code == 0, err
+    final_valid = out.strip().splitlines()[-1].split("valid ")[1]
+    assert eout.startswith(f"valid loss {final_valid}, perplexity")
+
+
+def test_sample_is_reproducible_for_a_seed(trained):
+    d, _ = trained
+    args = ["sample", d / "ckpt_12.bin", "--prompt", "The ", "--tokens", 20]
+    a = hslm(*args, "--seed", 1)
+    b = hslm(*args, "--seed", 1)
+    c = hslm(*args, "--seed", 2)
+    assert a[0] == 0 and a == b and a[1].startswith("The ") and len(a[1]) > 10
+    assert c[1] != a[1]
+    g = hslm(*args, "--temperature", 0)
+    assert g[0] == 0 and g == hslm(*args, "--temperature", 0, "--seed", 9)
+
+
+def test_plot_writes_a_png(trained, tmp_path):
+    d, _ = trained
+    code, out, err = hslm("plot", d / "m.jsonl", "-o", tmp_path / "loss.png")
+    assert code == 0, err
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    code, out, err = hslm("plot", bad, "-o", tmp_path / "x.png")
+    assert code != 0 and err.startswith("error: ") and "Traceback" not in err
+
+
+def test_progress_bar_on_a_terminal_and_quiet():
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    s = Tty()
+    p = Progress(0, 10, stream=s)
+    p.step(3, 5.1234, 1e-3, 1000.0)
+    p.message("note")
+    p.close()
+    text = s.getvalue()
+    assert text.startswith("\r[") and "step 3/10" in text and "loss 5.1234" in text
+    assert "left" in text and "\nnote\n" in text
+    q = io.StringIO()
+    Progress(0, 10, quiet=True, stream=q).step(1, 1.0, 1e-3, 1.0)
+    assert q.getvalue() == ""
+
+
+def start_training(out_dir, *extra, batch=4):
+    args = TINY[:TINY.index("--batch")] + ["--batch", str(batch)] + TINY[TINY.index("--batch") + 2:]
+    return subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "train", *args, "--steps",
+                             "1000000", "--out", str(out_dir), *map(str, extra)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_step(proc, n=2, timeout=120):
+    """Reads progress lines until step n is reported."""
+    t0 = time.time()
+    for line in proc.stdout:
+        if line.startswith("step ") and int(line.split()[1]) >= n:
+            return
+        assert time.time() - t0 < timeout
+    raise AssertionError("training ended early")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_finishes_the_step_saves_and_says_how_to_resume(tmp_path, sig):
+    proc = start_training(tmp_path)
+    wait_for_step(proc)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig
+    assert "Traceback" not in err
+    line = [l for l in out.splitlines() if "stopped after step" in l][0]
+    step = int(line.split("stopped after step ")[1].split(";")[0])
+    assert f"resume with: hslm train --resume {tmp_path / f'ckpt_{step}.state'}" in out
+    ckpt.read(tmp_path / f"ckpt_{step}.bin", expect_kind="params")
+    code, _, err = hslm("train", "--resume", tmp_path / f"ckpt_{step}.state", "--steps", step + 1)
+    assert code == 0, err
+
+
+def test_kill_9_never_leaves_a_corrupt_checkpoint(tmp_path):
+    rng = np.random.default_rng(0)
+    for round_ in range(6):
+        # batches of 256 windows: tens of checkpoints a round, not thousands
+        proc = start_training(tmp_path, "--save-every", 1, "--log-every", 1000000, batch=256)
+        time.sleep(1.5 + rng.uniform(0, 2.0))  # startup, then anywhere in the save loop
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    names = [n for n in os.listdir(tmp_path) if n.startswith("ckpt_")]
+    assert len(names) >= 4, f"too few checkpoints were written before the kills: {names}"
+    for n in names:  # every file under a checkpoint's name loads and checks out
+        ckpt.read(tmp_path / n)
