@@ -13,6 +13,7 @@ import numpy as np
 
 from . import checkpoint as ckpt
 from .config import Config
+from .optim import adamw_step
 from .step import SPEED_NAMES, StepRunner
 from .train import Hyper, Run, rng_state_json
 
@@ -60,6 +61,9 @@ def bench_speed(cfg, hyper, corpus, speed, threads, steps, warm=True):
             model = run.state.kernel_model()  # and without changing the run's state
             w = corpus.draw_windows(np.random.default_rng(0), hyper.batch, cfg.window)
             runner.gradient(model, run.tables.vsa, w, hyper.loss_positions, run.grad)
+            z = np.zeros(2)  # and the optimiser's kernel, on throwaway arrays
+            adamw_step(z, z.copy(), z.copy(), z.copy(), np.array([0, 2]), np.array([True]), 1,
+                       0.0, 0.0, np.zeros(1), 0, 1)
         losses = []
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -116,7 +120,6 @@ def torch_baseline(cfg, hyper, corpus, dtype_name, steps):
 
 def profile_layerwise(cfg, hyper, corpus, steps=3):
     """Per-phase milliseconds of a speed-3 step on one thread: [(phase, ms)]."""
-    from .optim import adamw_step
     from .vsa import vsa_window
     from .windows import window_forward_layerwise
 

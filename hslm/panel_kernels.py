@@ -13,7 +13,8 @@ PANEL = 24
 
 @njit(cache=True, nogil=True, fastmath={"contract"})
 def ternary_panel_matmul(X, P, b, alpha, Y):
-    """Y [n, b] = alpha * (X [n, a] . T), T ternary [a, b] in panels P.
+    """Y [n, b] = alpha * (X [n, a] . T), T ternary [a, b] in panels P (float32:
+    -1, 0 and +1 convert to float64 exactly).
 
     FMA contraction is allowed: each product x * t with t in {-1, 0, +1} is exact,
     so fma(x, t, y) rounds once, exactly like y + x * t: the bits do not change,

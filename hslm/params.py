@@ -124,8 +124,9 @@ class ModelState:
         # speed 3's layouts: Tf and Tb again, in column panels (hslm.panel_kernels)
         self.pf_offs = panel_offsets(self.rows, self.cols, self.is_ternary, PANEL)
         self.pb_offs = panel_offsets(self.cols, self.rows, self.is_ternary, PANEL)
-        self.Pf = np.zeros(self.pf_offs[-1])
-        self.Pb = np.zeros(self.pb_offs[-1])
+        # float32 holds -1, 0, +1 exactly and halves the memory the kernels stream
+        self.Pf = np.zeros(self.pf_offs[-1], np.float32)
+        self.Pb = np.zeros(self.pb_offs[-1], np.float32)
         self.requantize()
 
     def requantize(self, t0=0, t1=None):

@@ -71,7 +71,8 @@ def main():
     out = HEADER.format(rows=ROWS, panel=PANEL)
     out += "\n\n" + kernel(
         "ternary_panel_matmul(X, P, b, alpha, Y)", ', fastmath={"contract"}',
-        "Y [n, b] = alpha * (X [n, a] . T), T ternary [a, b] in panels P.\n\n"
+        "Y [n, b] = alpha * (X [n, a] . T), T ternary [a, b] in panels P (float32:\n"
+        "    -1, 0 and +1 convert to float64 exactly).\n\n"
         "    FMA contraction is allowed: each product x * t with t in {-1, 0, +1} is exact,\n"
         "    so fma(x, t, y) rounds once, exactly like y + x * t: the bits do not change,\n"
         "    on machines with or without FMA. Never call it with a non-ternary matrix.",
