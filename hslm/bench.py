@@ -14,8 +14,8 @@ import numpy as np
 from . import checkpoint as ckpt
 from .config import Config
 from .optim import adamw_step
-from .step import SPEED_NAMES, StepRunner
-from .train import Hyper, Run, rng_state_json
+from .step import StepRunner
+from .train import Run, rng_state_json
 
 
 def machine_peak_gflops_per_core():

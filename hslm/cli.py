@@ -68,7 +68,7 @@ def train(ctx, model, data, steps, batch, loss_positions, lr, warmup, decay_step
           seed, speed, threads, out, save_every, eval_windows, resume, eval_every, metrics,
           log_every, quiet):
     """Train a model; writes OUT/ckpt_<step>.bin and OUT/ckpt_<step>.state."""
-    from .step import StepRunner, SPEED_NAMES
+    from .step import SPEED_NAMES
     from .train import (Hyper, Run, check_hyper, load_corpus, prepare_out_dir,
                         resolve_config, save_tokenizer)
 

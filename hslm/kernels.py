@@ -17,7 +17,6 @@ Only one contraction is allowed, in the ternary kernels, where it is exact.
 from __future__ import annotations
 
 import numba.core.config as numba_config
-import numpy as np
 from numba import njit
 
 from .panel_kernels import PANEL, panel_matmul_add, ternary_panel_matmul

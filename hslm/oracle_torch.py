@@ -81,7 +81,7 @@ def window_losses(cfg: Config, params: dict, tokens, vsa, k: int, x0=None, dtype
     """Batched forward of windows tokens [B, L+1] (vsa [B, nb, L, d]).
 
     Returns (mean loss, logits of scored positions [B, k, V], x0)."""
-    V, d, H, dh, L = cfg.vocab, cfg.width, cfg.heads, cfg.head_width, cfg.window
+    d, H, dh, L = cfg.width, cfg.heads, cfg.head_width, cfg.window
     pos, cos, sin = tables(cfg, dtype)
     tokens = torch.as_tensor(np.asarray(tokens), dtype=torch.long)
     B = tokens.shape[0]

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 

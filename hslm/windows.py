@@ -27,7 +27,6 @@ p's product.
 """
 from __future__ import annotations
 
-import numpy as np
 from numba import njit
 
 from .config import BDOWN, BUP, GAMMA, TENSORS_PER_BLOCK, WDOWN, WK, WO, WQ, WUP, WV

@@ -78,3 +78,14 @@ def test_negative_control_reordered_sum_fails_the_gradient_test(name):
         assert_same_window((loss, logits, bad, dx0), ref, "reordered")
     assert_bits_equal(logits, ref[1], "logits")
     assert_bits_equal(dx0, ref[3], "dloss/dx_0")
+
+
+def test_generated_panel_kernels_are_current():
+    """hslm/panel_kernels.py is what tools/gen_panel_kernels.py writes."""
+    import importlib.util
+
+    from helpers import ROOT
+    spec = importlib.util.spec_from_file_location("gen", ROOT / "tools" / "gen_panel_kernels.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert gen.render() == gen.TARGET.read_text(), "run: python tools/gen_panel_kernels.py"

@@ -67,7 +67,7 @@ def kernel(name, flags, doc, store):
     return "\n".join(L) + "\n"
 
 
-def main():
+def render() -> str:
     out = HEADER.format(rows=ROWS, panel=PANEL)
     out += "\n\n" + kernel(
         "ternary_panel_matmul(X, P, b, alpha, Y)", ', fastmath={"contract"}',
@@ -83,8 +83,14 @@ def main():
         "    layer input transposed (gradient rows x positions), D the output gradient\n"
         "    (positions x columns). No contraction: these products are not exact.",
         lambda r, c, acc: f"G[{r}, {c}] += {acc}")
-    Path(__file__).resolve().parent.parent.joinpath("hslm", "panel_kernels.py").write_text(out)
     return out
+
+
+TARGET = Path(__file__).resolve().parent.parent / "hslm" / "panel_kernels.py"
+
+
+def main():
+    TARGET.write_text(render())
 
 
 if __name__ == "__main__":
