@@ -33,7 +33,8 @@ from .kernels import WGRAD_ROW_BLOCK
 from .ops import alloc_acts, alloc_record, alloc_scratch, window_view
 from .vsa import vsa_window
 from .windows import (gradients_from_records, window_backward_layerwise, window_grad_cached,
-                      window_grad_fast, window_grad_reference, window_loss_layerwise)
+                      window_grad_fast, window_grad_reference, window_loss_layerwise,
+                      windows_backward_layerwise)
 
 PER_POSITION_KERNELS = {
     0: window_grad_reference,
@@ -187,16 +188,13 @@ class StepRunner:
         if self.batch != B:
             self.acts_b = alloc_acts(self.cfg.dims(), B)
             self.rec_b = alloc_record(self.cfg.dims(), B)
+            self.vsa_b = np.zeros((B, self.cfg.blocks, self.cfg.window, self.cfg.width))
             self.batch = B
-        nb, d = model.dims[5], model.dims[1]
 
         def run_windows(j):  # thread slot j takes windows j, j + N, ...
-            wk = self.workers[j]
-            for i in range(j, B, N):
-                vsa_window(vsa_table, windows[i], nb, d, wk.vsa)
-                losses[i] = window_backward_layerwise(
-                    model, windows[i], wk.vsa, k, scale, window_view(self.acts_b, i),
-                    window_view(self.rec_b, i), wk.scr, wk.logits, wk.dx0)
+            windows_backward_layerwise(model, vsa_table, windows, self.vsa_b, k, scale,
+                                       self.acts_b, self.rec_b, self.workers[j].scr, j, N,
+                                       losses)
 
         def run_units(j):
             lo, hi = self.parts[j]

@@ -31,7 +31,8 @@ from numba import njit
 
 from .config import BDOWN, BUP, GAMMA, TENSORS_PER_BLOCK, WDOWN, WK, WO, WQ, WUP, WV
 from .kernels import column_sum_rows, ternary_panels, weight_grad_rows
-from .ops import (attention_backward, attention_forward, embed, loss_forward_backward,
+from .vsa import vsa_window
+from .ops import (Acts, Record, attention_backward, attention_forward, embed, loss_forward_backward,
                   position_backward, position_forward, rms_backward, rms_forward,
                   rotary_backward, rotary_forward, tidx, view1, view2)
 
@@ -94,78 +95,183 @@ def window_grad_fast(model, tokens, vsa, k, scale, acts, scr, out, logits, dx0):
 
 
 # ----------------------------------------------------------------- speed 3
-@njit(cache=True, nogil=True)
-def window_forward_layerwise(model, tokens, vsa, k, acts, scr):
-    """Forward of a whole window, one layer at a time over all positions.
+# A window's forward and backward are cut into layers (the embedding, each
+# block, the head), so that a thread can run one layer for all of its windows
+# before the next: the layer's matrices are then read from cache, not memory.
+# The per-window functions below run the same layers in window order.
 
-    In the last block only the scored rows L-k..L-1 go past their keys and
-    values, and only they reach the head (their logits land in acts.Z)."""
+@njit(cache=True, nogil=True)
+def layerwise_embed(model, tokens, acts):
+    """x_p = E[t_p] + P[p] for all positions."""
+    for p in range(model.dims[6]):
+        embed(model, tokens, p, acts.XIN[0, p])
+
+
+@njit(cache=True, nogil=True)
+def layerwise_block_forward(model, acts, vsa, b, k):
+    """Block b over all positions: XIN[b] [L, d] -> XIN[b + 1] (or XF) [L, d].
+
+    In the last block only the scored rows L-k..L-1 go past their keys and values."""
     V, d, H, hw, F, nb, L = model.dims
     th, offs = model.theta, model.offs
+    s = L - k if b == nb - 1 else 0  # first row that needs more than k, v
+    X = acts.XIN[b]
+    gamma = view1(th, offs, tidx(b, GAMMA))
     for p in range(L):
-        embed(model, tokens, p, acts.XIN[0, p])
-    for b in range(nb):
-        s = L - k if b == nb - 1 else 0  # first row that needs more than k, v
-        X = acts.XIN[b]
-        gamma = view1(th, offs, tidx(b, GAMMA))
-        for p in range(L):
-            xr = acts.XR1[b, p]
-            n = acts.NN[b, p]
-            acts.R1[b, p] = rms_forward(X[p], xr)
-            for i in range(d):
-                n[i] = xr[i] * gamma[i]
-        # x [L, d] . Wk, Wv [d, d] -> K, V [L, d]; x[s:] . Wq -> Q[s:]
-        t = tidx(b, WK)
-        ternary_panels(model.Pf, model.pf_offs, model.alpha, t, d, d, acts.NN[b], acts.K[b])
-        t = tidx(b, WV)
-        ternary_panels(model.Pf, model.pf_offs, model.alpha, t, d, d, acts.NN[b], acts.VV[b])
-        t = tidx(b, WQ)
-        ternary_panels(model.Pf, model.pf_offs, model.alpha, t, d, d, acts.NN[b, s:], acts.Q[b, s:])
-        for p in range(L):
-            rotary_forward(acts.K[b, p], model.cos, model.sin, p, H, hw)
-        for p in range(s, L):
-            rotary_forward(acts.Q[b, p], model.cos, model.sin, p, H, hw)
-            attention_forward(acts.Q[b, p], acts.K[b], acts.VV[b], p, H, hw, model.attn_scale,
-                              acts.A[b, p], acts.O[b, p])
-        # o [n, d] . Wo [d, d] -> h = x + o Wo
-        t = tidx(b, WO)
-        ternary_panels(model.Pf, model.pf_offs, model.alpha, t, d, d, acts.O[b, s:], acts.HH[b, s:])
-        for p in range(s, L):
-            h = acts.HH[b, p]
-            for i in range(d):
-                h[i] = X[p, i] + h[i]
-        # h [n, d] . Wup [d, F] + bup -> u, r = relu(u)
-        t = tidx(b, WUP)
-        ternary_panels(model.Pf, model.pf_offs, model.alpha, t, d, F, acts.HH[b, s:], acts.U[b, s:])
-        bup = view1(th, offs, tidx(b, BUP))
-        for p in range(s, L):
-            u = acts.U[b, p]
-            r = acts.RR[b, p]
-            for j in range(F):
-                u[j] = u[j] + bup[j]
-                r[j] = u[j] if u[j] > 0.0 else 0.0
-        # r [n, F] . Wdown [F, d] + bdown -> x' = h + mlp + vsa
-        XO = acts.XIN[b + 1] if b + 1 < nb else acts.XF
-        t = tidx(b, WDOWN)
-        ternary_panels(model.Pf, model.pf_offs, model.alpha, t, F, d, acts.RR[b, s:], XO[s:])
-        bdown = view1(th, offs, tidx(b, BDOWN))
-        for p in range(s, L):
-            xo = XO[p]
-            h = acts.HH[b, p]
-            for i in range(d):
-                xo[i] = (h[i] + (xo[i] + bdown[i])) + vsa[b, p, i]
-    # head on the scored rows: z = c * (rms(x) . Wout) + bout
+        xr = acts.XR1[b, p]
+        n = acts.NN[b, p]
+        acts.R1[b, p] = rms_forward(X[p], xr)
+        for i in range(d):
+            n[i] = xr[i] * gamma[i]
+    # n [L, d] . Wk, Wv [d, d] -> K, V [L, d]; n[s:] . Wq -> Q[s:]
+    t = tidx(b, WK)
+    ternary_panels(model.Pf, model.pf_offs, model.alpha, t, d, d, acts.NN[b], acts.K[b])
+    t = tidx(b, WV)
+    ternary_panels(model.Pf, model.pf_offs, model.alpha, t, d, d, acts.NN[b], acts.VV[b])
+    t = tidx(b, WQ)
+    ternary_panels(model.Pf, model.pf_offs, model.alpha, t, d, d, acts.NN[b, s:], acts.Q[b, s:])
+    for p in range(L):
+        rotary_forward(acts.K[b, p], model.cos, model.sin, p, H, hw)
+    for p in range(s, L):
+        rotary_forward(acts.Q[b, p], model.cos, model.sin, p, H, hw)
+        attention_forward(acts.Q[b, p], acts.K[b], acts.VV[b], p, H, hw, model.attn_scale,
+                          acts.A[b, p], acts.O[b, p])
+    # o [n, d] . Wo [d, d] -> h = x + o Wo
+    t = tidx(b, WO)
+    ternary_panels(model.Pf, model.pf_offs, model.alpha, t, d, d, acts.O[b, s:], acts.HH[b, s:])
+    for p in range(s, L):
+        h = acts.HH[b, p]
+        for i in range(d):
+            h[i] = X[p, i] + h[i]
+    # h [n, d] . Wup [d, F] + bup -> u, r = relu(u)
+    t = tidx(b, WUP)
+    ternary_panels(model.Pf, model.pf_offs, model.alpha, t, d, F, acts.HH[b, s:], acts.U[b, s:])
+    bup = view1(th, offs, tidx(b, BUP))
+    for p in range(s, L):
+        u = acts.U[b, p]
+        r = acts.RR[b, p]
+        for j in range(F):
+            u[j] = u[j] + bup[j]
+            r[j] = u[j] if u[j] > 0.0 else 0.0
+    # r [n, F] . Wdown [F, d] + bdown -> x' = h + mlp + vsa
+    XO = acts.XIN[b + 1] if b + 1 < nb else acts.XF
+    t = tidx(b, WDOWN)
+    ternary_panels(model.Pf, model.pf_offs, model.alpha, t, F, d, acts.RR[b, s:], XO[s:])
+    bdown = view1(th, offs, tidx(b, BDOWN))
+    for p in range(s, L):
+        xo = XO[p]
+        h = acts.HH[b, p]
+        for i in range(d):
+            xo[i] = (h[i] + (xo[i] + bdown[i])) + vsa[b, p, i]
+
+
+@njit(cache=True, nogil=True)
+def layerwise_head_forward(model, acts, k):
+    """The scored rows: z = c * (rms(x) . Wout) + bout -> acts.Z[L-k:] [k, V]."""
+    V, d, H, hw, F, nb, L = model.dims
     s = L - k
     for p in range(s, L):
         acts.RF[p] = rms_forward(acts.XF[p], acts.XRF[p])
     t = 1 + nb * TENSORS_PER_BLOCK
     ternary_panels(model.Pf, model.pf_offs, model.alpha, t, d, V, acts.XRF[s:], acts.Z[s:])
-    bout = view1(th, offs, t + 1)
+    bout = view1(model.theta, model.offs, t + 1)
     c = model.head_scale
     for p in range(s, L):
         z = acts.Z[p]
         for j in range(V):
             z[j] = c * z[j] + bout[j]
+
+
+@njit(cache=True, nogil=True)
+def window_forward_layerwise(model, tokens, vsa, k, acts, scr):
+    """Forward of a whole window, one layer at a time over all positions; the
+    scored rows' logits land in acts.Z."""
+    layerwise_embed(model, tokens, acts)
+    for b in range(model.dims[5]):
+        layerwise_block_forward(model, acts, vsa, b, k)
+    layerwise_head_forward(model, acts, k)
+
+
+@njit(cache=True, nogil=True)
+def layerwise_head_backward(model, tokens, k, scale, acts, rec, scr):
+    """Loss of the k scored rows, and the gradient down to the last block's output:
+    rec.dZ, rec.dY [k, V] and rec.dXo[nb - 1] [k, d]. Returns the summed loss."""
+    V, d, H, hw, F, nb, L = model.dims
+    s = L - k
+    loss_sum = 0.0
+    dZ = rec.dZ[:k]
+    for r in range(k):
+        loss_sum += loss_forward_backward(acts.Z[s + r], tokens[s + r + 1], scale, dZ[r])
+    # z = c y + bout, y = rms(x) . Wout: dy = c dz [k, V]
+    dY = rec.dY[:k]
+    c = model.head_scale
+    for r in range(k):
+        for j in range(V):
+            dY[r, j] = c * dZ[r, j]
+    t = 1 + nb * TENSORS_PER_BLOCK
+    dXR = scr.dXR[:k]
+    ternary_panels(model.Pb, model.pb_offs, model.alpha, t, V, d, dY, dXR)
+    dX = rec.dXo[nb - 1, :k]
+    for r in range(k):
+        rms_backward(acts.XF[s + r], acts.RF[s + r], dXR[r], dX[r])
+    return loss_sum
+
+
+@njit(cache=True, nogil=True)
+def layerwise_block_backward(model, acts, rec, scr, b, k):
+    """Block b's backward for the k scored rows: from rec.dXo[b] (the gradient at
+    its output) to rec.dXo[b - 1] (or rec.dX0 for block 0), recording on the way
+    each of its layers' output gradients: dR, dH, dQ, dK, dV and the gain's dG."""
+    V, d, H, hw, F, nb, L = model.dims
+    th, offs = model.theta, model.offs
+    s = L - k
+    T1, T2 = scr.t3[:k], scr.t2[:k]
+    dXo, dR, dH = rec.dXo[b, :k], rec.dR[b, :k], rec.dH[b, :k]
+    dQ, dK, dV, dG = rec.dQ[b, :k], rec.dK[b, :k], rec.dV[b, :k], rec.dG[b, :k]
+    dO, dN = scr.dO[:k], scr.dN[:k]
+    dX = rec.dXo[b - 1, :k] if b > 0 else rec.dX0[:k]
+    # x' = h + (r . Wdown + bdown) + vsa: dx' [k, d] -> dr [k, F]
+    t = tidx(b, WDOWN)
+    ternary_panels(model.Pb, model.pb_offs, model.alpha, t, d, F, dXo, dR)
+    for r in range(k):
+        u = acts.U[b, s + r]
+        for j in range(F):
+            if not u[j] > 0.0:
+                dR[r, j] = 0.0
+    # u = h . Wup + bup: du [k, F] -> dh = dx' + du . Wup^T [k, d]
+    t = tidx(b, WUP)
+    ternary_panels(model.Pb, model.pb_offs, model.alpha, t, F, d, dR, T1)
+    for r in range(k):
+        for i in range(d):
+            dH[r, i] = dXo[r, i] + T1[r, i]
+    # h = x + o . Wo: dh [k, d] -> do [k, d]
+    t = tidx(b, WO)
+    ternary_panels(model.Pb, model.pb_offs, model.alpha, t, d, d, dH, dO)
+    for r in range(k):
+        p = s + r
+        attention_backward(acts.Q[b, p], acts.K[b], acts.VV[b], acts.A[b, p], p, H, hw,
+                           model.attn_scale, dO[r], dQ[r], dK[r], dV[r])
+        rotary_backward(dQ[r], model.cos, model.sin, p, H, hw)
+        rotary_backward(dK[r], model.cos, model.sin, p, H, hw)
+    # q, k, v = n . Wq, Wk, Wv: dn = ((dq Wq^T) + dk Wk^T) + dv Wv^T [k, d]
+    t = tidx(b, WQ)
+    ternary_panels(model.Pb, model.pb_offs, model.alpha, t, d, d, dQ, T1)
+    t = tidx(b, WK)
+    ternary_panels(model.Pb, model.pb_offs, model.alpha, t, d, d, dK, T2)
+    t = tidx(b, WV)
+    ternary_panels(model.Pb, model.pb_offs, model.alpha, t, d, d, dV, dN)
+    # n = rms(x) * gamma
+    gamma = view1(th, offs, tidx(b, GAMMA))
+    for r in range(k):
+        xr = acts.XR1[b, s + r]
+        for i in range(d):
+            g = (T1[r, i] + T2[r, i]) + dN[r, i]
+            dG[r, i] = g * xr[i]  # the gain's contribution
+            dN[r, i] = g * gamma[i]
+    for r in range(k):
+        rms_backward(acts.XIN[b, s + r], acts.R1[b, s + r], dN[r], T2[r])
+        for i in range(d):
+            dX[r, i] = dH[r, i] + T2[r, i]
 
 
 @njit(cache=True, nogil=True)
@@ -177,82 +283,54 @@ def window_backward_layerwise(model, tokens, vsa, k, scale, acts, rec, scr, logi
     window's record `rec`, row r for the r-th scored position; its inputs (the
     X) stay in `acts`. gradients_from_records then turns them into weight
     gradients, one held block of gradient rows at a time. Returns the loss."""
-    V, d, H, hw, F, nb, L = model.dims
-    th, offs = model.theta, model.offs
+    L, nb = model.dims[6], model.dims[5]
     window_forward_layerwise(model, tokens, vsa, k, acts, scr)
-    s = L - k
-    loss_sum = 0.0
-    dZ = rec.dZ[:k]
-    for r in range(k):
-        p = s + r
-        loss_sum += loss_forward_backward(acts.Z[p], tokens[p + 1], scale, dZ[r])
-        logits[p] = acts.Z[p]
-    # z = c y + bout, y = rms(x) . Wout: dy = c dz [k, V]
-    dY = rec.dY[:k]
-    c = model.head_scale
-    for r in range(k):
-        for j in range(V):
-            dY[r, j] = c * dZ[r, j]
-    t = 1 + nb * TENSORS_PER_BLOCK
-    dXR = scr.dXR[:k]
-    ternary_panels(model.Pb, model.pb_offs, model.alpha, t, V, d, dY, dXR)
-    dX = scr.dX[:k]
-    for r in range(k):
-        rms_backward(acts.XF[s + r], acts.RF[s + r], dXR[r], dX[r])
-    T1, T2 = scr.t3[:k], scr.t2[:k]
+    loss_sum = layerwise_head_backward(model, tokens, k, scale, acts, rec, scr)
     for b in range(nb - 1, -1, -1):
-        dXo, dR, dH = rec.dXo[b, :k], rec.dR[b, :k], rec.dH[b, :k]
-        dQ, dK, dV, dG = rec.dQ[b, :k], rec.dK[b, :k], rec.dV[b, :k], rec.dG[b, :k]
-        dO, dN = scr.dO[:k], scr.dN[:k]
-        # x' = h + (r . Wdown + bdown) + vsa: dx' [k, d] -> dr [k, F]
-        for r in range(k):
-            for i in range(d):
-                dXo[r, i] = dX[r, i]
-        t = tidx(b, WDOWN)
-        ternary_panels(model.Pb, model.pb_offs, model.alpha, t, d, F, dXo, dR)
-        for r in range(k):
-            u = acts.U[b, s + r]
-            for j in range(F):
-                if not u[j] > 0.0:
-                    dR[r, j] = 0.0
-        # u = h . Wup + bup: du [k, F] -> dh = dx' + du . Wup^T [k, d]
-        t = tidx(b, WUP)
-        ternary_panels(model.Pb, model.pb_offs, model.alpha, t, F, d, dR, T1)
-        for r in range(k):
-            for i in range(d):
-                dH[r, i] = dXo[r, i] + T1[r, i]
-        # h = x + o . Wo: dh [k, d] -> do [k, d]
-        t = tidx(b, WO)
-        ternary_panels(model.Pb, model.pb_offs, model.alpha, t, d, d, dH, dO)
-        for r in range(k):
-            p = s + r
-            attention_backward(acts.Q[b, p], acts.K[b], acts.VV[b], acts.A[b, p], p, H, hw,
-                               model.attn_scale, dO[r], dQ[r], dK[r], dV[r])
-            rotary_backward(dQ[r], model.cos, model.sin, p, H, hw)
-            rotary_backward(dK[r], model.cos, model.sin, p, H, hw)
-        # q, k, v = n . Wq, Wk, Wv: dn = ((dq Wq^T) + dk Wk^T) + dv Wv^T [k, d]
-        t = tidx(b, WQ)
-        ternary_panels(model.Pb, model.pb_offs, model.alpha, t, d, d, dQ, T1)
-        t = tidx(b, WK)
-        ternary_panels(model.Pb, model.pb_offs, model.alpha, t, d, d, dK, T2)
-        t = tidx(b, WV)
-        ternary_panels(model.Pb, model.pb_offs, model.alpha, t, d, d, dV, dN)
-        # n = rms(x) * gamma
-        gamma = view1(th, offs, tidx(b, GAMMA))
-        for r in range(k):
-            xr = acts.XR1[b, s + r]
-            for i in range(d):
-                g = (T1[r, i] + T2[r, i]) + dN[r, i]
-                dG[r, i] = g * xr[i]  # the gain's contribution
-                dN[r, i] = g * gamma[i]
-        for r in range(k):
-            rms_backward(acts.XIN[b, s + r], acts.R1[b, s + r], dN[r], T2[r])
-            for i in range(d):
-                dX[r, i] = dH[r, i] + T2[r, i]
+        layerwise_block_backward(model, acts, rec, scr, b, k)
     for r in range(k):
-        dx0[s + r] = dX[r]
-        rec.dX0[r] = dX[r]
+        logits[L - k + r] = acts.Z[L - k + r]
+        dx0[L - k + r] = rec.dX0[r]
     return loss_sum / k
+
+
+@njit(cache=True, nogil=True)
+def acts_of(A, w):
+    """Window w's Acts from batched Acts."""
+    return Acts(A.XIN[w], A.R1[w], A.XR1[w], A.NN[w], A.Q[w], A.K[w], A.VV[w], A.A[w], A.O[w],
+                A.HH[w], A.U[w], A.RR[w], A.XF[w], A.RF[w], A.XRF[w], A.Z[w], A.LOSS[w])
+
+
+@njit(cache=True, nogil=True)
+def record_of(R, w):
+    """Window w's Record from a batched Record."""
+    return Record(R.dZ[w], R.dY[w], R.dXo[w], R.dR[w], R.dH[w], R.dQ[w], R.dK[w], R.dV[w],
+                  R.dG[w], R.dX0[w])
+
+
+@njit(cache=True, nogil=True)
+def windows_backward_layerwise(model, vsa_table, windows, vsa, k, scale, acts, rec, scr,
+                               first, step, losses):
+    """Speed 3 for windows first, first + step, ... of a batch (one thread's share):
+    each layer runs for all of them before the next layer, so a layer's matrices
+    are read once from memory and then from cache. Each window computes exactly
+    what window_backward_layerwise computes; losses[w] gets its mean loss."""
+    V, d, H, hw, F, nb, L = model.dims
+    B = windows.shape[0]
+    for w in range(first, B, step):
+        vsa_window(vsa_table, windows[w], nb, d, vsa[w])
+        layerwise_embed(model, windows[w], acts_of(acts, w))
+    for b in range(nb):
+        for w in range(first, B, step):
+            layerwise_block_forward(model, acts_of(acts, w), vsa[w], b, k)
+    for w in range(first, B, step):
+        aw = acts_of(acts, w)
+        layerwise_head_forward(model, aw, k)
+        losses[w] = layerwise_head_backward(model, windows[w], k, scale, aw, record_of(rec, w),
+                                            scr) / k
+    for b in range(nb - 1, -1, -1):
+        for w in range(first, B, step):
+            layerwise_block_backward(model, acts_of(acts, w), record_of(rec, w), scr, b, k)
 
 
 @njit(cache=True, nogil=True)
