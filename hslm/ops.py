@@ -40,11 +40,11 @@ Model = namedtuple("Model", "theta offs Tf Tb alpha pos cos sin attn_scale head_
                              "Pf pf_offs Pb pb_offs")
 
 # Activations of one window, [block, position, ...]. The K and V rows are the KV cache.
-Acts = namedtuple("Acts", "XIN R1 XR1 NN Q K VV A O HH U RR XF RF XRF Z LOSS")
+Acts = namedtuple("Acts", "XIN R1 XR1 NN Q K VV A O HH U RR XF RF XRF Z")
 
 # Gradient-side rows of one window (row r = r-th scored position at speed 3,
 # row p = position p at the per-position speeds), the weight-gradient scratch
-# (XT: a layer input transposed, WG: a block of held gradient rows) and the
+# (XT: a layer input transposed, WG: an output gradient in column panels) and the
 # window accumulator S of the per-position speeds.
 Scratch = namedtuple("Scratch", "dX dH dR dO dQ dK dV dN dXR dZ dY t1 t2 t3 XT WG S")
 
@@ -62,7 +62,7 @@ def alloc_acts(dims, batch=None):
     return Acts(f(nb, L, d), f(nb, L), f(nb, L, d), f(nb, L, d), f(nb, L, d),
                 f(nb, L, d), f(nb, L, d), f(nb, L, H, L), f(nb, L, d),
                 f(nb, L, d), f(nb, L, F), f(nb, L, F), f(L, d), f(L), f(L, d),
-                f(L, V), f(L))
+                f(L, V))
 
 
 def alloc_record(dims, batch=None):

@@ -298,7 +298,7 @@ def window_backward_layerwise(model, tokens, vsa, k, scale, acts, rec, scr, logi
 def acts_of(A, w):
     """Window w's Acts from batched Acts."""
     return Acts(A.XIN[w], A.R1[w], A.XR1[w], A.NN[w], A.Q[w], A.K[w], A.VV[w], A.A[w], A.O[w],
-                A.HH[w], A.U[w], A.RR[w], A.XF[w], A.RF[w], A.XRF[w], A.Z[w], A.LOSS[w])
+                A.HH[w], A.U[w], A.RR[w], A.XF[w], A.RF[w], A.XRF[w], A.Z[w])
 
 
 @njit(cache=True, nogil=True)
