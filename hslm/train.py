@@ -57,6 +57,25 @@ def prepare_out_dir(out: Path):
         probe.unlink()
     except OSError as e:
         raise HslmError(f"output folder {out} cannot be written: {e.strerror or e}") from None
+    remove_torn_writes(out)
+
+
+def remove_torn_writes(out: Path):
+    """Delete temporary files left by a writer that was killed mid-write
+    (checkpoint.write_atomic's `.<name>.tmp<pid>`), when that process is gone."""
+    for p in out.glob(".*.tmp*"):
+        pid = p.name.rsplit(".tmp", 1)[-1]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            try:
+                p.unlink()
+            except OSError:
+                pass
+        except OSError:  # exists but not ours to signal: leave it
+            pass
 
 
 def rng_state_json(rng: np.random.Generator) -> str:

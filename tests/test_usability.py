@@ -138,3 +138,8 @@ def test_kill_9_never_leaves_a_corrupt_checkpoint(tmp_path):
     assert len(names) >= 4, f"too few checkpoints were written before the kills: {names}"
     for n in names:  # every file under a checkpoint's name loads and checks out
         ckpt.read(tmp_path / n)
+    # a new run in the folder removes what torn writes left behind
+    (tmp_path / ".ckpt_1.bin.tmp999999999").write_bytes(b"torn")
+    code, _, err = hslm("train", *TINY, "--steps", 1, "--out", tmp_path)
+    assert code == 0, err
+    assert not [n for n in os.listdir(tmp_path) if ".tmp" in n]
