@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import Config
-from .errors import HslmError
+from .errors import HslmError, read_bytes
 
 FORMAT = "hslm"
 FORMAT_VERSION = "1"
@@ -122,14 +122,7 @@ class Checkpoint:
 def read(path, expect_kind=None) -> Checkpoint:
     """Parse and verify a checkpoint; any defect is one clear HslmError."""
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise HslmError(f"checkpoint not found: {path}") from None
-    except IsADirectoryError:
-        raise HslmError(f"checkpoint path is a directory: {path}") from None
-    except OSError as e:
-        raise HslmError(f"cannot read checkpoint {path}: {e.strerror}") from None
+    raw = read_bytes(path, "checkpoint")
     bad = f"{path} is not a valid hslm checkpoint"
     if len(raw) < 8:
         raise HslmError(f"{bad}: file is truncated ({len(raw)} bytes)")

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
-from .errors import HslmError
+from .errors import HslmError, read_bytes
 
 N_SPECIAL = 4
 BYTE0 = N_SPECIAL
@@ -145,14 +145,7 @@ def _bytes_to_ids(text: str) -> np.ndarray:
 
 def read_text(path) -> str:
     p = Path(path)
-    try:
-        raw = p.read_bytes()
-    except FileNotFoundError:
-        raise HslmError(f"data file not found: {p}") from None
-    except IsADirectoryError:
-        raise HslmError(f"data path is a directory, not a text file: {p}") from None
-    except OSError as e:
-        raise HslmError(f"cannot read data file {p}: {e.strerror}") from None
+    raw = read_bytes(p, "data file")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
