@@ -143,3 +143,16 @@ def test_kill_9_never_leaves_a_corrupt_checkpoint(tmp_path):
     code, _, err = hslm("train", *TINY, "--steps", 1, "--out", tmp_path)
     assert code == 0, err
     assert not [n for n in os.listdir(tmp_path) if ".tmp" in n]
+
+
+def test_bench_compares_speeds_threads_and_torch_on_a_small_model():
+    code, out, err = hslm("bench", "--model", "hslm-tiny", "--speeds", "0,3", "--threads", "1,2",
+                          "--steps", 1, "--batch", 4)
+    assert code == 0, err
+    rows = [l.split() for l in out.splitlines() if l.split()[:2] in (["0", "reference"],
+                                                                     ["3", "layerwise"])]
+    assert sorted((r[0], r[2]) for r in rows) == [("0", "1"), ("0", "2"), ("3", "1"), ("3", "2")]
+    assert all(float(r[3]) > 0 for r in rows)
+    assert "byte-identical across all runs" in out
+    assert "PyTorch" in out and "f64" in out and "f32" in out
+    assert "speed-3 step profile" in out and "weight gradients" in out
