@@ -31,7 +31,8 @@ def train(capsys, tmp_path, name, *extra, steps=3):
 def test_speeds_and_thread_counts_write_identical_checkpoints(tmp_path, capsys):
     ref, ref_out = train(capsys, tmp_path, "s0", "--speed", 0, "--threads", 1)
     assert len(losses(ref_out)) == 3
-    for speed, threads in [(1, 1), (2, 1), (3, 1), (1, 2), (2, 3), (3, 2), (3, 3), (3, 8)]:
+    # every speed at 1, 2, 3 and 8 threads (8 is more than this machine's cores)
+    for speed, threads in [(s, n) for s in range(4) for n in (1, 2, 3, 8) if (s, n) != (0, 1)]:
         d, out = train(capsys, tmp_path, f"s{speed}t{threads}", "--speed", speed,
                        "--threads", threads)
         assert losses(out) == losses(ref_out), (speed, threads)
