@@ -53,8 +53,7 @@ def checkpoint_digest(run: Run) -> str:
 
 
 def bench_speed(cfg, hyper, corpus, speed, threads, steps, warm=True):
-    run = Run.fresh(cfg, hyper, corpus)
-    run.state.use_plain_layouts(speed < 3)
+    run = Run.fresh(cfg, hyper, corpus, plain=speed < 3)
     runner = StepRunner(cfg, speed, threads)
     try:
         if warm:  # compile / load the kernels and touch every buffer, outside the timing
@@ -123,8 +122,7 @@ def profile_layerwise(cfg, hyper, corpus, steps=3):
     from .vsa import vsa_window
     from .windows import window_forward_layerwise
 
-    run = Run.fresh(cfg, hyper, corpus)
-    run.state.use_plain_layouts(False)
+    run = Run.fresh(cfg, hyper, corpus, plain=False)
     runner = StepRunner(cfg, 3, 1)
     run.train_step(runner)  # warm
     runner.timings = {}

@@ -93,24 +93,24 @@ def train(ctx, model, data, steps, batch, loss_positions, lr, warmup, decay_step
                                     f"from the checkpoint's {getattr(hyper, n)}")
             return load_corpus(data, cfg, text_sha256)
 
-        run = Run.resume(resume, corpus_for)
+        run = Run.resume(resume, corpus_for, plain=speed < 3)
         if steps <= run.step:
             raise HslmError(f"{resume} is already at step {run.step}; pass --steps above it")
     else:
         cfg = resolve_config(model)
-        hyper = Hyper(batch=batch, loss_positions=cfg.window if loss_positions is None else loss_positions, lr=lr,
-                      warmup=warmup, decay_steps=decay_steps, weight_decay=weight_decay,
-                      seed=seed, eval_windows=eval_windows)
+        k = cfg.window if loss_positions is None else loss_positions
+        hyper = Hyper(batch=batch, loss_positions=k, lr=lr, warmup=warmup,
+                      decay_steps=decay_steps, weight_decay=weight_decay, seed=seed,
+                      eval_windows=eval_windows)
         check_hyper(cfg, hyper)
         out = out or Path("ckpt")
         prepare_out_dir(out)
         if steps < 1:
             raise HslmError(f"--steps must be at least 1, got {steps}")
         corpus = load_corpus(data, cfg)
-        run = Run.fresh(cfg, hyper, corpus)
+        run = Run.fresh(cfg, hyper, corpus, plain=speed < 3)
 
     cfg, h = run.cfg, run.hyper
-    run.state.use_plain_layouts(speed < 3)
     save_tokenizer(out, run.corpus.tokenizer)
     if not quiet:
         click.echo(f"model {cfg.n_params:,} parameters | data {run.corpus.source}: "

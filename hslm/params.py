@@ -135,14 +135,6 @@ class ModelState:
                       self.plain, self.Tf, self.Tb, self.pf_offs, self.Pf, self.pb_offs, self.Pb,
                       PANEL, t0, t1)
 
-    def use_plain_layouts(self, plain: bool):
-        """Whether to keep Tf and Tb too (the per-position speeds read them)."""
-        if plain != self.plain:
-            self.plain = plain
-            self.Tf = np.zeros_like(self.theta) if plain else np.zeros(0)
-            self.Tb = np.zeros_like(self.theta) if plain else np.zeros(0)
-            self.requantize()
-
     def kernel_model(self) -> Model:
         c, tb = self.cfg, self.tables
         return Model(self.theta, self.offs, self.Tf, self.Tb, self.alpha, tb.pos, tb.cos,

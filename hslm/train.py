@@ -91,10 +91,12 @@ def rng_from_json(s: str) -> np.random.Generator:
 class Run:
     """A model, its optimiser state and its data, ready to take steps."""
 
-    def __init__(self, cfg: Config, hyper: Hyper, corpus: Corpus, theta, m, v, step, rng):
+    def __init__(self, cfg: Config, hyper: Hyper, corpus: Corpus, theta, m, v, step, rng,
+                 plain=True):
         self.cfg, self.hyper, self.corpus = cfg, hyper, corpus
         self.tables = Tables(cfg)
-        self.state = ModelState(cfg, theta, self.tables)
+        # plain: keep the layouts of the per-position speeds too (speed 3 needs only panels)
+        self.state = ModelState(cfg, theta, self.tables, plain=plain)
         self.m, self.v = m, v
         self.step = step
         self.rng = rng
@@ -103,15 +105,15 @@ class Run:
         self.norms = np.zeros(len(cfg.tensors()))
 
     @classmethod
-    def fresh(cls, cfg: Config, hyper: Hyper, corpus: Corpus) -> "Run":
+    def fresh(cls, cfg: Config, hyper: Hyper, corpus: Corpus, plain=True) -> "Run":
         theta = init_params(cfg, hyper.seed)
         # Windows come from their own stream, so the data order does not depend on the model.
         rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([hyper.seed, 1])))
         z = np.zeros(cfg.n_params)
-        return cls(cfg, hyper, corpus, theta, z, z.copy(), 0, rng)
+        return cls(cfg, hyper, corpus, theta, z, z.copy(), 0, rng, plain)
 
     @classmethod
-    def resume(cls, state_path: Path, corpus_for) -> "Run":
+    def resume(cls, state_path: Path, corpus_for, plain=True) -> "Run":
         st = ckpt.read(state_path, expect_kind="state")
         bin_path = state_path.with_suffix(".bin")
         pb = ckpt.read(bin_path, expect_kind="params")
@@ -125,7 +127,7 @@ class Run:
         if corpus.tokenizer.identity != st.meta.get("tokenizer"):
             raise HslmError("the tokenizer differs from the checkpoint's")
         return cls(st.config, hyper, corpus, pb.flat(), st.tensor("adam.m").copy(),
-                   st.tensor("adam.v").copy(), st.step, rng_from_json(st.meta["rng"]))
+                   st.tensor("adam.v").copy(), st.step, rng_from_json(st.meta["rng"]), plain)
 
     # ------------------------------------------------------------- stepping
     def lr_at(self, step):
