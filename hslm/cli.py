@@ -80,7 +80,7 @@ def train(ctx, model, data, steps, batch, loss_positions, lr, warmup, decay_step
         prepare_out_dir(out)
         cfg_flag = resolve_config(model) if "model" in given else None
 
-        def corpus_for(cfg, hyper, text_sha256):
+        def corpus_for(cfg, hyper, text_sha256, tokenizer):
             if cfg_flag is not None and cfg_flag != cfg:
                 raise HslmError(f"config mismatch: --model {model} differs from the checkpoint's "
                                 "configuration")
@@ -91,7 +91,7 @@ def train(ctx, model, data, steps, batch, loss_positions, lr, warmup, decay_step
                 if n in given and flags[n] != getattr(hyper, n):
                     raise HslmError(f"config mismatch: --{n.replace('_', '-')} {flags[n]} differs "
                                     f"from the checkpoint's {getattr(hyper, n)}")
-            return load_corpus(data, cfg, text_sha256)
+            return load_corpus(data, cfg, text_sha256, tokenizer)
 
         run = Run.resume(resume, corpus_for, plain=speed < 3)
         if steps <= run.step:

@@ -123,7 +123,8 @@ class Run:
         if pb.step != st.step or pb.config != st.config:
             raise HslmError(f"{bin_path} and {state_path} disagree on step or config")
         hyper = Hyper(**json.loads(st.meta["hyper"]))
-        corpus = corpus_for(st.config, hyper, st.meta.get("text_sha256"))
+        tok = saved_tokenizer(state_path.parent, st.meta.get("tokenizer"))
+        corpus = corpus_for(st.config, hyper, st.meta.get("text_sha256"), tok)
         if corpus.tokenizer.identity != st.meta.get("tokenizer"):
             raise HslmError("the tokenizer differs from the checkpoint's")
         return cls(st.config, hyper, corpus, pb.flat(), st.tensor("adam.m").copy(),
@@ -191,8 +192,21 @@ def tensor_parts(cfg: Config, n: int):
     return split_by_cost(np.diff(cfg.offsets()).astype(np.float64), n)
 
 
-def load_corpus(data, cfg: Config, expect_sha256=None) -> Corpus:
-    return Corpus.load(data, cfg.vocab, cfg.window, expect_sha256)
+def load_corpus(data, cfg: Config, expect_sha256=None, tokenizer=None) -> Corpus:
+    return Corpus.load(data, cfg.vocab, cfg.window, expect_sha256, tokenizer)
+
+
+def saved_tokenizer(folder: Path, identity):
+    """The run's tokenizer.json when it is the one the checkpoint names, else None
+    (the tokenizer is then learned again from the text: the same merges)."""
+    p = Path(folder) / "tokenizer.json"
+    if not p.exists():
+        return None
+    try:
+        tok = Tokenizer.from_json(p.read_text(encoding="utf-8"))
+    except (HslmError, OSError, UnicodeDecodeError):
+        return None
+    return tok if tok.identity == identity else None
 
 
 def save_tokenizer(out: Path, tok: Tokenizer):
