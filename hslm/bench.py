@@ -13,9 +13,10 @@ import numpy as np
 
 from . import checkpoint as ckpt
 from .config import Config
-from .optim import adamw_step
+from .optim import adamw_step, bias_corrections
+from .rng import Stream
 from .step import StepRunner
-from .train import Run, rng_state_json
+from .train import Run
 
 
 def machine_peak_gflops_per_core():
@@ -48,7 +49,7 @@ def checkpoint_digest(run: Run) -> str:
     """sha256 of the .bin and .state bytes the run would write now."""
     p = ckpt.params_blob(run.cfg, run.state.theta, run.step)
     s = ckpt.state_blob(run.cfg, run.m, run.v, run.step, ckpt.params_sha256_of(p),
-                        {"rng": rng_state_json(run.rng)})
+                        {"rng": run.rng.state_json()})
     return hashlib.sha256(p + s).hexdigest()
 
 
@@ -58,11 +59,11 @@ def bench_speed(cfg, hyper, corpus, speed, threads, steps, warm=True):
     try:
         if warm:  # compile / load the kernels and touch every buffer, outside the timing
             model = run.state.kernel_model()  # and without changing the run's state
-            w = corpus.draw_windows(np.random.default_rng(0), hyper.batch, cfg.window)
+            w = corpus.draw_windows(Stream.seeded("bench", 0), hyper.batch, cfg.window)
             runner.gradient(model, run.tables.vsa, w, hyper.loss_positions, run.grad)
             z = np.zeros(2)  # and the optimiser's kernel, on throwaway arrays
-            adamw_step(z, z.copy(), z.copy(), z.copy(), np.array([0, 2]), np.array([True]), 1,
-                       0.0, 0.0, np.zeros(1), 0, 1)
+            adamw_step(z, z.copy(), z.copy(), z.copy(), np.array([0, 2]), np.array([True]), 0.1,
+                       0.001, 0.0, 0.0, np.zeros(1), 0, 1)
         losses = []
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -96,7 +97,7 @@ def torch_baseline(cfg, hyper, corpus, dtype_name, steps):
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": hyper.weight_decay},
                              {"params": other, "weight_decay": 0.0}], lr=hyper.lr)
     table = vsa_table(cfg)
-    rng = np.random.default_rng(0)
+    rng = Stream.seeded("bench", 0)
     batches = [corpus.draw_windows(rng, hyper.batch, cfg.window) for _ in range(steps + 1)]
     vsas = [np.stack([vsa_stream(cfg, table, w) for w in b]) for b in batches]
 
@@ -134,7 +135,7 @@ def profile_layerwise(cfg, hyper, corpus, steps=3):
     t_wg = runner.timings["weight gradients"] / steps
     model = run.state.kernel_model()
     w = runner.workers[0]
-    windows = corpus.draw_windows(np.random.default_rng(0), hyper.batch, cfg.window)
+    windows = corpus.draw_windows(Stream.seeded("bench", 0), hyper.batch, cfg.window)
     k = hyper.loss_positions
 
     def timed(f):
@@ -152,8 +153,8 @@ def profile_layerwise(cfg, hyper, corpus, steps=3):
     norms = np.zeros(len(cfg.tensors()))
 
     def opt():
-        adamw_step(th, run.grad, m, v, run.state.offs, run.decay, 5, 1e-9, 0.0, norms, 0,
-                   len(norms))
+        adamw_step(th, run.grad, m, v, run.state.offs, run.decay, *bias_corrections(5), 1e-9,
+                   0.0, norms, 0, len(norms))
         run.state.requantize()
 
     t_opt = timed(opt)

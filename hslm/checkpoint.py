@@ -20,7 +20,8 @@ __metadata__ (all values strings): format "hslm", format_version "1", kind
 data section). The state adds: params_sha256 (the data_sha256 of the .bin it
 belongs to), rng (the data generator's state, JSON), hyper (the training
 hyper-parameters, JSON), tokenizer (sha256 identity), text_sha256 and
-data_source.
+data_source ("built-in <name>" or "--data text": never a path, so that the bytes do
+not depend on how a path was spelled).
 
 Files are written atomically: a temporary file in the same folder, flushed and
 fsynced, then renamed over the final name, so a reader never sees a half

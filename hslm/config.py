@@ -11,8 +11,9 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
-PHI = (1.0 + math.sqrt(5.0)) / 2.0
-PHI_INV3 = PHI ** -3  # 0.2360679...
+from .precise import inverse_power_scale
+
+PHI = (1.0 + math.sqrt(5.0)) / 2.0  # basic operations only: the same bits everywhere
 
 # Index of each tensor inside a block, in checkpoint order.
 BLOCK_TENSORS = ("gamma", "Wq", "Wk", "Wv", "Wo", "Wup", "bup", "Wdown", "bdown")
@@ -48,13 +49,16 @@ class Config:
             raise ValueError("config: head_width must be at least 2")
 
     # -- fixed scales (spec section 5)
+    # computed at high precision and rounded once (hslm.precise): no C pow() decides a bit
     @property
     def attn_scale(self) -> float:
-        return float(self.head_width) ** (-PHI_INV3)
+        """dh^(-phi^-3)."""
+        return inverse_power_scale(self.head_width)
 
     @property
     def head_scale(self) -> float:
-        return float(self.width) ** (-PHI_INV3)
+        """d^(-phi^-3)."""
+        return inverse_power_scale(self.width)
 
     # -- layout
     def tensors(self):

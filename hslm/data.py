@@ -9,8 +9,10 @@ training text gives exactly the sequence the training produced.
 """
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -24,10 +26,25 @@ FIRST_MERGE = N_SPECIAL + 256
 VALID_SHARE = 0.1
 
 
+# The built-in corpus: one fixed text shipped with the package, the same on every Python
+# (hslm/corpus/README.md says what it is and under which licence).
+BUILTIN_NAME = "python-3.11.7-pydoc-topics"
+BUILTIN_FILE = Path(__file__).parent / "corpus" / f"{BUILTIN_NAME}.txt.gz"
+BUILTIN_SHA256 = "71f2ff5d99bdc1f9c48c5c2353ad138201c5ca1c377e0226857ef8fa89b8bcee"
+BUILTIN_SOURCE = f"built-in {BUILTIN_NAME}"
+
+
 def builtin_text() -> str:
-    """The Python documentation topics that ship with CPython, in sorted key order."""
-    from pydoc_data.topics import topics
-    return "\n\n".join(topics[k] for k in sorted(topics))
+    """The pydoc topics text of CPython 3.11.7 (sorted keys, joined by blank lines),
+    shipped with hslm and checked against its sha256."""
+    try:
+        raw = gzip.decompress(BUILTIN_FILE.read_bytes())
+    except (OSError, EOFError, zlib.error) as e:
+        raise HslmError(f"the built-in corpus {BUILTIN_FILE} cannot be read: {e}") from None
+    if hashlib.sha256(raw).hexdigest() != BUILTIN_SHA256:
+        raise HslmError(f"the built-in corpus {BUILTIN_FILE} is damaged (checksum mismatch); "
+                        "reinstall hslm")
+    return raw.decode("utf-8")
 
 
 @njit(cache=True)
@@ -178,20 +195,27 @@ class Corpus:
     def load(cls, data, vocab: int, window: int, expect_sha256=None, tokenizer=None) -> "Corpus":
         """The built-in corpus (data None) or a UTF-8 file; with expect_sha256, the text
         must be the one a checkpoint was trained on. A given tokenizer is used as it is."""
-        text, source = (builtin_text(), "built-in pydoc topics") if data is None else (
+        text, source = (builtin_text(), BUILTIN_SOURCE) if data is None else (
             read_text(data), str(data))
         if expect_sha256 is not None and text_sha256(text) != expect_sha256:
             raise HslmError(f"the training text ({source}) differs from the one the checkpoint "
                             "was trained on; pass the same --data")
         return cls(text, vocab, window, source, tokenizer)
 
-    def draw_windows(self, rng: np.random.Generator, batch: int, window: int) -> np.ndarray:
-        """[batch, window + 1] token windows with uniform start offsets in the training split."""
-        starts = rng.integers(0, len(self.train) - window, size=batch)
+    def draw_windows(self, rng, batch: int, window: int) -> np.ndarray:
+        """[batch, window + 1] token windows with uniform start offsets in the training
+        split, from an hslm.rng.Stream."""
+        starts = rng.integers(batch, len(self.train) - window)
         return np.stack([self.train[s:s + window + 1] for s in starts]).astype(np.int64)
 
     def validation_windows(self, count: int, window: int) -> np.ndarray:
-        """Up to `count` non-overlapping windows spread evenly over the validation split."""
+        """Up to `count` non-overlapping windows spread evenly over the validation split:
+        window i * (n - 1) / (c - 1), rounded half up, in integers (no float rounding)."""
         n_win = (len(self.valid) - 1) // window
-        idx = np.unique(np.linspace(0, n_win - 1, num=min(count, n_win)).round().astype(int))
+        c = min(count, n_win)
+        if c == 1:
+            idx = np.zeros(1, np.int64)
+        else:
+            idx = np.unique((2 * np.arange(c, dtype=np.int64) * (n_win - 1) + (c - 1))
+                            // (2 * (c - 1)))
         return np.stack([self.valid[i * window:i * window + window + 1] for i in idx])

@@ -27,6 +27,7 @@ from numba import njit
 
 from .config import (BDOWN, BUP, GAMMA, TENSORS_PER_BLOCK, WDOWN, WK, WO, WQ, WUP, WV)
 from .kernels import ternary_matmul_rows
+from .mathfn import exp, log
 from .panel_kernels import PANEL
 
 RMS_EPS = 1e-6
@@ -240,7 +241,7 @@ def attention_forward(q, K, Vc, p, H, dh, scale, A, o):
                 m = s
         z = 0.0
         for j in range(p + 1):
-            ex = math.exp(A[h, j] - m)
+            ex = exp(A[h, j] - m)
             A[h, j] = ex
             z += ex
         for j in range(p + 1):
@@ -295,11 +296,11 @@ def loss_forward_backward(z, target, scale, dz):
     se = 0.0
     zs = 0.0
     for j in range(V):
-        ex = math.exp(z[j] - m)
+        ex = exp(z[j] - m)
         dz[j] = ex  # kept, so exp runs once per id
         se += ex
         zs += z[j]
-    lse = m + math.log(se)
+    lse = m + log(se)
     loss = (1.0 - eps) * (lse - z[target]) + eps * (lse - zs / V)
     for j in range(V):
         g = dz[j] / se - eps / V

@@ -1,9 +1,14 @@
-"""AdamW with per-tensor clipping and the warm-up + cosine schedule (spec section 8)."""
+"""AdamW with per-tensor clipping and the warm-up + cosine schedule (spec section 8).
+
+The schedule's cosine and the bias corrections 1 - beta^t are computed at high
+precision and rounded once (hslm.precise), so no C library decides a bit."""
 from __future__ import annotations
 
 import math
 
 from numba import njit
+
+from . import precise
 
 BETA1, BETA2, ADAM_EPS = 0.9, 0.999, 1e-8
 CLIP_NORM = 1.0
@@ -12,24 +17,33 @@ CLIP_NORM = 1.0
 def learning_rate(step: int, peak: float, warmup: int, decay_steps: int) -> float:
     """Step counts from 1: linear warm-up from 0 over `warmup` steps, then cosine
     decay to 10% of the peak at `decay_steps`, and 10% after that."""
+    ctx, D = precise.CTX, precise.D
     if warmup > 0 and step <= warmup:
-        return peak * step / warmup
+        return precise.to_f64(ctx.divide(ctx.multiply(D(peak), D(step)), D(warmup)))
     span = max(decay_steps - warmup, 1)
-    progress = min(max((step - warmup) / span, 0.0), 1.0)
-    return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+    progress = min(max(ctx.divide(D(step - warmup), D(span)), D(0)), D(1))
+    cos = precise.cos(ctx.multiply(precise.PI, progress))
+    share = ctx.add(D("0.1"), ctx.multiply(D("0.45"), ctx.add(D(1), cos)))
+    return precise.to_f64(ctx.multiply(D(peak), share))
+
+
+def bias_corrections(step: int):
+    """(1 - beta1^t, 1 - beta2^t) for step t >= 1, correctly rounded."""
+    ctx, D = precise.CTX, precise.D
+    return tuple(precise.to_f64(ctx.subtract(D(1), ctx.power(D(beta), step)))
+                 for beta in (BETA1, BETA2))
 
 
 @njit(cache=True, nogil=True)
-def adamw_step(theta, grad, m, v, offs, decay, step, lr, weight_decay, norms, t0, t1):
+def adamw_step(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, norms, t0, t1):
     """One AdamW update in place, tensor by tensor.
 
     Each tensor's gradient is clipped to L2 norm 1 on its own (g * (1 / norm)
     when norm > 1); its pre-clip norm goes to norms[t]. Weight decay is
     decoupled and applies where decay[t]. The update follows torch.optim.AdamW:
     w *= 1 - lr wd; w -= (lr / (1 - b1^t)) * m / (sqrt(v) / sqrt(1 - b2^t) + eps).
+    bc1, bc2 are the bias corrections 1 - beta^t (bias_corrections).
     Updates tensors t0..t1-1: tensors are independent, so threads may split them."""
-    bc1 = 1.0 - BETA1 ** step
-    bc2 = 1.0 - BETA2 ** step
     step_size = lr / bc1
     sbc2 = math.sqrt(bc2)
     for t in range(t0, t1):

@@ -7,19 +7,21 @@ from numba import njit
 from .config import Config
 from .ops import Model
 from .panel_kernels import PANEL
+from .rng import Stream
 from .tables import Tables
 
 
 def init_params(cfg: Config, seed: int) -> np.ndarray:
-    """Spec section 2: one generator, tensors drawn in parameter order."""
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed)))
+    """Spec section 2: one stream ("init", hslm.rng), tensors drawn in parameter order;
+    uniform(-1, 1) is 2u - 1 (exact), divided by the correctly rounded sqrt(fan_in)."""
+    rng = Stream.seeded("init", seed)
     parts = []
     for name, shape, kind in cfg.tensors():
         n = int(np.prod(shape))
         if kind == "ternary":
-            parts.append(rng.uniform(-1.0, 1.0, n) / np.sqrt(shape[0]))
+            parts.append((2.0 * rng.uniform(n) - 1.0) / np.sqrt(float(shape[0])))
         elif kind == "embed":
-            parts.append(rng.uniform(-1.0, 1.0, n) / np.sqrt(cfg.width))
+            parts.append((2.0 * rng.uniform(n) - 1.0) / np.sqrt(float(cfg.width)))
         elif kind == "gain":
             parts.append(np.ones(n))
         else:

@@ -2,9 +2,37 @@
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from .data import N_SPECIAL
+from .mathfn import exp
+from .rng import Stream
 from .step import Worker
+
+
+@njit(cache=True)
+def draw_index(z, u):
+    """The id whose cumulative share of sum(exp(z - max z)) first exceeds u in [0, 1):
+    the weights, their running sum and the comparison in one fixed order, with
+    hslm.mathfn's exp, so a seed gives the same text on every machine."""
+    m = -np.inf
+    for j in range(z.shape[0]):
+        if z[j] > m:
+            m = z[j]
+    total = 0.0
+    for j in range(z.shape[0]):
+        total += exp(z[j] - m)
+    target = u * total
+    acc = 0.0
+    last = 0
+    for j in range(z.shape[0]):
+        w = exp(z[j] - m)
+        if w > 0.0:
+            last = j
+            acc += w
+            if acc > target:
+                return j
+    return last  # u * total rounded up to the total: the last id with any weight
 
 
 def next_token_logits(worker: Worker, model, vsa_table, context: np.ndarray, L: int):
@@ -20,7 +48,7 @@ def next_token_logits(worker: Worker, model, vsa_table, context: np.ndarray, L: 
 def sample(worker, model, vsa_table, prompt_ids, n_tokens, temperature, top_k, seed, L,
            bos_id=1):
     """Returns the generated ids (the prompt excluded)."""
-    rng = np.random.Generator(np.random.PCG64(seed))
+    rng = Stream.seeded("sample", seed)
     ids = list(prompt_ids) if len(prompt_ids) else [bos_id]
     out = []
     for _ in range(n_tokens):
@@ -33,9 +61,7 @@ def sample(worker, model, vsa_table, prompt_ids, n_tokens, temperature, top_k, s
             if top_k and top_k < len(z):
                 cut = np.partition(z, -top_k)[-top_k]
                 z = np.where(z >= cut, z, -np.inf)
-            p = np.exp(z - z.max())
-            p /= p.sum()
-            t = int(rng.choice(len(p), p=p))
+            t = draw_index(z, rng.uniform(1)[0])
         ids.append(t)
         out.append(t)
     return out

@@ -4,21 +4,55 @@ None of these are parameters; they are made once per run from the config alone.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
-from .config import PHI, Config
+from . import precise
+from .config import Config
+from .rng import Stream
 
 # The VSA table's seed is fixed ("HSLM"): it does not depend on --seed.
 VSA_SEED = 0x48534C4D
 
 
+@lru_cache(maxsize=16)
+def _positional(d: int, L: int) -> np.ndarray:
+    # frequencies f_i = phi^(-2 floor(i/2) / d) 3 / pi, the angles p f_i, their sin or cos:
+    # at 50 digits (hslm.precise), rounded once, so no C library decides a bit
+    ctx = precise.CTX
+    out = np.empty((L, d), np.float64)
+    three_over_pi = ctx.divide(precise.D(3), precise.PI)
+    for i in range(d):
+        f = ctx.multiply(precise.power(precise.PHI, ctx.divide(precise.D(-2 * (i // 2)),
+                                                               precise.D(d))), three_over_pi)
+        for p in range(L):
+            s, c = precise.sin_cos(ctx.multiply(precise.D(p), f))
+            out[p, i] = precise.to_f64(s if i % 2 == 0 else c)
+    out.setflags(write=False)
+    return out
+
+
+@lru_cache(maxsize=16)
+def _rotary(dh: int, L: int):
+    ctx = precise.CTX
+    half = dh // 2
+    cos = np.empty((L, half), np.float64)
+    sin = np.empty((L, half), np.float64)
+    for c in range(half):
+        rate = precise.power(precise.PHI, ctx.divide(precise.D(-2 * c), precise.D(dh)))
+        for p in range(L):
+            s, co = precise.sin_cos(ctx.multiply(precise.D(p), rate))
+            cos[p, c], sin[p, c] = precise.to_f64(co), precise.to_f64(s)
+    cos.setflags(write=False)
+    sin.setflags(write=False)
+    return cos, sin
+
+
 def positional_table(cfg: Config) -> np.ndarray:
-    """P[p, i], shape [L, d]: sin(p f_i) at even i, cos(p f_i) at odd i."""
-    d, L = cfg.width, cfg.window
-    i = np.arange(d)
-    f = PHI ** (-2.0 * (i // 2) / d) * 3.0 / np.pi
-    ang = np.arange(L)[:, None] * f[None, :]
-    return np.where(i % 2 == 0, np.sin(ang), np.cos(ang)).astype(np.float64)
+    """P[p, i], shape [L, d]: sin(p f_i) at even i, cos(p f_i) at odd i,
+    f_i = phi^(-2 floor(i/2) / d) * 3 / pi."""
+    return _positional(cfg.width, cfg.window).copy()
 
 
 def rotary_tables(cfg: Config):
@@ -26,14 +60,13 @@ def rotary_tables(cfg: Config):
 
     Pair c of each head is (c, c + dh // 2); an odd head width leaves its last
     element as it is."""
-    half = cfg.head_width // 2
-    c = np.arange(half)
-    theta = np.arange(cfg.window)[:, None] * PHI ** (-2.0 * c / cfg.head_width)[None, :]
-    return np.ascontiguousarray(np.cos(theta)), np.ascontiguousarray(np.sin(theta))
+    cos, sin = _rotary(cfg.head_width, cfg.window)
+    return cos.copy(), sin.copy()
 
 
 def vsa_table(cfg: Config, structured: bool = False) -> np.ndarray:
-    """Ternary [V, D_vsa] int8 table, uniform over {-1, 0, +1} from a fixed seed.
+    """Ternary [V, D_vsa] int8 table, uniform over {-1, 0, +1}, row by row from the
+    fixed-seed "vsa" stream (hslm.rng).
 
     structured=True gives rows that are constant vectors (row t is all
     (t % 3) - 1), which rotation leaves unchanged, so the gate fires at p > 0
@@ -41,8 +74,8 @@ def vsa_table(cfg: Config, structured: bool = False) -> np.ndarray:
     if structured:
         row = (np.arange(cfg.vocab) % 3 - 1).astype(np.int8)
         return np.ascontiguousarray(np.repeat(row[:, None], cfg.vsa_dim, axis=1))
-    rng = np.random.Generator(np.random.PCG64(VSA_SEED))
-    return rng.integers(-1, 2, size=(cfg.vocab, cfg.vsa_dim)).astype(np.int8)
+    trits = Stream.seeded("vsa", VSA_SEED).integers(cfg.vocab * cfg.vsa_dim, 3) - 1
+    return trits.astype(np.int8).reshape(cfg.vocab, cfg.vsa_dim)
 
 
 class Tables:

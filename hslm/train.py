@@ -10,11 +10,12 @@ import numpy as np
 
 from . import checkpoint as ckpt
 from .config import PRESETS, Config
-from .data import Corpus, Tokenizer
+from .data import BUILTIN_SOURCE, Corpus, Tokenizer
 from .errors import HslmError
-from .optim import adamw_step, learning_rate
+from .optim import adamw_step, bias_corrections, learning_rate
 from .params import ModelState, init_params, ternary_mask
 from .step import StepRunner
+from .rng import Stream
 from .tables import Tables
 
 
@@ -78,16 +79,6 @@ def remove_torn_writes(out: Path):
             pass
 
 
-def rng_state_json(rng: np.random.Generator) -> str:
-    return json.dumps(rng.bit_generator.state, sort_keys=True, separators=(",", ":"))
-
-
-def rng_from_json(s: str) -> np.random.Generator:
-    bg = np.random.PCG64()
-    bg.state = json.loads(s)
-    return np.random.Generator(bg)
-
-
 class Run:
     """A model, its optimiser state and its data, ready to take steps."""
 
@@ -108,7 +99,7 @@ class Run:
     def fresh(cls, cfg: Config, hyper: Hyper, corpus: Corpus, plain=True) -> "Run":
         theta = init_params(cfg, hyper.seed)
         # Windows come from their own stream, so the data order does not depend on the model.
-        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([hyper.seed, 1])))
+        rng = Stream.seeded("windows", hyper.seed)
         z = np.zeros(cfg.n_params)
         return cls(cfg, hyper, corpus, theta, z, z.copy(), 0, rng, plain)
 
@@ -128,7 +119,7 @@ class Run:
         if corpus.tokenizer.identity != st.meta.get("tokenizer"):
             raise HslmError("the tokenizer differs from the checkpoint's")
         return cls(st.config, hyper, corpus, pb.flat(), st.tensor("adam.m").copy(),
-                   st.tensor("adam.v").copy(), st.step, rng_from_json(st.meta["rng"]), plain)
+                   st.tensor("adam.v").copy(), st.step, Stream.from_state_json(st.meta["rng"]), plain)
 
     # ------------------------------------------------------------- stepping
     def lr_at(self, step):
@@ -142,11 +133,12 @@ class Run:
         loss = runner.gradient(model, self.tables.vsa, windows, h.loss_positions, self.grad)
         self.step += 1
         lr = self.lr_at(self.step)
+        bc1, bc2 = bias_corrections(self.step)
 
         def update(part):  # tensors are independent: threads take contiguous runs of them
             t0, t1 = part
             adamw_step(self.state.theta, self.grad, self.m, self.v, self.state.offs, self.decay,
-                       self.step, lr, h.weight_decay, self.norms, t0, t1)
+                       bc1, bc2, lr, h.weight_decay, self.norms, t0, t1)
             self.state.requantize(t0, t1)
 
         runner.map_parts(update, tensor_parts(self.cfg, runner.threads))
@@ -161,11 +153,13 @@ class Run:
     def save(self, out: Path):
         pblob = ckpt.params_blob(self.cfg, self.state.theta, self.step)
         extra = {
-            "rng": rng_state_json(self.rng),
+            "rng": self.rng.state_json(),
             "hyper": self.hyper.to_json(),
             "tokenizer": self.corpus.tokenizer.identity,
             "text_sha256": self.corpus.text_sha256,
-            "data_source": self.corpus.source,
+            # what the text is, never how its path was spelled (the bytes must not depend on it)
+            "data_source": (BUILTIN_SOURCE if self.corpus.source == BUILTIN_SOURCE
+                            else "--data text"),
         }
         sblob = ckpt.state_blob(self.cfg, self.m, self.v, self.step,
                                 ckpt.params_sha256_of(pblob), extra)

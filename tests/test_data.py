@@ -1,5 +1,7 @@
 """Tokenizer, corpus and split."""
 import numpy as np
+
+from hslm.rng import Stream
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -37,7 +39,7 @@ def test_split_and_windows():
     assert len(c.valid) == int(n * 0.1) and len(c.train) + len(c.valid) == n
     assert np.array_equal(np.concatenate([c.train, c.valid]), c.tokens)
     assert c.tokenizer.decode(c.tokens) == builtin_text()
-    rng = np.random.default_rng(0)
+    rng = Stream.seeded("test", 0)
     w = c.draw_windows(rng, 64, 27)
     assert w.shape == (64, 28) and w.max() < 729
     v = c.validation_windows(64, 27)

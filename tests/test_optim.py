@@ -4,7 +4,7 @@ import math
 import numpy as np
 import torch
 
-from hslm.optim import adamw_step, learning_rate
+from hslm.optim import adamw_step, bias_corrections, learning_rate
 
 
 def test_adamw_matches_torch():
@@ -21,7 +21,7 @@ def test_adamw_matches_torch():
     for step in range(1, 6):
         lr = learning_rate(step, 0.01, 2, 5)
         g = rng.normal(size=offs[-1]) * (0.1 if step % 2 else 3.0)  # clipped on even steps
-        adamw_step(theta, g, m, v, offs, decay, step, lr, 0.01, norms, 0, 3)
+        adamw_step(theta, g, m, v, offs, decay, *bias_corrections(step), lr, 0.01, norms, 0, 3)
         for i, t in enumerate(ts):
             gi = torch.tensor(g[offs[i]:offs[i + 1]].copy())
             norm = gi.norm()
