@@ -1,0 +1,105 @@
+"""Golden digests: the bytes of a run are pinned, and the same on every machine.
+
+The data sha256 of ckpt_N.bin (the parameters) and ckpt_N.state (AdamW's moments)
+depend only on hslm's format, the config, the hyper-parameters, the seed and the
+text (README: "What the bytes depend on"). A change that moves one of these
+digests must say why in its commit.
+
+"Another machine" on this one: the same run in a fresh process with the C
+library's CPU-specific variants turned down (GLIBC_TUNABLES), numpy's SIMD
+dispatch turned off (NPY_DISABLE_CPU_FEATURES), the kernels compiled for a
+baseline x86-64 CPU (NUMBA_CPU_NAME=generic, slow: a cold compile) and, on
+AVX-512 machines, with 256-bit vectors only (slow: a cold compile).
+"""
+import hashlib
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT
+
+TINY_ARGS = ["--model", "hslm-tiny", "--seed", "1729", "--batch", "4", "--steps", "3"]
+# hslm train --model hslm-tiny --seed 1729 --batch 4 --steps 3 (speed 3, the default)
+GOLDEN_TINY = {
+    "ckpt_3.bin": "334757f949a90a4e",
+    "ckpt_3.state": "63360cae658b9a07",
+}
+# hslm train --steps 2 --seed 1729 (hslm-3, the built-in corpus, speed 3)
+GOLDEN_HSLM3 = {
+    "ckpt_2.bin": "f395d790a8d4c926",
+    "ckpt_2.state": "15846c7e57749bc8",
+}
+# numpy >= 2.3 names its x86 dispatch targets by level; older ones by feature
+NUMPY_SIMD_OFF = ("X86_V3 X86_V4 AVX512_ICL AVX512_SPR AVX512F AVX512CD AVX512_KNL AVX512_KNM "
+                  "AVX512_SKX AVX512_CLX AVX512_CNL AVX2 FMA3 AVX F16C")
+
+
+def data_sha256(path) -> str:
+    """sha256 of a checkpoint's data section (what GOLDEN_* pin), read independently of
+    hslm's loader: u64 header length, header, data."""
+    raw = open(path, "rb").read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    json.loads(raw[8:8 + n])
+    return hashlib.sha256(raw[8 + n:]).hexdigest()
+
+
+def train_in_fresh_process(out, args, env_extra=None):
+    env = dict(os.environ)
+    env.update(env_extra or {})
+    p = subprocess.run([sys.executable, str(ROOT / "cli.py"), "train", *args, "--out", str(out),
+                        "--quiet"], env=env, capture_output=True, text=True, timeout=1200)
+    assert p.returncode == 0, p.stderr
+    return {name: data_sha256(out / name)[:16] for name in sorted(os.listdir(out))
+            if name.startswith("ckpt_")}
+
+
+def npy_features_accepted():
+    """NPY_DISABLE_CPU_FEATURES with only the names this numpy knows (others are errors)."""
+    from numpy._core._multiarray_umath import __cpu_dispatch__  # noqa: PLC0415
+    names = [f for f in NUMPY_SIMD_OFF.split() if f in __cpu_dispatch__]
+    return " ".join(names)
+
+
+def test_golden_tiny_run(tmp_path):
+    assert train_in_fresh_process(tmp_path / "run", TINY_ARGS) == GOLDEN_TINY
+
+
+def test_golden_digests_notice_a_change(tmp_path):
+    """Negative control: one more step of the seed, or another seed, moves every digest."""
+    other = train_in_fresh_process(tmp_path / "run", [*TINY_ARGS[:3], "1730", *TINY_ARGS[4:]])
+    assert set(other) == set(GOLDEN_TINY)
+    assert all(other[k] != GOLDEN_TINY[k] for k in other)
+
+
+@pytest.mark.parametrize("env", [
+    {"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX2,-FMA,-AVX,-FMA4,-AVX512F"},
+    {"NPY_DISABLE_CPU_FEATURES": "numpy"},
+], ids=["glibc-no-fma-avx", "numpy-no-simd"])
+def test_same_bytes_on_another_machine(tmp_path, env):
+    if "NPY_DISABLE_CPU_FEATURES" in env:
+        env = {"NPY_DISABLE_CPU_FEATURES": npy_features_accepted()}
+    assert train_in_fresh_process(tmp_path / "run", TINY_ARGS, env) == GOLDEN_TINY
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["generic-cpu", "256-bit"])
+def test_same_bytes_with_other_kernels(tmp_path, variant):
+    """The kernels compiled for another CPU (their own cache folder: a cold compile)."""
+    env = {"NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    if variant == "generic-cpu":
+        env.update(NUMBA_CPU_NAME="generic", NUMBA_CPU_FEATURES="")
+    else:
+        import llvmlite.binding as ll  # noqa: PLC0415
+        if not ll.get_host_cpu_features().get("avx512f"):
+            pytest.skip("not an AVX-512 machine: 256-bit vectors are already the only width")
+        env["HSLM_VECTOR_WIDTH"] = "256"
+    assert train_in_fresh_process(tmp_path / "run", TINY_ARGS, env) == GOLDEN_TINY
+
+
+def test_golden_hslm3_run(tmp_path):
+    assert train_in_fresh_process(tmp_path / "run", ["--steps", "2", "--seed", "1729"]) == \
+        GOLDEN_HSLM3
