@@ -2,7 +2,7 @@
 import os as _os
 import sys as _sys
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def _writable_kernel_cache():

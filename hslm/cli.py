@@ -30,7 +30,7 @@ def cli():
 
 @cli.command()
 @click.option("--model", default="hslm-3", show_default=True,
-              help="Model configuration (hslm-3, hslm-tiny, hslm-test).")
+              help="A preset (see `hslm info`) or a JSON file of config fields.")
 @click.option("--data", type=click.Path(path_type=Path), default=None,
               help="UTF-8 text file to train on [default: the built-in pydoc topics].")
 @click.option("--steps", type=int, default=10, show_default=True,
@@ -214,11 +214,23 @@ def diff(ctx, a, b):
 
 
 @cli.command()
-@click.argument("file", type=click.Path(path_type=Path))
+@click.argument("file", required=False)
 def info(file):
-    """Describe a checkpoint: config, step, checksum, ternary shares."""
+    """Describe a checkpoint (config, step, checksum, ternary shares), a model config
+    (a preset name or a JSON file), or, with no argument, list the presets."""
+    from .config import PRESETS
+    if file is None or file in PRESETS or file.endswith(".json"):
+        from .train import resolve_config
+        configs = [(n, resolve_config(n)) for n in (list(PRESETS) if file is None else [file])]
+        click.echo(f"{'model':12s} {'parameters':>12s}  vocab width heads x head_width mlp "
+                   "blocks window vsa_dim")
+        for name, c in configs:
+            click.echo(f"{name:12s} {c.n_params:>12,}  {c.vocab:5d} {c.width:5d} {c.heads:5d} x "
+                       f"{c.head_width:<10d} {c.mlp:4d} {c.blocks:6d} {c.window:6d} "
+                       f"{c.vsa_dim:7d}")
+        return
     from .inspect import describe
-    for line in describe(file):
+    for line in describe(Path(file)):
         click.echo(line)
 
 

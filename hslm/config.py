@@ -21,6 +21,13 @@ GAMMA, WQ, WK, WV, WO, WUP, BUP, WDOWN, BDOWN = range(9)
 TENSORS_PER_BLOCK = len(BLOCK_TENSORS)
 
 
+MAX_WINDOW = 81  # docs/model.md section 1: the definition bounds the window
+# Bounds far beyond any model this trainer is for; they keep sizes (and int32 index
+# arithmetic in the kernels) sane before anything is allocated.
+LIMITS = {"vocab": 1 << 20, "width": 1 << 14, "mlp": 1 << 16, "blocks": 1 << 10,
+          "vsa_dim": 1 << 16}
+
+
 @dataclass(frozen=True)
 class Config:
     """Model dimensions. Written into every checkpoint."""
@@ -35,18 +42,31 @@ class Config:
     vsa_dim: int = 1024   # D_vsa, >= 4 d
 
     def __post_init__(self):
+        """Each rule says what is wrong and what would fix it (a ValueError, one line)."""
         for f in fields(self):
             v = getattr(self, f.name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"config {f.name} must be a positive integer, got {v!r}")
         if self.heads * self.head_width != self.width:
-            raise ValueError("config: heads * head_width must equal width")
-        if self.vsa_dim < 4 * self.width:
-            raise ValueError("config: vsa_dim must be at least 4 * width")
-        if self.window > 81:
-            raise ValueError("config: window must be at most 81")
+            fix = (f"set head_width to {self.width // self.heads}"
+                   if self.width % self.heads == 0 else
+                   f"set width to {self.heads * self.head_width}")
+            raise ValueError(f"config: heads * head_width must equal width ({self.heads} * "
+                             f"{self.head_width} = {self.heads * self.head_width}, width "
+                             f"{self.width}): {fix}")
         if self.head_width < 2:
-            raise ValueError("config: head_width must be at least 2")
+            raise ValueError(f"config: head_width must be at least 2 (rotary turns pairs), "
+                             f"got {self.head_width}: use fewer heads")
+        if self.vsa_dim < 4 * self.width:
+            raise ValueError(f"config: vsa_dim must be at least 4 * width = {4 * self.width} "
+                             f"(each model coordinate reads 4 trits), got {self.vsa_dim}")
+        if self.window > MAX_WINDOW:
+            raise ValueError(f"config: window must be at most {MAX_WINDOW} (the model "
+                             f"definition's bound), got {self.window}")
+        for name, top in LIMITS.items():
+            if getattr(self, name) > top:
+                raise ValueError(f"config: {name} must be at most {top:,}, got "
+                                 f"{getattr(self, name):,}")
 
     # -- fixed scales (spec section 5)
     # computed at high precision and rounded once (hslm.precise): no C pow() decides a bit
@@ -102,6 +122,22 @@ class Config:
     def from_json(cls, s: str) -> "Config":
         return cls(**json.loads(s))
 
+    @classmethod
+    def from_dict(cls, obj) -> "Config":
+        """A config from a JSON object with exactly the config's fields (ValueError if not)."""
+        names = [f.name for f in fields(cls)]
+        if not isinstance(obj, dict):
+            raise ValueError("a model config must be a JSON object with the fields "
+                             + ", ".join(names))
+        missing = [n for n in names if n not in obj]
+        unknown = sorted(set(obj) - set(names))
+        if missing or unknown:
+            raise ValueError("; ".join(
+                ([f"missing {', '.join(missing)}"] if missing else [])
+                + ([f"unknown {', '.join(unknown)}"] if unknown else []))
+                + f" (the fields are {', '.join(names)})")
+        return cls(**{n: obj[n] for n in names})
+
     def flops_per_token(self, scored_share: float = 1.0) -> float:
         """Matrix FLOPs (2 per multiply-add) per token: forward, input gradient, weight gradient.
 
@@ -124,6 +160,10 @@ def wout_index(cfg: Config) -> int:
 PRESETS = {
     # The default model: 2,130,138 parameters.
     "hslm-3": Config(),
+    # The same family, one dimension grown (hslm info lists their parameter counts):
+    "hslm-3-deep": Config(blocks=6),                                     # 3,905,253
+    "hslm-3-wide": Config(width=486, heads=6, mlp=1458, vsa_dim=2048),  # 7,802,487
+    "hslm-3-long": Config(window=81),                                    # 2,130,138
     # Kernel tests: the spec's small configuration of the same shape (oracles in ms).
     "hslm-test": Config(vocab=27, width=9, heads=3, head_width=3, mlp=27, blocks=2,
                         window=9, vsa_dim=64),

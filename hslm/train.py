@@ -11,7 +11,7 @@ import numpy as np
 from . import checkpoint as ckpt
 from .config import PRESETS, Config
 from .data import BUILTIN_SOURCE, Corpus, Tokenizer
-from .errors import HslmError
+from .errors import HslmError, read_bytes
 from .optim import adamw_step, bias_corrections, learning_rate
 from .params import ModelState, init_params, ternary_mask
 from .step import StepRunner
@@ -231,6 +231,19 @@ def load_for_inference(path, data=None):
 
 
 def resolve_config(model: str) -> Config:
-    if model not in PRESETS:
-        raise HslmError(f"unknown --model {model!r}; choose one of {', '.join(PRESETS)}")
-    return PRESETS[model]
+    """A preset name, or the path of a JSON file with the config's fields."""
+    if model in PRESETS:
+        return PRESETS[model]
+    path = Path(model)
+    if not (model.endswith(".json") or path.exists()):
+        raise HslmError(f"unknown --model {model!r}: give a preset ({', '.join(PRESETS)}) "
+                        "or a JSON file of config fields")
+    raw = read_bytes(path, "model config")
+    if len(raw) > 65536:
+        raise HslmError(f"model config {path} is {len(raw):,} bytes; a config is a small "
+                        "JSON object")
+    try:
+        return Config.from_dict(json.loads(raw.decode("utf-8")))
+    except (ValueError, TypeError, RecursionError, UnicodeDecodeError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise HslmError(f"model config {path}: {msg}") from None

@@ -1,0 +1,149 @@
+"""Every speed exact on awkward shapes: where the register-tiled kernels' edges are.
+
+Odd head widths, MLP widths and vocabularies that are not multiples of the panel
+(24 columns) or the tile (3 rows), one block, a window of 2, widths below the
+tile size: speeds 1-3 against speed 0 with == on the bits (k = L and k = 1,
+random and structured VSA tables), speed 0 against the PyTorch f64 oracle, and
+whole runs from a JSON model file at every speed and 1-3 threads.
+"""
+import json
+
+import numpy as np
+import pytest
+
+from hslm.config import Config, TENSORS_PER_BLOCK
+from hslm.oracle_torch import oracle_window
+from hslm.panel_kernels import PANEL, ROWS
+from hslm.params import ModelState, init_params
+from hslm.tables import Tables
+
+from helpers import assert_bits_equal, window_result
+from test_oracle import close
+from test_speeds import assert_same_window, reordered_wout_gradient
+from test_train import run
+
+SHAPES = {
+    # odd head width (5), one block, a window of 2, everything below a panel
+    "odd-head-window-2": Config(vocab=31, width=10, heads=2, head_width=5, mlp=25, blocks=1,
+                                window=2, vsa_dim=40),
+    # width 14 < one panel, mlp 50 = 2 panels + 2, vocab 263 = 10 panels + 23
+    "narrow": Config(vocab=263, width=14, heads=2, head_width=7, mlp=50, blocks=2, window=5,
+                     vsa_dim=56),
+    # every dimension odd and prime-ish: 33 = 24 + 9, 97 = 4 * 24 + 1, 101 = 4 * 24 + 5
+    "odd": Config(vocab=101, width=33, heads=3, head_width=11, mlp=97, blocks=1, window=13,
+                  vsa_dim=132),
+    # one head, a vocabulary of 761 = 31 panels + 17, window 7 (not a multiple of 3 rows)
+    "one-head": Config(vocab=761, width=27, heads=1, head_width=27, mlp=53, blocks=2, window=7,
+                       vsa_dim=108),
+}
+
+
+def test_the_shapes_reach_the_kernels_edges():
+    for cfg in SHAPES.values():
+        assert any(n % PANEL for n in (cfg.width, cfg.mlp, cfg.vocab))
+    assert any(c.window % ROWS for c in SHAPES.values())
+    assert any(c.head_width % 2 for c in SHAPES.values())
+    assert any(c.width < PANEL for c in SHAPES.values())
+
+
+_cache = {}
+
+
+def setup(name, structured):
+    key = (name, structured)
+    if key not in _cache:
+        cfg = SHAPES[name]
+        tb = Tables(cfg, structured_vsa=structured)
+        ms = ModelState(cfg, init_params(cfg, 3), tb)
+        tokens = np.random.default_rng(1).integers(0, cfg.vocab, cfg.window + 1)
+        _cache[key] = cfg, tb, ms, tokens
+    return _cache[key]
+
+
+@pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.parametrize("structured", [False, True], ids=["random-vsa", "structured-vsa"])
+@pytest.mark.parametrize("k_all", [True, False], ids=["k=L", "k=1"])
+def test_every_speed_is_bit_identical_on_awkward_shapes(name, structured, k_all):
+    cfg, tb, ms, tokens = setup(name, structured)
+    k = cfg.window if k_all else 1
+    ref = window_result(0, cfg, tb, ms, tokens, k)[:4]
+    assert np.count_nonzero(ref[2]) > 0.3 * cfg.n_params
+    for speed in (1, 2, 3):
+        assert_same_window(window_result(speed, cfg, tb, ms, tokens, k), ref, f"speed {speed}")
+
+
+@pytest.mark.parametrize("name", ["odd", "one-head"])
+def test_negative_control_on_an_awkward_shape(name):
+    cfg, tb, ms, tokens = setup(name, False)
+    k = cfg.window
+    ref = window_result(0, cfg, tb, ms, tokens, k)[:4]
+    loss, logits, grad, dx0, worker = window_result(3, cfg, tb, ms, tokens, k)
+    t = 1 + cfg.blocks * TENSORS_PER_BLOCK
+    offs = cfg.offsets()
+    bad = grad.copy()
+    bad[offs[t]:offs[t + 1]] = reordered_wout_gradient(cfg, worker, k)
+    with pytest.raises(AssertionError, match="gradient: [1-9][0-9]* of"):
+        assert_same_window((loss, logits, bad, dx0), ref, "reordered")
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_speed0_matches_torch_on_awkward_shapes(name):
+    cfg, tb, ms, tokens = setup(name, False)
+    k = cfg.window
+    loss, logits, grad, dx0, _ = window_result(0, cfg, tb, ms, tokens, k)
+    t_loss, t_logits, t_grad, t_dx0, _ = oracle_window(cfg, ms.theta, tb.vsa, tokens, k)
+    assert abs(loss - t_loss) <= 1e-9 * abs(t_loss)
+    close(logits, t_logits, "logits")
+    close(dx0, t_dx0, "dloss/dx_0")
+    offs = cfg.offsets()
+    for t, (tname, _, _) in enumerate(cfg.tensors()):
+        close(grad[offs[t]:offs[t + 1]], t_grad[offs[t]:offs[t + 1]], f"gradient of {tname}")
+
+
+def test_whole_runs_from_a_json_model_agree_at_every_speed_and_thread_count(tmp_path, capsys):
+    model = tmp_path / "narrow.json"
+    model.write_text(json.dumps({f: getattr(SHAPES["narrow"], f) for f in
+                                 ("vocab", "width", "heads", "head_width", "mlp", "blocks",
+                                  "window", "vsa_dim")}))
+    args = ["train", "--model", model, "--seed", 5, "--batch", 3, "--steps", 2, "--quiet"]
+    code, _, err = run(capsys, *args, "--speed", 0, "--threads", 1, "--out", tmp_path / "ref")
+    assert code == 0, err
+    ref = {e: (tmp_path / "ref" / f"ckpt_2.{e}").read_bytes() for e in ("bin", "state")}
+    for speed in (1, 2, 3):
+        for threads in (1, 2, 3):
+            out = tmp_path / f"s{speed}t{threads}"
+            code, _, err = run(capsys, *args, "--speed", speed, "--threads", threads,
+                               "--out", out)
+            assert code == 0, err
+            for e in ("bin", "state"):
+                assert (out / f"ckpt_2.{e}").read_bytes() == ref[e], (speed, threads, e)
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"heads": 3, "head_width": 9}, "heads * head_width must equal width (3 * 9 = 27, width 243):"
+                                    " set head_width to 81"),
+    ({"head_width": 1, "heads": 243}, "head_width must be at least 2"),
+    ({"vsa_dim": 100}, "vsa_dim must be at least 4 * width = 972"),
+    ({"window": 82}, "window must be at most 81"),
+    ({"blocks": 0}, "blocks must be a positive integer, got 0"),
+    ({"mlp": 2.5}, "mlp must be a positive integer, got 2.5"),
+    ({"vocab": 10**9}, "vocab must be at most 1,048,576"),
+    ({"depth": 3}, "unknown depth"),
+])
+def test_a_bad_model_file_is_one_line_that_says_what_to_fix(tmp_path, capsys, fields, message):
+    obj = {"vocab": 729, "width": 243, "heads": 3, "head_width": 81, "mlp": 729, "blocks": 3,
+           "window": 27, "vsa_dim": 1024}
+    obj.update(fields)
+    p = tmp_path / "m.json"
+    p.write_text(json.dumps(obj))
+    code, out, err = run(capsys, "train", "--model", p, "--out", tmp_path / "o")
+    assert code == 2 and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_info_lists_the_presets_with_their_parameter_counts(capsys):
+    code, out, _ = run(capsys, "info")
+    assert code == 0
+    for line in ("hslm-3          2,130,138", "hslm-3-deep     3,905,253",
+                 "hslm-3-wide     7,802,487", "hslm-3-long     2,130,138"):
+        assert line in out
