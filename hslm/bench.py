@@ -15,6 +15,7 @@ from . import checkpoint as ckpt
 from .config import Config
 from .optim import adamw_step, bias_corrections
 from .rng import Stream
+from .speeds import DEFAULT_SPEED, SPEEDS
 from .step import StepRunner
 from .train import Run
 
@@ -54,7 +55,7 @@ def checkpoint_digest(run: Run) -> str:
 
 
 def bench_speed(cfg, hyper, corpus, speed, threads, steps, warm=True):
-    run = Run.fresh(cfg, hyper, corpus, plain=speed < 3)
+    run = Run.fresh(cfg, hyper, corpus, plain=SPEEDS[speed].plain_layouts)
     runner = StepRunner(cfg, speed, threads)
     try:
         if warm:  # compile / load the kernels and touch every buffer, outside the timing
@@ -120,11 +121,12 @@ def torch_baseline(cfg, hyper, corpus, dtype_name, steps):
 
 def profile_layerwise(cfg, hyper, corpus, steps=3):
     """Per-phase milliseconds of a speed-3 step on one thread: [(phase, ms)]."""
+    from .layers import KERNEL_PANELS
     from .vsa import vsa_window
-    from .windows import window_forward_layerwise
+    from .windows import window_loss_layerwise
 
     run = Run.fresh(cfg, hyper, corpus, plain=False)
-    runner = StepRunner(cfg, 3, 1)
+    runner = StepRunner(cfg, DEFAULT_SPEED, 1)
     run.train_step(runner)  # warm
     runner.timings = {}
     t0 = time.perf_counter()
@@ -147,8 +149,8 @@ def profile_layerwise(cfg, hyper, corpus, steps=3):
 
     t_vsa = timed(lambda: [vsa_window(run.tables.vsa, x, cfg.blocks, cfg.width, w.vsa)
                            for x in windows])
-    t_fwd = timed(lambda: [window_forward_layerwise(model, x, w.vsa, k, w.acts, w.scr)
-                           for x in windows])
+    t_fwd = timed(lambda: [window_loss_layerwise(model, x, w.vsa, k, w.acts, w.scr,
+                                                 KERNEL_PANELS) for x in windows])
     th, m, v = run.state.theta.copy(), run.m.copy(), run.v.copy()
     norms = np.zeros(len(cfg.tensors()))
 

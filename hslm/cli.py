@@ -10,6 +10,7 @@ import click
 import numpy as np
 
 from .errors import HslmError
+from .speeds import DEFAULT_SPEED, SPEEDS, speed_help
 
 BYTE_OPTIONS = ("batch", "loss_positions", "lr", "warmup", "decay_steps", "weight_decay", "seed",
                 "eval_windows")
@@ -44,8 +45,8 @@ def cli():
               help="Step at which the cosine decay reaches 10% of the peak.")
 @click.option("--weight-decay", type=float, default=0.01, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--speed", type=click.IntRange(0, 3), default=3, show_default=True,
-              help="0 reference, 1 cached, 2 fast, 3 layerwise: all give the same bytes.")
+@click.option("--speed", type=click.Choice([str(n) for n in SPEEDS]), default=str(DEFAULT_SPEED),
+              show_default=True, help=speed_help())
 @click.option("--threads", type=click.IntRange(1, 1024), default=None,
               help="Threads for the windows of a step [default: the cores available].")
 @click.option("--out", type=click.Path(path_type=Path), default=None,
@@ -68,7 +69,8 @@ def train(ctx, model, data, steps, batch, loss_positions, lr, warmup, decay_step
           seed, speed, threads, out, save_every, eval_windows, resume, eval_every, metrics,
           log_every, quiet):
     """Train a model; writes OUT/ckpt_<step>.bin and OUT/ckpt_<step>.state."""
-    from .step import SPEED_NAMES
+    from .speeds import SPEED_NAMES
+    speed = int(speed)
     from .train import (Hyper, Run, check_hyper, load_corpus, prepare_out_dir,
                         resolve_config, save_tokenizer)
 
@@ -93,7 +95,7 @@ def train(ctx, model, data, steps, batch, loss_positions, lr, warmup, decay_step
                                     f"from the checkpoint's {getattr(hyper, n)}")
             return load_corpus(data, cfg, text_sha256, tokenizer)
 
-        run = Run.resume(resume, corpus_for, plain=speed < 3)
+        run = Run.resume(resume, corpus_for, plain=SPEEDS[speed].plain_layouts)
         if steps <= run.step:
             raise HslmError(f"{resume} is already at step {run.step}; pass --steps above it")
     else:
@@ -108,7 +110,7 @@ def train(ctx, model, data, steps, batch, loss_positions, lr, warmup, decay_step
         if steps < 1:
             raise HslmError(f"--steps must be at least 1, got {steps}")
         corpus = load_corpus(data, cfg)
-        run = Run.fresh(cfg, hyper, corpus, plain=speed < 3)
+        run = Run.fresh(cfg, hyper, corpus, plain=SPEEDS[speed].plain_layouts)
 
     cfg, h = run.cfg, run.hyper
     save_tokenizer(out, run.corpus.tokenizer)
@@ -255,7 +257,7 @@ def eval_cmd(ckpt_path, data, windows, loss_positions, threads):
     if not 1 <= k <= cfg.window:
         raise HslmError(f"--loss-positions must be between 1 and {cfg.window}, got {k}")
     corpus = Corpus.load(data, cfg.vocab, cfg.window, tokenizer=tok)
-    runner = StepRunner(cfg, 3, threads or default_threads())
+    runner = StepRunner(cfg, DEFAULT_SPEED, threads or default_threads())
     try:
         w = corpus.validation_windows(windows, cfg.window)
         v = runner.loss(state.kernel_model(), state.tables.vsa, w, k)
@@ -286,7 +288,7 @@ def sample(ckpt_path, prompt, n_tokens, temperature, top_k, seed, data):
     if tok is None:
         from .data import Corpus
         tok = Corpus.load(data, cfg.vocab, cfg.window).tokenizer
-    ids = sample_ids(Worker(cfg, 3), state.kernel_model(), state.tables.vsa, tok.encode(prompt),
+    ids = sample_ids(Worker(cfg, DEFAULT_SPEED), state.kernel_model(), state.tables.vsa, tok.encode(prompt),
                      n_tokens, temperature, top_k, seed, cfg.window)
     click.echo(prompt + tok.decode(ids))
 
@@ -315,7 +317,7 @@ def _int_list(s, name):
 @cli.command()
 @click.option("--model", default="hslm-3", show_default=True)
 @click.option("--data", type=click.Path(path_type=Path), default=None)
-@click.option("--speeds", default="0,1,2,3", show_default=True, help="Speeds to compare.")
+@click.option("--speeds", default=",".join(map(str, SPEEDS)), show_default=True, help="Speeds to compare.")
 @click.option("--threads", default="1", show_default=True, help="Thread counts, e.g. 1,2.")
 @click.option("--steps", type=int, default=2, show_default=True, help="Timed steps per run.")
 @click.option("--batch", type=int, default=8, show_default=True)
@@ -328,14 +330,14 @@ def bench(model, data, speeds, threads, steps, batch, loss_positions, with_torch
     """Train the same seeded steps at each speed side by side; report tok/s and ratios."""
     from .bench import (bench_speed, flops_per_token, machine_peak_gflops_per_core,
                         profile_layerwise, threading_description, torch_baseline)
-    from .step import SPEED_NAMES
+    from .speeds import SPEED_NAMES
     from .train import Hyper, check_hyper, load_corpus, resolve_config
 
     cfg = resolve_config(model)
     speeds = _int_list(speeds, "--speeds")
     threads = _int_list(threads, "--threads")
     if any(s not in SPEED_NAMES for s in speeds):
-        raise HslmError(f"--speeds must be among 0,1,2,3, got {speeds}")
+        raise HslmError(f"--speeds must be among {','.join(map(str, SPEEDS))}, got {speeds}")
     if any(t < 1 for t in threads) or steps < 1:
         raise HslmError("--threads and --steps must be at least 1")
     k = cfg.window if loss_positions is None else loss_positions

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import namedtuple
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
@@ -26,6 +27,10 @@ MAX_WINDOW = 81  # docs/model.md section 1: the definition bounds the window
 # arithmetic in the kernels) sane before anything is allocated.
 LIMITS = {"vocab": 1 << 20, "width": 1 << 14, "mlp": 1 << 16, "blocks": 1 << 10,
           "vsa_dim": 1 << 16}
+
+
+# The integer dimensions by name, the form the kernels take (a Numba named tuple).
+Dims = namedtuple("Dims", "vocab width heads head_width mlp blocks window")
 
 
 @dataclass(frozen=True)
@@ -110,10 +115,9 @@ class Config:
     def n_params(self) -> int:
         return int(self.offsets()[-1])
 
-    def dims(self):
-        """The integer dimensions as one tuple, the form the kernels take."""
-        return (self.vocab, self.width, self.heads, self.head_width,
-                self.mlp, self.blocks, self.window)
+    def dims(self) -> Dims:
+        return Dims(self.vocab, self.width, self.heads, self.head_width, self.mlp, self.blocks,
+                    self.window)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
@@ -146,15 +150,6 @@ class Config:
         d, F, V, nb = self.width, self.mlp, self.vocab, self.blocks
         macs = nb * (4 * d * d + 2 * d * F) + d * V
         return 2.0 * macs * (1.0 + 2.0 * scored_share)
-
-
-def tensor_index(block: int, which: int) -> int:
-    """Index of a block tensor in Config.tensors()."""
-    return 1 + block * TENSORS_PER_BLOCK + which
-
-
-def wout_index(cfg: Config) -> int:
-    return 1 + cfg.blocks * TENSORS_PER_BLOCK
 
 
 PRESETS = {

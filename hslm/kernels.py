@@ -1,8 +1,8 @@
-"""Fast matrix kernels with the exact summation order of hslm.ops.
+"""Fast matrix kernels with the exact summation order of hslm.layers.
 
 Speed comes from loop structure only (see ../shared/NUMBA_NOTES.md); no BLAS,
 no np.sum, no reassociation: each output is the same chain of additions as the
-plain dot product in hslm.ops.matvec_ref.
+plain dot product in hslm.layers.matvec_dot.
 
 * ternary_matmul_rows (speed 2, one position at a time): the outputs j in the
   innermost, contiguous loop; the input index i sequential for each output,

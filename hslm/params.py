@@ -5,7 +5,7 @@ import numpy as np
 from numba import njit
 
 from .config import Config
-from .ops import Model
+from .layers import Model
 from .panel_kernels import PANEL
 from .rng import Stream
 from .tables import Tables

@@ -42,7 +42,7 @@ def next_token_logits(worker: Worker, model, vsa_table, context: np.ndarray, L: 
     window = np.zeros(L + 1, np.int64)  # PAD after the context
     window[:n] = context
     worker.window_loss(model, vsa_table, window, L)  # forward, all L positions to the head
-    return worker.acts.Z[n - 1].copy()
+    return worker.logits[n - 1].copy()
 
 
 def sample(worker, model, vsa_table, prompt_ids, n_tokens, temperature, top_k, seed, L,

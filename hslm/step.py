@@ -5,12 +5,16 @@ S_w summed over its scored positions in position order, spec section 9),
 whatever the thread count. Each thread has its own scratch, allocated once per
 run, chosen by the thread's slot, never by a thread id.
 
-* Speeds 0-2 (per position) stream each position's products into the window's
-  accumulator S_w. With one thread the window adds S_w into G directly. With N
-  threads the windows run in groups of N, each into its own zeroed buffer (the
-  buffer chosen by the window's place in its group); the group's buffers are
-  then added into G in window order, the flat vector split into N ranges.
-* Speed 3 runs in two phases. (1) Each window's forward and backward through
+Each speed is one entry of SPEEDS, which says its loop order, its matrix kernel,
+the weight layouts it reads and which of two reductions it uses:
+
+* "window buffers" (the per-position loop): each window streams its positions'
+  products into its own accumulator S_w. With one thread the window adds S_w
+  into G directly. With N threads the windows run in groups of N, each into its
+  own zeroed buffer (the buffer chosen by the window's place in its group); the
+  group's buffers are then added into G in window order, the flat vector split
+  into N ranges.
+* "gradient units" (the layerwise loop) runs in two phases. (1) Each window's forward and backward through
   the layers' inputs, on any thread, into that window's own record. (2) The
   weight-gradient phase: the gradient is cut into units (a block of 36 rows of
   a matrix, or a whole small tensor), and each unit adds every window's sum in
@@ -30,20 +34,11 @@ import numpy as np
 from numba import njit
 
 from .kernels import WGRAD_ROW_BLOCK
-from .ops import alloc_acts, alloc_record, alloc_scratch, window_view
+from .layers import alloc_acts, alloc_record, alloc_scratch
+from .speeds import KERNEL_PANELS, PER_POSITION, SPEED_NAMES, SPEEDS  # noqa: F401 (re-export)
 from .vsa import vsa_window
-from .windows import (gradients_from_records, window_backward_layerwise, window_grad_cached,
-                      window_grad_fast, window_grad_reference, window_loss_layerwise,
-                      windows_backward_layerwise)
-
-PER_POSITION_KERNELS = {
-    0: window_grad_reference,
-    1: window_grad_cached,
-    2: window_grad_fast,
-}
-SPEED_NAMES = {0: "reference", 1: "cached", 2: "fast", 3: "layerwise"}
-SPEEDS = tuple(SPEED_NAMES)
-
+from .windows import (gradients_from_records, window_loss_layerwise, window_per_position,
+                      windows_layerwise)
 
 def gradient_units(cfg):
     """[(tensor, row0, row1)] covering the gradient, and each unit's cost (multiply-adds
@@ -75,35 +70,45 @@ class Worker:
     def __init__(self, cfg, speed: int):
         dims = cfg.dims()
         self.cfg = cfg
-        self.speed = speed
-        # Speeds 0-2 build the window's gradient in scr.S before adding it to the output.
-        self.scr = alloc_scratch(dims, cfg.n_params, with_accumulator=speed < 3)
-        self.acts_b = alloc_acts(dims, 1)
-        self.acts = window_view(self.acts_b, 0)
+        self.speed = SPEEDS[speed]
+        self.scr = alloc_scratch(dims)
+        self.acts = alloc_acts(dims, 1)
+        self.rec = alloc_record(dims, 1)
         self.vsa = np.zeros((cfg.blocks, cfg.window, cfg.width))
-        self.logits = np.zeros((cfg.window, cfg.vocab))
-        self.dx0 = np.zeros((cfg.window, cfg.width))
-        if speed == 3:
-            self.rec_b = alloc_record(dims, 1)
-            self.rec = window_view(self.rec_b, 0)
-            self.units, _ = gradient_units(cfg)
+        # per position: the window's accumulator, added into the output at the end
+        self.acc = np.zeros(cfg.n_params if self.speed.loop == PER_POSITION else 0)
+        self.units, _ = gradient_units(cfg)
 
     def window(self, model, vsa_table, tokens, k, scale, out):
         """Add one window's gradient into out; return the window's mean loss."""
-        vsa_window(vsa_table, tokens, model.dims[5], model.dims[1], self.vsa)
-        if self.speed < 3:
-            return PER_POSITION_KERNELS[self.speed](model, tokens, self.vsa, k, scale, self.acts,
-                                                    self.scr, out, self.logits, self.dx0)
-        loss = window_backward_layerwise(model, tokens, self.vsa, k, scale, self.acts, self.rec,
-                                         self.scr, self.logits, self.dx0)
-        gradients_from_records(model, self.acts_b, self.rec_b, tokens.reshape(1, -1), k,
-                               self.units, 0, len(self.units), out, self.scr.XT, self.scr.WG)
-        return loss
+        sp = self.speed
+        if sp.loop == PER_POSITION:
+            vsa_window(vsa_table, tokens, model.dims.blocks, model.dims.width, self.vsa)
+            return window_per_position(model, tokens, self.vsa, k, scale, self.acts, self.rec,
+                                       self.scr, self.acc, out, sp.recompute_prefix,
+                                       sp.kv_only_unscored, sp.kernel)
+        losses = np.zeros(1)
+        windows = tokens.reshape(1, -1)
+        windows_layerwise(model, vsa_table, windows, self.vsa.reshape((1,) + self.vsa.shape), k,
+                          scale, self.acts, self.rec, self.scr, 0, 1, losses, sp.kernel)
+        gradients_from_records(model, self.acts, self.rec, windows, k, self.units, 0,
+                               len(self.units), out, self.scr.xt, self.scr.dy_panels)
+        return losses[0]
+
+    @property
+    def logits(self):
+        """[L, V]: the last window's logits (valid at its scored positions)."""
+        return self.acts.logits[0]
+
+    def dx0(self, k):
+        """[k, d]: the last window's dloss/dx_0 at its scored positions."""
+        return self.rec.d_x0[0, :k]
 
     def window_loss(self, model, vsa_table, tokens, k):
         """Forward only: the window's mean loss over its last k positions."""
-        vsa_window(vsa_table, tokens, model.dims[5], model.dims[1], self.vsa)
-        return window_loss_layerwise(model, tokens, self.vsa, k, self.acts, self.scr)
+        vsa_window(vsa_table, tokens, model.dims.blocks, model.dims.width, self.vsa)
+        return window_loss_layerwise(model, tokens, self.vsa, k, self.acts, self.scr,
+                                     KERNEL_PANELS)
 
 
 @njit(cache=True, nogil=True)
@@ -127,18 +132,17 @@ class StepRunner:
 
     def __init__(self, cfg, speed: int, threads: int = 1):
         self.cfg = cfg
-        self.speed = speed
+        self.speed = SPEEDS[speed]
         self.threads = max(1, int(threads))
         self.workers = [Worker(cfg, speed) for _ in range(self.threads)]
         self.pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
-        self.bufs = None  # speeds 0-2, several threads: one buffer per thread slot
-        if speed < 3 and self.threads > 1:
+        self.bufs = None  # per position, several threads: one buffer per thread slot
+        if self.speed.reduction == "window buffers" and self.threads > 1:
             self.bufs = np.zeros((self.threads, cfg.n_params))
-        self.batch = 0  # speed 3: per-window records, allocated for the batch size
-        if speed == 3:
-            self.units, cost = gradient_units(cfg)
-            self.parts = split_by_cost(cost, self.threads)
-        self.timings = None  # set to a dict to collect per-phase seconds (speed 3)
+        self.batch = 0  # layerwise: per-window activations and records, for the batch size
+        self.units, cost = gradient_units(cfg)
+        self.parts = split_by_cost(cost, self.threads)
+        self.timings = None  # set to a dict to collect per-phase seconds (layerwise)
 
     def close(self):
         if self.pool is not None:
@@ -161,7 +165,7 @@ class StepRunner:
         scale = 1.0 / (k * B)
         G[:] = 0.0
         losses = np.zeros(B)
-        if self.speed == 3:
+        if self.speed.reduction == "gradient units":
             self._gradient_layerwise(model, vsa_table, windows, k, scale, G, losses)
         elif self.threads == 1:
             w = self.workers[0]
@@ -190,17 +194,17 @@ class StepRunner:
             self.rec_b = alloc_record(self.cfg.dims(), B)
             self.vsa_b = np.zeros((B, self.cfg.blocks, self.cfg.window, self.cfg.width))
             self.batch = B
+        kernel = self.speed.kernel
 
         def run_windows(j):  # thread slot j takes windows j, j + N, ...
-            windows_backward_layerwise(model, vsa_table, windows, self.vsa_b, k, scale,
-                                       self.acts_b, self.rec_b, self.workers[j].scr, j, N,
-                                       losses)
+            windows_layerwise(model, vsa_table, windows, self.vsa_b, k, scale, self.acts_b,
+                              self.rec_b, self.workers[j].scr, j, N, losses, kernel)
 
         def run_units(j):
             lo, hi = self.parts[j]
-            wk = self.workers[j]
+            scr = self.workers[j].scr
             gradients_from_records(model, self.acts_b, self.rec_b, windows, k, self.units, lo, hi,
-                                   G, wk.scr.XT, wk.scr.WG)
+                                   G, scr.xt, scr.dy_panels)
 
         t0 = time.perf_counter()
         self._map(run_windows, min(N, B))

@@ -29,7 +29,7 @@ def window_result(speed, cfg, tb, ms, tokens, k):
     out = np.zeros(cfg.n_params)
     loss = w.window(ms.kernel_model(), tb.vsa, tokens, k, 1.0 / k, out)
     L = cfg.window
-    return loss, w.logits[L - k:].copy(), out, w.dx0[L - k:].copy(), w
+    return loss, w.logits[L - k:].copy(), out, w.dx0(k).copy(), w
 
 
 def assert_bits_equal(a, b, what):

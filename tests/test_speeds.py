@@ -52,8 +52,8 @@ def reordered_wout_gradient(cfg, worker, k):
     """The speed-3 Wout weight gradient with its partial sums swapped: positions
     summed in reverse order (a test helper, not product code)."""
     L, V, d = cfg.window, cfg.vocab, cfg.width
-    X = np.ascontiguousarray(worker.acts.XRF[L - k:][::-1])
-    DY = np.ascontiguousarray(worker.rec.dY[:k][::-1])
+    X = np.ascontiguousarray(worker.acts.x_final_normed[0, L - k:][::-1])
+    DY = np.ascontiguousarray(worker.rec.d_head[0, :k][::-1])
     G = np.zeros((d, V))
     weight_grad_rows(X, 0, d, DY, G, np.zeros(d * k), np.zeros(32 * V))
     return G.ravel()

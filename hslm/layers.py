@@ -1,0 +1,614 @@
+"""The model's math: each layer once, as a forward/backward pair over a range of rows.
+
+Every speed calls these same functions. A speed differs only in its loop order
+(hslm/windows.py: one position at a time against the cache, or all positions of
+a window layer by layer) and in the matrix kernel it passes in (`kernel`: the
+plain dot products, the fast row kernel, or the register-tiled panels).
+
+Rows. The forward of a window writes activation rows p0..p1-1 (positions) of
+the window's buffers. The backward runs over the scored positions s..L-1
+(s = L - k) and writes gradient rows r0..r1-1 of the window's record, row r
+holding position s + r. The per-position speeds pass one row at a time, the
+layerwise speed all of them.
+
+Every sum has one order, and every speed reproduces it exactly (docs/model.md,
+section 9):
+
+* a matrix product sums over the input index in increasing order from 0.0, and
+  the ternary scale multiplies the finished sum: y_j = alpha * sum_i x_i T[i, j];
+* the input gradient of a ternary matrix sums over the output index in
+  increasing order: dx_i = alpha * sum_j T[i, j] dy_j;
+* softmax, attention and the loss sum over positions / ids in increasing order;
+* a window's gradient element is the sum of its scored positions'
+  contributions in increasing position order, from 0.0 (each position
+  contributes exactly one product per element): weight_grad_operands says
+  which activation rows pair with which gradient rows, once for every speed.
+
+Buffers are batched: A (activations), R (records) hold [window, ...] and every
+function takes the window's index w.
+"""
+from __future__ import annotations
+
+import math
+from collections import namedtuple
+
+import numpy as np
+from numba import njit
+
+from .config import (BDOWN, BUP, GAMMA, TENSORS_PER_BLOCK, WDOWN, WK, WO, WQ, WUP, WV, Dims)
+from .kernels import ternary_matmul_rows, ternary_panels
+from .mathfn import exp, log
+from .panel_kernels import PANEL
+from .speeds import KERNEL_PANELS, KERNEL_ROWS
+
+RMS_EPS = 1e-6
+LABEL_SMOOTH = 0.1  # epsilon of the K-position objective
+
+
+# The model as the kernels see it: flat parameters, their offsets, the ternary
+# matrices in both layouts (input-major Tf, output-major Tb) with one scale per
+# tensor, the fixed tables, the named dimensions, and Tf and Tb again in column
+# panels (Pf, Pb, at their own offsets) for the register-tiled kernels.
+Model = namedtuple("Model", "theta offs Tf Tb alpha pos cos sin attn_scale head_scale dims "
+                            "Pf pf_offs Pb pb_offs")
+
+# ------------------------------------------------------------- buffers
+# One field list per buffer kind, from which the allocator builds it; shapes
+# are per window, in terms of the named dimensions (nb blocks, L positions).
+ACT_FIELDS = (
+    ("x", lambda D: (D.blocks, D.window, D.width)),        # block inputs x_b (x_0: embedding)
+    ("rms", lambda D: (D.blocks, D.window)),               # RMSNorm factor 1/rms(x_b)
+    ("x_normed", lambda D: (D.blocks, D.window, D.width)),  # x_b * rms
+    ("n", lambda D: (D.blocks, D.window, D.width)),        # x_normed * gamma
+    ("q", lambda D: (D.blocks, D.window, D.width)),        # rotated queries
+    ("k", lambda D: (D.blocks, D.window, D.width)),        # rotated keys (the KV cache)
+    ("v", lambda D: (D.blocks, D.window, D.width)),        # values (the KV cache)
+    ("attn", lambda D: (D.blocks, D.window, D.heads, D.window)),  # probabilities [b, p, h, j]
+    ("attn_out", lambda D: (D.blocks, D.window, D.width)),  # o = sum_j a_j v_j
+    ("h", lambda D: (D.blocks, D.window, D.width)),        # x + o Wo
+    ("u", lambda D: (D.blocks, D.window, D.mlp)),          # h Wup + bup
+    ("relu", lambda D: (D.blocks, D.window, D.mlp)),       # max(u, 0)
+    ("x_final", lambda D: (D.window, D.width)),            # the last block's output
+    ("rms_final", lambda D: (D.window,)),
+    ("x_final_normed", lambda D: (D.window, D.width)),
+    ("logits", lambda D: (D.window, D.vocab)),             # z = c (x_final_normed Wout) + bout
+)
+# The backward of the scored rows (row r = position s + r): each layer's output
+# gradient, the DY of its weight gradient (the X are activations).
+RECORD_FIELDS = (
+    ("d_logits", lambda D: (D.window, D.vocab)),           # dloss/dz (scaled)
+    ("d_head", lambda D: (D.window, D.vocab)),             # c dz: Wout's DY
+    ("d_block_out", lambda D: (D.blocks, D.window, D.width)),  # dloss/dx_{b+1}: Wdown's DY
+    ("d_u", lambda D: (D.blocks, D.window, D.mlp)),        # dloss/du (ReLU applied): Wup's DY
+    ("d_h", lambda D: (D.blocks, D.window, D.width)),      # dloss/dh: Wo's DY
+    ("d_q", lambda D: (D.blocks, D.window, D.width)),      # Wq's DY (before rotary)
+    ("d_k", lambda D: (D.blocks, D.window, D.width)),      # Wk's DY
+    ("d_v", lambda D: (D.blocks, D.window, D.width)),      # Wv's DY
+    ("d_gain", lambda D: (D.blocks, D.window, D.width)),   # dn * x_normed: gamma's rows
+    ("d_x0", lambda D: (D.window, D.width)),               # dloss/dx_0: the embedding's rows
+)
+# One thread's scratch: rows overwritten by every window it runs.
+SCRATCH_FIELDS = (
+    ("d_attn_out", lambda D: (D.window, D.width)),
+    ("d_n", lambda D: (D.window, D.width)),
+    ("d_x_final_normed", lambda D: (D.window, D.width)),
+    ("tmp1", lambda D: (D.window, D.width)),
+    ("tmp2", lambda D: (D.window, D.width)),
+    ("loss_grad", lambda D: (D.window, D.vocab)),          # dz of forward-only evaluation
+    # weight-gradient scratch: a layer input transposed, an output gradient in panels
+    ("xt", lambda D: (max(D.vocab, D.mlp, D.width) * D.window,)),
+    ("dy_panels", lambda D: ((max(D.vocab, D.mlp, D.width) + PANEL) * D.window,)),
+)
+Acts = namedtuple("Acts", [f for f, _ in ACT_FIELDS])
+Record = namedtuple("Record", [f for f, _ in RECORD_FIELDS])
+Scratch = namedtuple("Scratch", [f for f, _ in SCRATCH_FIELDS])
+
+
+def _alloc(kind, fields, dims: Dims, batch):
+    pre = () if batch is None else (batch,)
+    return kind(*[np.zeros(pre + shape(dims)) for _, shape in fields])
+
+
+def alloc_acts(dims: Dims, batch: int):
+    """Activations of `batch` windows: every field [batch, ...]."""
+    return _alloc(Acts, ACT_FIELDS, dims, batch)
+
+
+def alloc_record(dims: Dims, batch: int):
+    return _alloc(Record, RECORD_FIELDS, dims, batch)
+
+
+def alloc_scratch(dims: Dims):
+    return _alloc(Scratch, SCRATCH_FIELDS, dims, None)
+
+
+# ------------------------------------------------------------------ views
+@njit(cache=True, nogil=True)
+def tensor_index(dims, b, which):
+    """Index of tensor `which` (config.GAMMA ... BDOWN) of block b in the flat layout;
+    which = -1 with b = blocks is Wout, which = -2 is bout, b = -1 is E."""
+    if b < 0:
+        return 0
+    if b == dims.blocks:
+        return 1 + dims.blocks * TENSORS_PER_BLOCK + (0 if which == -1 else 1)
+    return 1 + b * TENSORS_PER_BLOCK + which
+
+
+@njit(cache=True, nogil=True)
+def wout_index(dims):
+    return tensor_index(dims, dims.blocks, -1)
+
+
+@njit(cache=True, nogil=True)
+def view1(a, offs, t):
+    return a[offs[t]:offs[t + 1]]
+
+
+@njit(cache=True, nogil=True)
+def view2(a, offs, t, rows, cols):
+    return a[offs[t]:offs[t] + rows * cols].reshape((rows, cols))
+
+
+# ---------------------------------------------------------- ternary matmuls
+@njit(cache=True, nogil=True)
+def matvec_dot(x, T, alpha, y):
+    """y [n] = alpha * (x [m] . T [m, n]): dot-product form, the definition."""
+    m, n = T.shape
+    for j in range(n):
+        acc = 0.0
+        for i in range(m):
+            acc += x[i] * T[i, j]
+        y[j] = alpha * acc
+
+
+@njit(cache=True, nogil=True)
+def matvec_t_dot(dy, T, alpha, dx):
+    """dx [m] = alpha * (T [m, n] . dy [n]): the input gradient, the definition."""
+    m, n = T.shape
+    for i in range(m):
+        acc = 0.0
+        for j in range(n):
+            acc += T[i, j] * dy[j]
+        dx[i] = alpha * acc
+
+
+@njit(cache=True, nogil=True)
+def ternary_forward(model, t, m, n, X, Y, kernel):
+    """Y [rows, n] = X [rows, m] . (alpha_t T_t), T_t [m, n] ternary."""
+    if kernel == KERNEL_PANELS:
+        ternary_panels(model.Pf, model.pf_offs, model.alpha, t, m, n, X, Y)
+    elif kernel == KERNEL_ROWS:
+        ternary_matmul_rows(X, view2(model.Tf, model.offs, t, m, n), model.alpha[t], Y)
+    else:
+        T = view2(model.Tf, model.offs, t, m, n)
+        for r in range(X.shape[0]):
+            matvec_dot(X[r], T, model.alpha[t], Y[r])
+
+
+@njit(cache=True, nogil=True)
+def ternary_input_grad(model, t, m, n, DY, DX, kernel):
+    """DX [rows, m] = DY [rows, n] . (alpha_t T_t)^T."""
+    if kernel == KERNEL_PANELS:
+        ternary_panels(model.Pb, model.pb_offs, model.alpha, t, n, m, DY, DX)
+    elif kernel == KERNEL_ROWS:
+        ternary_matmul_rows(DY, view2(model.Tb, model.offs, t, n, m), model.alpha[t], DX)
+    else:
+        T = view2(model.Tf, model.offs, t, m, n)
+        for r in range(DY.shape[0]):
+            matvec_t_dot(DY[r], T, model.alpha[t], DX[r])
+
+
+# --------------------------------------------------------------- embedding
+@njit(cache=True, nogil=True)
+def embed_forward(model, A, w, tokens, p0, p1):
+    """x_0[p] = E[t_p] + P[p] for p in p0..p1-1.   E [V, d], P [L, d] -> x[w, 0] [L, d]."""
+    D = model.dims
+    E = view2(model.theta, model.offs, 0, D.vocab, D.width)
+    X = A.x[w, 0]
+    for p in range(p0, p1):
+        t = tokens[p]
+        for i in range(D.width):
+            X[p, i] = E[t, i] + model.pos[p, i]
+# The embedding's backward is its weight gradient: E[t_p] += dloss/dx_0[p]
+# (weight_grad_operands, EMBED_ROWS).
+
+
+# ----------------------------------------------------- RMSNorm and the gain
+@njit(cache=True, nogil=True)
+def rms_forward(x, xr):
+    """xr = x / sqrt(mean(x^2) + 1e-6); returns the factor r."""
+    n = x.shape[0]
+    ss = 0.0
+    for i in range(n):
+        ss += x[i] * x[i]
+    r = 1.0 / math.sqrt(ss / n + RMS_EPS)
+    for i in range(n):
+        xr[i] = x[i] * r
+    return r
+
+
+@njit(cache=True, nogil=True)
+def rms_backward(x, r, dxr, dx):
+    """dx = dxr * r - x * (sum_i dxr_i x_i) r^3 / n."""
+    n = x.shape[0]
+    dot = 0.0
+    for i in range(n):
+        dot += dxr[i] * x[i]
+    coef = dot * (r * r * r) / n
+    for i in range(n):
+        dx[i] = dxr[i] * r - x[i] * coef
+
+
+@njit(cache=True, nogil=True)
+def norm_gain_forward(model, A, w, b, p0, p1):
+    """n = rms(x_b) * gamma_b for rows p0..p1-1.   x [L, d] -> rms [L], x_normed, n [L, d]."""
+    D = model.dims
+    gamma = view1(model.theta, model.offs, tensor_index(D, b, GAMMA))
+    for p in range(p0, p1):
+        xr = A.x_normed[w, b, p]
+        n = A.n[w, b, p]
+        A.rms[w, b, p] = rms_forward(A.x[w, b, p], xr)
+        for i in range(D.width):
+            n[i] = xr[i] * gamma[i]
+
+
+@njit(cache=True, nogil=True)
+def norm_gain_backward(model, A, R, w, b, s, r0, r1, DQ, DK, DV, DX):
+    """dn = ((dq Wq^T) + dk Wk^T) + dv Wv^T [rows, d] (given as DQ, DK, DV) -> the gain's
+    rows d_gain = dn * x_normed, and DX = dloss/dx_b through the norm (rows r0..r1-1).
+    DV is overwritten with dn * gamma; DX may be DK (each row is read before it is written)."""
+    D = model.dims
+    gamma = view1(model.theta, model.offs, tensor_index(D, b, GAMMA))
+    for r in range(r0, r1):
+        p = s + r
+        xr = A.x_normed[w, b, p]
+        dn = DV[r]  # reused: dv Wv^T becomes dn * gamma
+        for i in range(D.width):
+            g = (DQ[r, i] + DK[r, i]) + dn[i]
+            R.d_gain[w, b, r, i] = g * xr[i]
+            dn[i] = g * gamma[i]
+        rms_backward(A.x[w, b, p], A.rms[w, b, p], dn, DX[r])
+
+
+# ------------------------------------------------------------------ rotary
+@njit(cache=True, nogil=True)
+def rotary_forward(v, cos, sin, p, H, dh):
+    """Rotate pairs (c, c + dh//2) of each head by p * phi^(-2c/dh), in place. [d]"""
+    half = dh // 2
+    for h in range(H):
+        for c in range(half):
+            i0 = h * dh + c
+            i1 = i0 + half
+            a = v[i0]
+            b = v[i1]
+            cs = cos[p, c]
+            sn = sin[p, c]
+            v[i0] = a * cs - b * sn
+            v[i1] = a * sn + b * cs
+
+
+@njit(cache=True, nogil=True)
+def rotary_backward(dv, cos, sin, p, H, dh):
+    """Gradient through rotary_forward, in place. [d]"""
+    half = dh // 2
+    for h in range(H):
+        for c in range(half):
+            i0 = h * dh + c
+            i1 = i0 + half
+            da = dv[i0]
+            db = dv[i1]
+            cs = cos[p, c]
+            sn = sin[p, c]
+            dv[i0] = da * cs + db * sn
+            dv[i1] = db * cs - da * sn
+
+
+# ------------------------------------------------------ causal attention
+@njit(cache=True, nogil=True)
+def attention_position(q, K, Vc, p, H, dh, scale, Ap, o):
+    """Causal attention of position p over rows 0..p.
+    q [d], K/Vc [>= p+1, d] -> Ap [H, >= p+1] (probabilities), o [d]."""
+    for h in range(H):
+        c0 = h * dh
+        m = -np.inf
+        for j in range(p + 1):
+            s = 0.0
+            for e in range(dh):
+                s += q[c0 + e] * K[j, c0 + e]
+            s = s * scale
+            Ap[h, j] = s
+            if s > m:
+                m = s
+        z = 0.0
+        for j in range(p + 1):
+            ex = exp(Ap[h, j] - m)
+            Ap[h, j] = ex
+            z += ex
+        for j in range(p + 1):
+            Ap[h, j] = Ap[h, j] / z
+        for e in range(dh):
+            acc = 0.0
+            for j in range(p + 1):
+                acc += Ap[h, j] * Vc[j, c0 + e]
+            o[c0 + e] = acc
+
+
+@njit(cache=True, nogil=True)
+def attention_position_backward(q, K, Vc, Ap, p, H, dh, scale, do, dq, dk, dv):
+    """Gradient of position p's attention through its own q, k_p and v_p only:
+    earlier keys and values are constants of position p's backward (docs/model.md, 7)."""
+    for h in range(H):
+        c0 = h * dh
+        # da_j = do . v_j ; sum_ad = sum_j a_j da_j
+        sum_ad = 0.0
+        for j in range(p + 1):
+            da = 0.0
+            for e in range(dh):
+                da += do[c0 + e] * Vc[j, c0 + e]
+            sum_ad += Ap[h, j] * da
+        for e in range(dh):
+            dq[c0 + e] = 0.0
+        gp = 0.0
+        for j in range(p + 1):
+            da = 0.0
+            for e in range(dh):
+                da += do[c0 + e] * Vc[j, c0 + e]
+            g = (Ap[h, j] * (da - sum_ad)) * scale
+            for e in range(dh):
+                dq[c0 + e] += g * K[j, c0 + e]
+            gp = g
+        for e in range(dh):
+            dk[c0 + e] = gp * q[c0 + e]
+            dv[c0 + e] = Ap[h, p] * do[c0 + e]
+
+
+@njit(cache=True, nogil=True)
+def qkv_attention_forward(model, A, w, b, p0, p1, s, kernel):
+    """k, v = rot(n Wk), n Wv for rows p0..p1-1 (they join the cache); for rows
+    max(p0, s).. also q = rot(n Wq) and the attention output o.
+    n [L, d] -> q, k, v, attn_out [L, d], attn [L, H, L]."""
+    D = model.dims
+    d, H, dh = D.width, D.heads, D.head_width
+    N = A.n[w, b]
+    ternary_forward(model, tensor_index(D, b, WK), d, d, N[p0:p1], A.k[w, b, p0:p1], kernel)
+    ternary_forward(model, tensor_index(D, b, WV), d, d, N[p0:p1], A.v[w, b, p0:p1], kernel)
+    for p in range(p0, p1):
+        rotary_forward(A.k[w, b, p], model.cos, model.sin, p, H, dh)
+    q0 = max(p0, s)
+    if q0 >= p1:
+        return
+    ternary_forward(model, tensor_index(D, b, WQ), d, d, N[q0:p1], A.q[w, b, q0:p1], kernel)
+    for p in range(q0, p1):
+        rotary_forward(A.q[w, b, p], model.cos, model.sin, p, H, dh)
+        attention_position(A.q[w, b, p], A.k[w, b], A.v[w, b], p, H, dh, model.attn_scale,
+                           A.attn[w, b, p], A.attn_out[w, b, p])
+
+
+@njit(cache=True, nogil=True)
+def qkv_attention_backward(model, A, R, S, w, b, s, r0, r1, kernel):
+    """d_h [rows, d] -> do = d_h Wo^T -> dq, dk, dv (recorded, rotary undone) ->
+    dn's three parts in S.tmp1, S.tmp2 and S.d_n (rows r0..r1-1)."""
+    D = model.dims
+    d, H, dh = D.width, D.heads, D.head_width
+    dO = S.d_attn_out
+    ternary_input_grad(model, tensor_index(D, b, WO), d, d, R.d_h[w, b, r0:r1], dO[r0:r1],
+                       kernel)
+    for r in range(r0, r1):
+        p = s + r
+        attention_position_backward(A.q[w, b, p], A.k[w, b], A.v[w, b], A.attn[w, b, p], p, H,
+                                    dh, model.attn_scale, dO[r], R.d_q[w, b, r], R.d_k[w, b, r],
+                                    R.d_v[w, b, r])
+        rotary_backward(R.d_q[w, b, r], model.cos, model.sin, p, H, dh)
+        rotary_backward(R.d_k[w, b, r], model.cos, model.sin, p, H, dh)
+    ternary_input_grad(model, tensor_index(D, b, WQ), d, d, R.d_q[w, b, r0:r1], S.tmp1[r0:r1],
+                       kernel)
+    ternary_input_grad(model, tensor_index(D, b, WK), d, d, R.d_k[w, b, r0:r1], S.tmp2[r0:r1],
+                       kernel)
+    ternary_input_grad(model, tensor_index(D, b, WV), d, d, R.d_v[w, b, r0:r1], S.d_n[r0:r1],
+                       kernel)
+
+
+# ------------------------------------------ output projection and residual
+@njit(cache=True, nogil=True)
+def attn_residual_forward(model, A, w, b, p0, p1, kernel):
+    """h = x + o Wo for rows p0..p1-1.   attn_out [L, d] -> h [L, d]."""
+    D = model.dims
+    d = D.width
+    H = A.h[w, b]
+    ternary_forward(model, tensor_index(D, b, WO), d, d, A.attn_out[w, b, p0:p1], H[p0:p1],
+                    kernel)
+    X = A.x[w, b]
+    for p in range(p0, p1):
+        for i in range(d):
+            H[p, i] = X[p, i] + H[p, i]
+# Its backward: dh = dx' + du Wup^T (mlp_backward); do = dh Wo^T (qkv_attention_backward).
+
+
+# ------------------------------------------------------------------- MLP
+@njit(cache=True, nogil=True)
+def mlp_forward(model, A, w, b, vsa, p0, p1, kernel):
+    """u = h Wup + bup, relu = max(u, 0), x' = (h + (relu Wdown + bdown)) + vsa_b
+    for rows p0..p1-1.   h [L, d] -> u, relu [L, F] -> x_{b+1} (or x_final) [L, d]."""
+    D = model.dims
+    d, F = D.width, D.mlp
+    U = A.u[w, b]
+    ternary_forward(model, tensor_index(D, b, WUP), d, F, A.h[w, b, p0:p1], U[p0:p1], kernel)
+    bup = view1(model.theta, model.offs, tensor_index(D, b, BUP))
+    for p in range(p0, p1):
+        u = U[p]
+        r = A.relu[w, b, p]
+        for j in range(F):
+            u[j] = u[j] + bup[j]
+            r[j] = u[j] if u[j] > 0.0 else 0.0
+    XO = A.x[w, b + 1] if b + 1 < D.blocks else A.x_final[w]
+    ternary_forward(model, tensor_index(D, b, WDOWN), F, d, A.relu[w, b, p0:p1], XO[p0:p1],
+                    kernel)
+    bdown = view1(model.theta, model.offs, tensor_index(D, b, BDOWN))
+    for p in range(p0, p1):
+        xo = XO[p]
+        h = A.h[w, b, p]
+        for i in range(d):
+            xo[i] = (h[i] + (xo[i] + bdown[i])) + vsa[b, p, i]
+
+
+@njit(cache=True, nogil=True)
+def mlp_backward(model, A, R, S, w, b, s, r0, r1, kernel):
+    """d_block_out [rows, d] -> d_u = (dx' Wdown^T) * (u > 0) [rows, F] ->
+    d_h = dx' + d_u Wup^T [rows, d] (rows r0..r1-1)."""
+    D = model.dims
+    d, F = D.width, D.mlp
+    dXo = R.d_block_out[w, b]
+    dU = R.d_u[w, b]
+    ternary_input_grad(model, tensor_index(D, b, WDOWN), F, d, dXo[r0:r1], dU[r0:r1], kernel)
+    for r in range(r0, r1):
+        u = A.u[w, b, s + r]
+        for j in range(F):
+            if not u[j] > 0.0:
+                dU[r, j] = 0.0
+    T = S.tmp1
+    ternary_input_grad(model, tensor_index(D, b, WUP), d, F, dU[r0:r1], T[r0:r1], kernel)
+    for r in range(r0, r1):
+        for i in range(d):
+            R.d_h[w, b, r, i] = dXo[r, i] + T[r, i]
+
+
+# ------------------------------------------------------------------ blocks
+@njit(cache=True, nogil=True)
+def block_forward(model, A, w, vsa, b, p0, p1, s, kernel):
+    """Block b for rows p0..p1-1: x_b [L, d] -> x_{b+1} (or x_final) [L, d].
+    Rows below s make only their keys and values (later rows attend to them)."""
+    norm_gain_forward(model, A, w, b, p0, p1)
+    qkv_attention_forward(model, A, w, b, p0, p1, s, kernel)
+    q0 = max(p0, s)
+    if q0 < p1:
+        attn_residual_forward(model, A, w, b, q0, p1, kernel)
+        mlp_forward(model, A, w, b, vsa, q0, p1, kernel)
+
+
+@njit(cache=True, nogil=True)
+def block_backward(model, A, R, S, w, b, s, r0, r1, kernel):
+    """Block b's backward for record rows r0..r1-1: d_block_out[b] -> d_block_out[b - 1]
+    (or d_x0 for block 0), recording each layer's output gradient on the way."""
+    mlp_backward(model, A, R, S, w, b, s, r0, r1, kernel)
+    qkv_attention_backward(model, A, R, S, w, b, s, r0, r1, kernel)
+    # through the norm into tmp2 (its dk Wk^T part is read before it is overwritten)
+    norm_gain_backward(model, A, R, w, b, s, r0, r1, S.tmp1, S.tmp2, S.d_n, S.tmp2)
+    # x_b feeds the block twice: the norm, and the residual h = x + o Wo
+    dX = R.d_block_out[w, b - 1] if b > 0 else R.d_x0[w]
+    for r in range(r0, r1):
+        for i in range(model.dims.width):
+            dX[r, i] = R.d_h[w, b, r, i] + S.tmp2[r, i]
+
+
+# -------------------------------------------------------------------- head
+@njit(cache=True, nogil=True)
+def head_forward(model, A, w, p0, p1, kernel):
+    """z = c (rms(x_final) Wout) + bout for rows p0..p1-1.   x_final [L, d] -> logits [L, V]."""
+    D = model.dims
+    for p in range(p0, p1):
+        A.rms_final[w, p] = rms_forward(A.x_final[w, p], A.x_final_normed[w, p])
+    t = wout_index(D)
+    Z = A.logits[w]
+    ternary_forward(model, t, D.width, D.vocab, A.x_final_normed[w, p0:p1], Z[p0:p1], kernel)
+    bout = view1(model.theta, model.offs, t + 1)
+    c = model.head_scale
+    for p in range(p0, p1):
+        z = Z[p]
+        for j in range(D.vocab):
+            z[j] = c * z[j] + bout[j]
+
+
+@njit(cache=True, nogil=True)
+def head_backward(model, A, R, S, w, s, r0, r1, kernel):
+    """d_logits [rows, V] -> d_head = c dz -> dloss/dx_final = rms'(d_head Wout^T)
+    into d_block_out[nb - 1] [rows, d] (rows r0..r1-1)."""
+    D = model.dims
+    c = model.head_scale
+    dY = R.d_head[w]
+    for r in range(r0, r1):
+        for j in range(D.vocab):
+            dY[r, j] = c * R.d_logits[w, r, j]
+    dXR = S.d_x_final_normed
+    ternary_input_grad(model, wout_index(D), D.width, D.vocab, dY[r0:r1], dXR[r0:r1], kernel)
+    for r in range(r0, r1):
+        p = s + r
+        rms_backward(A.x_final[w, p], A.rms_final[w, p], dXR[r], R.d_block_out[w, D.blocks - 1, r])
+
+
+# -------------------------------------------------------------------- loss
+@njit(cache=True, nogil=True)
+def loss_forward_backward(z, target, scale, dz):
+    """Label-smoothed cross-entropy of one scored position; dz = dloss/dz * scale.
+    z [V] -> loss; dz [V]."""
+    V = z.shape[0]
+    eps = LABEL_SMOOTH
+    m = -np.inf
+    for j in range(V):
+        if z[j] > m:
+            m = z[j]
+    se = 0.0
+    zs = 0.0
+    for j in range(V):
+        ex = exp(z[j] - m)
+        dz[j] = ex  # kept, so exp runs once per id
+        se += ex
+        zs += z[j]
+    lse = m + log(se)
+    loss = (1.0 - eps) * (lse - z[target]) + eps * (lse - zs / V)
+    for j in range(V):
+        g = dz[j] / se - eps / V
+        if j == target:
+            g = g - (1.0 - eps)
+        dz[j] = g * scale
+    return loss
+
+
+@njit(cache=True, nogil=True)
+def loss_rows(model, A, R, w, tokens, s, r0, r1, scale):
+    """The scored rows' losses and d_logits (rows r0..r1-1); returns their sum."""
+    total = 0.0
+    for r in range(r0, r1):
+        p = s + r
+        total += loss_forward_backward(A.logits[w, p], tokens[p + 1], scale, R.d_logits[w, r])
+    return total
+
+
+# -------------------------------------------------- weight-gradient operands
+MATRIX = 0       # G_t += X^T . DY over the rows
+COLUMN_SUM = 1   # g_t += sum of DY's rows (biases, the gain)
+EMBED_ROWS = 2   # E[t_p] += DY row of position p (the embedding)
+
+
+@njit(cache=True, nogil=True)
+def weight_grad_operands(model, A, R, w, t, s, k):
+    """What tensor t's gradient is made of, for window w's k scored rows:
+    (kind, X [k, m], DY [k, n], m, n). The one place that pairs each activation with
+    its output gradient; every speed's weight gradients read it."""
+    D = model.dims
+    d, F, V = D.width, D.mlp, D.vocab
+    t_out = wout_index(D)
+    if t == 0:
+        return EMBED_ROWS, R.d_x0[w, :k], R.d_x0[w, :k], V, d
+    if t == t_out:
+        return MATRIX, A.x_final_normed[w, s:], R.d_head[w, :k], d, V
+    if t == t_out + 1:
+        return COLUMN_SUM, R.d_logits[w, :k], R.d_logits[w, :k], 1, V
+    b = (t - 1) // TENSORS_PER_BLOCK
+    which = (t - 1) % TENSORS_PER_BLOCK
+    if which == GAMMA:
+        return COLUMN_SUM, R.d_gain[w, b, :k], R.d_gain[w, b, :k], 1, d
+    if which == WQ:
+        return MATRIX, A.n[w, b, s:], R.d_q[w, b, :k], d, d
+    if which == WK:
+        return MATRIX, A.n[w, b, s:], R.d_k[w, b, :k], d, d
+    if which == WV:
+        return MATRIX, A.n[w, b, s:], R.d_v[w, b, :k], d, d
+    if which == WO:
+        return MATRIX, A.attn_out[w, b, s:], R.d_h[w, b, :k], d, d
+    if which == WUP:
+        return MATRIX, A.h[w, b, s:], R.d_u[w, b, :k], d, F
+    if which == BUP:
+        return COLUMN_SUM, R.d_u[w, b, :k], R.d_u[w, b, :k], 1, F
+    if which == WDOWN:
+        return MATRIX, A.relu[w, b, s:], R.d_block_out[w, b, :k], F, d
+    return COLUMN_SUM, R.d_block_out[w, b, :k], R.d_block_out[w, b, :k], 1, d  # BDOWN
