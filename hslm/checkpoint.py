@@ -177,7 +177,11 @@ def read(path, expect_kind=None) -> Checkpoint:
     First integrity (every byte), then structure (every field): nothing in the
     file is believed until all of it checks out."""
     path = Path(path)
-    raw = read_bytes(path, "checkpoint")
+    return parse(read_bytes(path, "checkpoint"), path, expect_kind)
+
+
+def parse(raw: bytes, path, expect_kind=None) -> Checkpoint:
+    """read() on bytes already in memory; `path` names the file in messages."""
     if len(raw) < 8:
         raise _damaged(path, f"truncated to {len(raw)} bytes")
     (n,) = struct.unpack("<Q", raw[:8])
@@ -209,8 +213,7 @@ def read(path, expect_kind=None) -> Checkpoint:
     # Every byte is as written. Now the structure must be exactly what we write.
     bad = f"{path} is not a valid hslm checkpoint"
     try:
-        cfg, hyper = _check_meta(meta, path)
-        _check_tensors(header, meta["kind"], cfg, len(data))
+        cfg, hyper = _check_meta(meta, path, header, len(data))
     except Invalid as e:
         raise HslmError(f"{bad}: {e}") from None
     ck = Checkpoint(path, raw, header, 8 + n, cfg, hyper)
@@ -219,7 +222,7 @@ def read(path, expect_kind=None) -> Checkpoint:
     return ck
 
 
-def _check_meta(meta, path):
+def _check_meta(meta, path, header, data_len):
     for k, v in meta.items():
         if not isinstance(v, str):
             raise Invalid(f"metadata {str(k)[:40]!r} is not a string")
@@ -235,6 +238,7 @@ def _check_meta(meta, path):
     if not (step.isascii() and step.isdigit() and str(int(step)) == step and len(step) < 19):
         raise Invalid(f"step {step[:40]!r} is not a non-negative integer")
     cfg = config_from_json(meta["config"])
+    _check_tensors(header, kind, cfg, data_len)  # sizes first: nothing big is built before
     for k in ("data_sha256", "header_sha256") + (("params_sha256", "tokenizer", "text_sha256")
                                                  if kind == "state" else ()):
         if not is_hex64(meta[k]):
