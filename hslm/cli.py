@@ -116,26 +116,29 @@ def train(ctx, model, data, steps, batch, loss_positions, lr, warmup, decay_step
         corpus = load_corpus(data, cfg)
         run = Run.fresh(cfg, hyper, corpus, plain=speed < 3)
 
-    lock = prepare_out_dir(out)  # noqa: F841 (held until the process ends)
-    cfg, h = run.cfg, run.hyper
-    save_tokenizer(out, run.corpus.tokenizer)
-    if not quiet:
-        click.echo(f"model {cfg.n_params:,} parameters | data {run.corpus.source}: "
-                   f"{len(run.corpus.train):,} train / {len(run.corpus.valid):,} valid tokens | "
-                   f"speed {speed} ({SPEED_NAMES[speed]}) | threads {threads} | "
-                   f"batch {h.batch} x {cfg.window} | k {h.loss_positions}")
+    lock = prepare_out_dir(out)  # one writer per folder, held until the run ends
+    try:
+        cfg, h = run.cfg, run.hyper
+        save_tokenizer(out, run.corpus.tokenizer)
+        if not quiet:
+            click.echo(f"model {cfg.n_params:,} parameters | data {run.corpus.source}: "
+                       f"{len(run.corpus.train):,} train / {len(run.corpus.valid):,} valid tokens | "
+                       f"speed {speed} ({SPEED_NAMES[speed]}) | threads {threads} | "
+                       f"batch {h.batch} x {cfg.window} | k {h.loss_positions}")
 
-    def resume_command(state_path):
-        import shlex
-        cmd = f"hslm train --resume {shlex.quote(str(state_path))} --steps {steps}"
-        if data is not None:
-            cmd += f" --data {shlex.quote(str(data))}"
-        if metrics is not None:
-            cmd += f" --metrics {shlex.quote(str(metrics))}"
-        return cmd
+        def resume_command(state_path):
+            import shlex
+            cmd = f"hslm train --resume {shlex.quote(str(state_path))} --steps {steps}"
+            if data is not None:
+                cmd += f" --data {shlex.quote(str(data))}"
+            if metrics is not None:
+                cmd += f" --metrics {shlex.quote(str(metrics))}"
+            return cmd
 
-    run_loop(run, out, steps, speed, threads, save_every, eval_every, metrics, log_every, quiet,
-             resume_command)
+        run_loop(run, out, steps, speed, threads, save_every, eval_every, metrics, log_every,
+                 quiet, resume_command)
+    finally:
+        lock.release()
 
 
 def run_loop(run, out, steps, speed, threads, save_every, eval_every, metrics_path, log_every,
