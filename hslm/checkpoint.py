@@ -50,7 +50,7 @@ import numpy as np
 
 from .config import Config
 from .errors import HslmError, read_bytes
-from .validate import (MAX_JSON, Invalid, check_rng_state, config_from_json, exact_keys,
+from .validate import (MAX_JSON, Invalid, check_fits, check_rng_state, config_from_json, exact_keys,
                        hyper_from_json, is_hex64, n_params, parse_json)
 
 FORMAT = "hslm"
@@ -177,6 +177,11 @@ def read(path, expect_kind=None) -> Checkpoint:
     First integrity (every byte), then structure (every field): nothing in the
     file is believed until all of it checks out."""
     path = Path(path)
+    try:
+        size = os.stat(path).st_size
+    except OSError:
+        size = 0  # read_bytes words the error
+    check_fits(2 * size, f"reading {path} ({size:,} bytes)")
     return parse(read_bytes(path, "checkpoint"), path, expect_kind)
 
 
