@@ -122,7 +122,8 @@ def train(ctx, model, data, steps, batch, loss_positions, lr, warmup, decay_step
         save_tokenizer(out, run.corpus.tokenizer)
         if not quiet:
             click.echo(f"model {cfg.n_params:,} parameters | data {run.corpus.source}: "
-                       f"{len(run.corpus.train):,} train / {len(run.corpus.valid):,} valid tokens | "
+                       f"{len(run.corpus.train):,} train / {len(run.corpus.valid):,} valid "
+                       "tokens | "
                        f"speed {speed} ({SPEED_NAMES[speed]}) | threads {threads} | "
                        f"batch {h.batch} x {cfg.window} | k {h.loss_positions}")
 
