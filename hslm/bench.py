@@ -48,7 +48,7 @@ def machine_peak_gflops_per_core():
 
 def checkpoint_digest(run: Run) -> str:
     """sha256 of the .bin and .state bytes the run would write now."""
-    p = ckpt.params_blob(run.cfg, run.state.theta, run.step)
+    p = ckpt.params_blob(run.cfg, run.state.theta, run.step, run.corpus.tokenizer)
     s = ckpt.state_blob(run.cfg, run.m, run.v, run.step, ckpt.params_sha256_of(p),
                         {"rng": run.rng.state_json()})
     return hashlib.sha256(p + s).hexdigest()

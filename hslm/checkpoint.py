@@ -15,13 +15,25 @@ order, so its data section is exactly the flat parameter vector.
 ckpt_<step>.state holds AdamW's first and second moments ("adam.m", "adam.v",
 flat, parameter order).
 
-__metadata__ (all values strings): format "hslm", format_version "1", kind
+__metadata__ (all values strings): format "hslm", format_version "2", kind
 ("params" or "state"), config (JSON), step, data_sha256 (the checksum of the
-data section). The state adds: params_sha256 (the data_sha256 of the .bin it
-belongs to), rng (the data generator's state, JSON), hyper (the training
-hyper-parameters, JSON), tokenizer (sha256 identity), text_sha256 and
-data_source ("built-in <name>" or "--data text": never a path, so that the bytes do
-not depend on how a path was spelled).
+data section) and header_sha256. The .bin adds tokenizer (the run's tokenizer
+itself, its JSON: vocab and merges). The state adds: params_sha256 (the
+data_sha256 of the .bin it belongs to), rng (the data generator's state,
+JSON), hyper (the training hyper-parameters, JSON), tokenizer (sha256
+identity), text_sha256 and data_source ("built-in <name>" or "--data text":
+never a path, so that the bytes do not depend on how a path was spelled).
+
+Integrity (format 2): header_sha256 is the sha256 of the canonical header JSON
+(keys sorted, no spaces, no padding) with header_sha256 itself left out of
+__metadata__. Since the header holds data_sha256, the two checksums cover every
+byte of the file: a reader requires the header bytes to be exactly the
+canonical encoding of what they parse to (plus 0-7 spaces of padding), the
+header checksum to match, then the data checksum. Any change anywhere is
+refused as damage before a single field is believed. Only then is the
+structure checked against what the config implies: the exact tensor names,
+order, dtypes, shapes and offsets, the metadata keys, and every stored value
+exactly as the CLI checks its flags.
 
 Files are written atomically: a temporary file in the same folder, flushed and
 fsynced, then renamed over the final name, so a reader never sees a half
@@ -39,9 +51,25 @@ import numpy as np
 
 from .config import Config
 from .errors import HslmError, read_bytes
+from .validate import (MAX_JSON, Invalid, check_fits, check_rng_state, config_from_json, exact_keys,
+                       hyper_from_json, is_hex64, n_params, parse_json)
 
 FORMAT = "hslm"
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
+
+# The metadata keys of each kind, exactly (values are checked in _check_meta).
+META_COMMON = ("format", "format_version", "kind", "config", "step", "data_sha256",
+               "header_sha256")
+META_KEYS = {
+    "params": META_COMMON + ("tokenizer",),
+    "state": META_COMMON + ("params_sha256", "rng", "hyper", "tokenizer", "text_sha256",
+                            "data_source"),
+}
+MAX_HEADER = MAX_JSON
+
+
+def _canonical(header: dict) -> bytes:
+    return json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
 
 def encode(tensors, metadata: dict) -> bytes:
@@ -58,8 +86,10 @@ def encode(tensors, metadata: dict) -> bytes:
     meta = dict(metadata)
     meta.update(format=FORMAT, format_version=FORMAT_VERSION,
                 data_sha256=hashlib.sha256(data).hexdigest())
+    meta.pop("header_sha256", None)
     header["__metadata__"] = {k: str(v) for k, v in meta.items()}
-    h = json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    header["__metadata__"]["header_sha256"] = hashlib.sha256(_canonical(header)).hexdigest()
+    h = _canonical(header)
     h += b" " * (-len(h) % 8)
     return struct.pack("<Q", len(h)) + h + data
 
@@ -90,17 +120,18 @@ def write_atomic(path: Path, blob: bytes):
 
 
 class Checkpoint:
-    """A parsed, checksum-verified checkpoint file."""
+    """A parsed checkpoint whose every byte and field has been checked."""
 
-    def __init__(self, path, raw: bytes, header: dict, data_start: int):
+    def __init__(self, path, raw: bytes, header: dict, data_start: int, config, hyper=None):
         self.path = Path(path)
         self.raw = raw
         self.meta = header.pop("__metadata__")
         self.header = header
         self.data_start = data_start
-        self.kind = self.meta.get("kind")
+        self.kind = self.meta["kind"]
         self.step = int(self.meta["step"])
-        self.config = Config.from_json(self.meta["config"])
+        self.config = config
+        self.hyper = hyper  # .state: the training hyper-parameters (a train.Hyper)
 
     def names(self):
         return sorted(self.header, key=lambda n: self.header[n]["data_offsets"][0])
@@ -119,56 +150,161 @@ class Checkpoint:
     def data_sha256(self) -> str:
         return self.meta["data_sha256"]
 
+    def tokenizer(self):
+        """The run's tokenizer, carried by a .bin (checked when the file was read)."""
+        from .data import Tokenizer
+        return Tokenizer.from_json(self.meta["tokenizer"])
+
+    def check_finite(self):
+        """HslmError naming the first tensor that holds a NaN or an infinity."""
+        flat = np.frombuffer(self.raw, "<f8", offset=self.data_start)
+        if np.isfinite(flat).all():
+            return
+        for name in self.names():
+            x = self.tensor(name)
+            bad = ~np.isfinite(x)
+            if bad.any():
+                raise HslmError(f"{self.path} holds non-finite values: {int(bad.sum()):,} of "
+                                f"{x.size:,} elements of {name} are NaN or infinite")
+
+
+def _damaged(path, why):
+    return HslmError(f"{path} is damaged ({why}); the file is corrupt or not an hslm checkpoint")
+
 
 def read(path, expect_kind=None) -> Checkpoint:
-    """Parse and verify a checkpoint; any defect is one clear HslmError."""
+    """Parse and verify a checkpoint; any defect is one clear HslmError.
+
+    First integrity (every byte), then structure (every field): nothing in the
+    file is believed until all of it checks out."""
     path = Path(path)
-    raw = read_bytes(path, "checkpoint")
-    bad = f"{path} is not a valid hslm checkpoint"
-    if len(raw) < 8:
-        raise HslmError(f"{bad}: file is truncated ({len(raw)} bytes)")
-    (n,) = struct.unpack("<Q", raw[:8])
-    if n > len(raw) - 8 or n > 100_000_000:
-        raise HslmError(f"{bad}: header length {n} exceeds the file ({len(raw)} bytes); "
-                        "truncated or corrupt")
     try:
-        header = json.loads(raw[8:8 + n].decode("utf-8"))
-        meta = header["__metadata__"]
-        if meta.get("format") != FORMAT:
-            raise ValueError("not an hslm file")
-        if meta.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"unsupported format version {meta.get('format_version')}")
-        end = 0
-        for name, h in header.items():
-            if name == "__metadata__":
-                continue
-            if h["dtype"] != "F64":
-                raise ValueError(f"tensor {name} has dtype {h['dtype']}")
-            a, b = h["data_offsets"]
-            if b - a != 8 * int(np.prod(h["shape"], dtype=np.int64)):
-                raise ValueError(f"tensor {name} has inconsistent offsets")
-            end = max(end, b)
-        int(meta["step"])
-        Config.from_json(meta["config"])
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-        raise HslmError(f"{bad}: damaged header ({e})") from None
-    data = raw[8 + n:]
-    if len(data) != end:
-        raise HslmError(f"{bad}: data section is {len(data)} bytes, header says {end}; "
-                        "truncated or corrupt")
-    if hashlib.sha256(data).hexdigest() != meta["data_sha256"]:
-        raise HslmError(f"{path}: checksum mismatch, the file is corrupt")
-    ck = Checkpoint(path, raw, header, 8 + n)
+        size = os.stat(path).st_size
+    except OSError:
+        size = 0  # read_bytes words the error
+    check_fits(2 * size, f"reading {path} ({size:,} bytes)")
+    return parse(read_bytes(path, "checkpoint"), path, expect_kind)
+
+
+def parse(raw: bytes, path, expect_kind=None) -> Checkpoint:
+    """read() on bytes already in memory; `path` names the file in messages."""
+    if len(raw) < 8:
+        raise _damaged(path, f"truncated to {len(raw)} bytes")
+    (n,) = struct.unpack("<Q", raw[:8])
+    if n > len(raw) - 8 or n > MAX_HEADER or n < 2:
+        raise _damaged(path, f"header length {n:,} does not fit the file's {len(raw):,} bytes")
+    hbytes = raw[8:8 + n]
+    try:
+        header = parse_json(hbytes, "the header", limit=MAX_HEADER)
+    except Invalid as e:
+        raise _damaged(path, str(e)) from None
+    if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
+        raise _damaged(path, "the header has no __metadata__ object")
+    meta = header["__metadata__"]
+    if (meta.get("format") == FORMAT and "header_sha256" not in meta
+            and meta.get("format_version") == "1"):
+        raise HslmError(f"{path} is an hslm checkpoint of format 1, written by an older hslm "
+                        f"whose files carry no header checksum; this version reads format "
+                        f"{FORMAT_VERSION} only")
+    canon = _canonical(header)
+    if hbytes != canon + b" " * (-len(canon) % 8):
+        raise _damaged(path, "the header is not in canonical form")
+    claimed = meta.get("header_sha256")
+    rest = dict(header, __metadata__={k: v for k, v in meta.items() if k != "header_sha256"})
+    if not isinstance(claimed, str) or hashlib.sha256(_canonical(rest)).hexdigest() != claimed:
+        raise _damaged(path, "header checksum mismatch")
+    data = memoryview(raw)[8 + n:]
+    if hashlib.sha256(data).hexdigest() != meta.get("data_sha256"):
+        raise _damaged(path, "data checksum mismatch")
+    # Every byte is as written. Now the structure must be exactly what we write.
+    bad = f"{path} is not a valid hslm checkpoint"
+    try:
+        cfg, hyper = _check_meta(meta, path, header, len(data))
+    except Invalid as e:
+        raise HslmError(f"{bad}: {e}") from None
+    ck = Checkpoint(path, raw, header, 8 + n, cfg, hyper)
     if expect_kind and ck.kind != expect_kind:
         raise HslmError(f"{path} is a '{ck.kind}' file, expected '{expect_kind}'")
     return ck
 
 
-def params_blob(cfg: Config, theta: np.ndarray, step: int) -> bytes:
+def _check_meta(meta, path, header, data_len):
+    for k, v in meta.items():
+        if not isinstance(v, str):
+            raise Invalid(f"metadata {str(k)[:40]!r} is not a string")
+    if meta.get("format") != FORMAT:
+        raise Invalid(f"format is {meta.get('format', '')[:40]!r}, not {FORMAT!r}")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise Invalid(f"unsupported format version {meta.get('format_version', '')[:20]!r}")
+    kind = meta.get("kind")
+    if kind not in META_KEYS:
+        raise Invalid(f"kind is {str(kind)[:40]!r}, not 'params' or 'state'")
+    exact_keys(meta, META_KEYS[kind], "metadata")
+    step = meta["step"]
+    if not (step.isascii() and step.isdigit() and str(int(step)) == step and len(step) < 19):
+        raise Invalid(f"step {step[:40]!r} is not a non-negative integer")
+    cfg = config_from_json(meta["config"])
+    _check_tensors(header, kind, cfg, data_len)  # sizes first: nothing big is built before
+    for k in ("data_sha256", "header_sha256") + (("params_sha256", "tokenizer", "text_sha256")
+                                                 if kind == "state" else ()):
+        if not is_hex64(meta[k]):
+            raise Invalid(f"{k} is not a sha256 hex digest")
+    hyper = None
+    if kind == "params":
+        from .data import Tokenizer
+        try:
+            tok = Tokenizer.from_json(meta["tokenizer"])
+        except HslmError as e:
+            raise Invalid(f"tokenizer: {e}") from None
+        if tok.to_json() != meta["tokenizer"]:
+            raise Invalid("tokenizer is not in canonical form")
+        if tok.vocab != cfg.vocab:
+            raise Invalid(f"the tokenizer's vocabulary ({tok.vocab}) is not the model's "
+                          f"({cfg.vocab})")
+    else:
+        hyper = hyper_from_json(meta["hyper"], cfg, path)
+        check_rng_state(meta["rng"])
+        if len(meta["data_source"]) > 65536:
+            raise Invalid("data_source is too long")
+    return cfg, hyper
+
+
+def _check_tensors(header, kind, cfg, data_len):
+    """Names, order, dtypes, shapes and offsets exactly as the config implies; judged
+    by formula first, so a config implying absurd sizes costs nothing."""
+    P = n_params(cfg)
+    expect_len = 8 * P * (1 if kind == "params" else 2)
+    if data_len != expect_len:
+        raise Invalid(f"the data section is {data_len:,} bytes; config {cfg.to_json()} "
+                      f"implies {expect_len:,}")
+    if kind == "params":
+        layout = [(name, list(shape)) for name, shape, _ in cfg.tensors()]
+    else:
+        layout = [("adam.m", [P]), ("adam.v", [P])]
+    expect, off = {}, 0
+    for name, shape in layout:
+        size = 8 * int(np.prod(shape, dtype=np.int64))
+        expect[name] = {"data_offsets": [off, off + size], "dtype": "F64", "shape": shape}
+        off += size
+    given = {k: v for k, v in header.items() if k != "__metadata__"}
+    if _canonical(given) != _canonical(expect):
+        names = [k for k in given]
+        if sorted(names) != sorted(expect):
+            raise Invalid("the tensor names are not the ones the config implies "
+                          f"({len(names)} tensors, expected {len(expect)})")
+        for k in expect:
+            if _canonical(given[k]) != _canonical(expect[k]):
+                raise Invalid(f"tensor {k} is {_canonical(given[k])[:120].decode()}, expected "
+                              f"{_canonical(expect[k]).decode()}")
+
+
+def params_blob(cfg: Config, theta: np.ndarray, step: int, tokenizer) -> bytes:
+    """The .bin of a run; `tokenizer` (a data.Tokenizer) travels inside it."""
     offs = cfg.offsets()
     tensors = [(name, theta[offs[t]:offs[t + 1]].reshape(shape))
                for t, (name, shape, _) in enumerate(cfg.tensors())]
-    return encode(tensors, {"kind": "params", "config": cfg.to_json(), "step": step})
+    return encode(tensors, {"kind": "params", "config": cfg.to_json(), "step": step,
+                            "tokenizer": tokenizer.to_json()})
 
 
 def state_blob(cfg: Config, m, v, step: int, params_sha256: str, extra: dict) -> bytes:

@@ -71,31 +71,35 @@ def train(ctx, model, data, steps, batch, loss_positions, lr, warmup, decay_step
     """Train a model; writes OUT/ckpt_<step>.bin and OUT/ckpt_<step>.state."""
     from .speeds import SPEED_NAMES
     speed = int(speed)
-    from .train import (Hyper, Run, check_hyper, load_corpus, prepare_out_dir,
-                        resolve_config, save_tokenizer)
+    from .train import (Hyper, Run, check_fits, check_hyper, check_metrics_path, check_out_dir,
+                        load_corpus, memory_estimate, prepare_out_dir, resolve_config,
+                        save_tokenizer)
 
     given = {n for n in ctx.params
              if ctx.get_parameter_source(n) == click.core.ParameterSource.COMMANDLINE}
     threads = threads or default_threads()
+    # Every flag and path is judged before anything is created.
     if resume is not None:
         out = out or resume.parent
-        prepare_out_dir(out)
+        check_out_dir(out)
+        check_metrics_path(metrics, out)
         cfg_flag = resolve_config(model) if "model" in given else None
+        flags = dict(batch=batch, loss_positions=loss_positions, lr=lr, warmup=warmup,
+                     decay_steps=decay_steps, weight_decay=weight_decay, seed=seed,
+                     eval_windows=eval_windows)
 
         def corpus_for(cfg, hyper, text_sha256, tokenizer):
             if cfg_flag is not None and cfg_flag != cfg:
                 raise HslmError(f"config mismatch: --model {model} differs from the checkpoint's "
                                 "configuration")
-            flags = dict(batch=batch, loss_positions=loss_positions, lr=lr, warmup=warmup,
-                         decay_steps=decay_steps, weight_decay=weight_decay, seed=seed,
-                         eval_windows=eval_windows)
             for n in BYTE_OPTIONS:
                 if n in given and flags[n] != getattr(hyper, n):
                     raise HslmError(f"config mismatch: --{n.replace('_', '-')} {flags[n]} differs "
                                     f"from the checkpoint's {getattr(hyper, n)}")
             return load_corpus(data, cfg, text_sha256, tokenizer)
 
-        run = Run.resume(resume, corpus_for, plain=SPEEDS[speed].plain_layouts)
+        run = Run.resume(resume, corpus_for, plain=SPEEDS[speed].plain_layouts, threads=threads,
+                         speed=speed)
         if steps <= run.step:
             raise HslmError(f"{resume} is already at step {run.step}; pass --steps above it")
     else:
@@ -105,35 +109,59 @@ def train(ctx, model, data, steps, batch, loss_positions, lr, warmup, decay_step
                       decay_steps=decay_steps, weight_decay=weight_decay, seed=seed,
                       eval_windows=eval_windows)
         check_hyper(cfg, hyper)
-        out = out or Path("ckpt")
-        prepare_out_dir(out)
         if steps < 1:
             raise HslmError(f"--steps must be at least 1, got {steps}")
+        out = out or Path("ckpt")
+        check_out_dir(out)
+        check_metrics_path(metrics, out)
+        check_fits(memory_estimate(cfg, batch, threads, speed),
+                   f"--model {model} with --batch {batch} on {threads} thread(s)")
         corpus = load_corpus(data, cfg)
         run = Run.fresh(cfg, hyper, corpus, plain=SPEEDS[speed].plain_layouts)
 
-    cfg, h = run.cfg, run.hyper
-    save_tokenizer(out, run.corpus.tokenizer)
-    if not quiet:
-        click.echo(f"model {cfg.n_params:,} parameters | data {run.corpus.source}: "
-                   f"{len(run.corpus.train):,} train / {len(run.corpus.valid):,} valid tokens | "
-                   f"speed {speed} ({SPEED_NAMES[speed]}) | threads {threads} | "
-                   f"batch {h.batch} x {cfg.window} | k {h.loss_positions}")
-    run_loop(run, out, steps, speed, threads, save_every, eval_every, metrics, log_every, quiet)
+    lock = prepare_out_dir(out)  # one writer per folder, held until the run ends
+    try:
+        cfg, h = run.cfg, run.hyper
+        save_tokenizer(out, run.corpus.tokenizer)
+        if not quiet:
+            click.echo(f"model {cfg.n_params:,} parameters | data {run.corpus.source}: "
+                       f"{len(run.corpus.train):,} train / {len(run.corpus.valid):,} valid "
+                       "tokens | "
+                       f"speed {speed} ({SPEED_NAMES[speed]}) | threads {threads} | "
+                       f"batch {h.batch} x {cfg.window} | k {h.loss_positions}")
+
+        def resume_command(state_path):
+            import shlex
+            cmd = f"hslm train --resume {shlex.quote(str(state_path))} --steps {steps}"
+            if data is not None:
+                cmd += f" --data {shlex.quote(str(data))}"
+            if metrics is not None:
+                cmd += f" --metrics {shlex.quote(str(metrics))}"
+            return cmd
+
+        run_loop(run, out, steps, speed, threads, save_every, eval_every, metrics, log_every,
+                 quiet, resume_command)
+    finally:
+        lock.release()
 
 
 def run_loop(run, out, steps, speed, threads, save_every, eval_every, metrics_path, log_every,
-             quiet):
-    """The step loop: progress, metrics, checkpoints, and a clean stop on SIGINT/SIGTERM."""
+             quiet, resume_command=None):
+    """The step loop: progress, metrics, checkpoints, and a clean stop on SIGINT/SIGTERM.
+
+    Nothing non-finite is ever saved: a NaN or infinite loss, gradient or parameter
+    stops the run with an error before the next checkpoint."""
     import math
     import signal
 
-    from .progress import Metrics, Progress
+    from .progress import Metrics, MetricsError, Progress
     from .step import StepRunner
 
+    resume_command = resume_command or (
+        lambda s: f"hslm train --resume {s} --steps {steps}")
     cfg, h = run.cfg, run.hyper
-    progress = Progress(run.step, steps, quiet=quiet, log_every=log_every)
     metrics = Metrics(metrics_path)
+    progress = Progress(run.step, steps, quiet=quiet, log_every=log_every)
     stop = StopRequest()
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     runner = StepRunner(cfg, speed, threads)
@@ -141,38 +169,47 @@ def run_loop(run, out, steps, speed, threads, save_every, eval_every, metrics_pa
 
     def evaluate():
         v = run.validation_loss(runner)
+        if not math.isfinite(v):
+            raise HslmError(f"step {run.step}: the validation loss is {v}")
         metrics.write(kind="eval", step=run.step, valid_loss=v, perplexity=math.exp(v))
         return v
 
     try:
-        while run.step < steps:
-            t0 = time.perf_counter()
-            loss = run.train_step(runner)
-            dt = time.perf_counter() - t0
-            first = loss if first is None else first
-            last = loss
-            tok_s = h.batch * cfg.window / dt
-            progress.step(run.step, loss, run.lr_at(run.step), tok_s)
-            if metrics.f is not None:
-                metrics.write(kind="train", step=run.step, loss=loss, lr=run.lr_at(run.step),
-                              grad_norm=float(np.sqrt(np.sum(run.norms ** 2))), tok_s=tok_s,
-                              ternary_zero_share=run.ternary_zero_share())
-            if stop.signum is not None:
-                b, s = run.save(out)
-                progress.message(f"{signal.Signals(stop.signum).name}: stopped after step "
-                                 f"{run.step}; saved {b} and {s}")
-                progress.message(f"resume with: hslm train --resume {s} --steps {steps}")
-                sys.exit(128 + stop.signum)
-            if eval_every and run.step % eval_every == 0 and run.step < steps:
-                v = evaluate()
-                progress.message(f"step {run.step}: valid {v:.4f} (perplexity {math.exp(v):.1f})")
-            if save_every and run.step % save_every == 0 and run.step < steps:
-                run.save(out)
-        b, s = run.save(out)
-        progress.close()
-        if not quiet:
-            click.echo(f"saved {b} and {s}")
-        valid = evaluate()
+        try:
+            while run.step < steps:
+                t0 = time.perf_counter()
+                loss = run.train_step(runner)
+                dt = time.perf_counter() - t0
+                run.check_finite(loss)
+                first = loss if first is None else first
+                last = loss
+                tok_s = h.batch * cfg.window / dt
+                progress.step(run.step, loss, run.lr_at(run.step), tok_s)
+                if metrics.f is not None:
+                    metrics.write(kind="train", step=run.step, loss=loss, lr=run.lr_at(run.step),
+                                  grad_norm=float(np.sqrt(np.sum(run.norms ** 2))), tok_s=tok_s,
+                                  ternary_zero_share=run.ternary_zero_share())
+                if stop.signum is not None:
+                    b, s = run.save(out)
+                    progress.message(f"{signal.Signals(stop.signum).name}: stopped after step "
+                                     f"{run.step}; saved {b} and {s}")
+                    progress.message(f"resume with: {resume_command(s)}")
+                    sys.exit(128 + stop.signum)
+                if eval_every and run.step % eval_every == 0 and run.step < steps:
+                    v = evaluate()
+                    progress.message(f"step {run.step}: valid {v:.4f} (perplexity "
+                                     f"{math.exp(v):.1f})")
+                if save_every and run.step % save_every == 0 and run.step < steps:
+                    run.save(out)
+            b, s = run.save(out)
+            progress.close()
+            if not quiet:
+                click.echo(f"saved {b} and {s}")
+            valid = evaluate()
+        except MetricsError as e:  # the run itself is fine: keep it, then stop
+            b, s = run.save(out)
+            raise HslmError(f"{e}; stopped after step {run.step} and saved {s} (resume with: "
+                            f"{resume_command(s)})") from None
     finally:
         progress.close()
         runner.close()
@@ -245,19 +282,26 @@ def info(file):
               help="Scored positions [default: the run's, or the window].")
 @click.option("--threads", type=click.IntRange(1, 1024), default=None)
 def eval_cmd(ckpt_path, data, windows, loss_positions, threads):
-    """Validation loss and perplexity of a checkpoint (.bin)."""
+    """Validation loss and perplexity of a checkpoint (.bin).
+
+    The text is encoded with the run's own tokenizer, which the .bin carries."""
     import math
 
     from .data import Corpus
     from .step import StepRunner
     from .train import load_for_inference
 
-    cfg, state, tok, hyper = load_for_inference(ckpt_path, data)
-    k = loss_positions or (hyper.loss_positions if hyper else cfg.window)
+    threads = threads or default_threads()
+    if loss_positions is not None and loss_positions < 1:
+        raise HslmError(f"--loss-positions must be at least 1, got {loss_positions}")
+    cfg, state, tok, hyper = load_for_inference(ckpt_path, threads)
+    k = loss_positions if loss_positions is not None else (
+        hyper.loss_positions if hyper else cfg.window)
     if not 1 <= k <= cfg.window:
-        raise HslmError(f"--loss-positions must be between 1 and {cfg.window}, got {k}")
-    corpus = Corpus.load(data, cfg.vocab, cfg.window, tokenizer=tok)
-    runner = StepRunner(cfg, DEFAULT_SPEED, threads or default_threads())
+        raise HslmError(f"--loss-positions must be between 1 and the window ({cfg.window}), "
+                        f"got {k}")
+    corpus = Corpus.load(data, cfg.vocab, cfg.window, tokenizer=tok)  # the run's tokenizer
+    runner = StepRunner(cfg, DEFAULT_SPEED, threads)
     try:
         w = corpus.validation_windows(windows, cfg.window)
         v = runner.loss(state.kernel_model(), state.tables.vsa, w, k)
@@ -271,23 +315,28 @@ def eval_cmd(ckpt_path, data, windows, loss_positions, threads):
 @click.argument("ckpt_path", metavar="CKPT", type=click.Path(path_type=Path))
 @click.option("--prompt", default="", help="Text to continue.")
 @click.option("--tokens", "n_tokens", type=click.IntRange(1), default=100, show_default=True)
-@click.option("--temperature", type=click.FloatRange(0.0), default=0.8, show_default=True,
+@click.option("--temperature", type=float, default=0.8, show_default=True,
               help="0 takes the most likely token.")
 @click.option("--top-k", type=click.IntRange(0), default=40, show_default=True,
               help="Sample among the k most likely tokens (0: all).")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--data", type=click.Path(path_type=Path), default=None,
-              help="Rebuild the tokenizer from this text if no tokenizer.json is beside CKPT.")
+@click.option("--data", type=click.Path(path_type=Path), default=None, hidden=True,
+              help="Ignored: the checkpoint carries its tokenizer.")
 def sample(ckpt_path, prompt, n_tokens, temperature, top_k, seed, data):
     """Continue a prompt with a trained model (reproducible for a seed)."""
+    import math
+
     from .sample import sample as sample_ids
     from .step import Worker
     from .train import load_for_inference
+    from .validate import MIN_TEMPERATURE
 
-    cfg, state, tok, _ = load_for_inference(ckpt_path, data)
-    if tok is None:
-        from .data import Corpus
-        tok = Corpus.load(data, cfg.vocab, cfg.window).tokenizer
+    if not math.isfinite(temperature) or temperature < 0 or 0 < temperature < MIN_TEMPERATURE:
+        raise HslmError(f"--temperature must be 0 (greedy) or a finite number of at least "
+                        f"{MIN_TEMPERATURE:g}, got {temperature}")
+    if seed < 0:
+        raise HslmError(f"--seed must be at least 0, got {seed}")
+    cfg, state, tok, _ = load_for_inference(ckpt_path)
     ids = sample_ids(Worker(cfg, DEFAULT_SPEED), state.kernel_model(), state.tables.vsa, tok.encode(prompt),
                      n_tokens, temperature, top_k, seed, cfg.window)
     click.echo(prompt + tok.decode(ids))

@@ -24,6 +24,8 @@ N_SPECIAL = 4
 BYTE0 = N_SPECIAL
 FIRST_MERGE = N_SPECIAL + 256
 VALID_SHARE = 0.1
+MAX_VOCAB = 1 << 20
+MAX_PIPE_TEXT = 256 << 20  # bytes read from something that is not a regular file
 
 
 # The built-in corpus: one fixed text shipped with the package, the same on every Python
@@ -92,6 +94,29 @@ def _learn_merges(seq, vocab, n_merges, merges):
 
 
 @njit(cache=True)
+def _learn_one(seq, n, vocab, m, merges, counts):
+    """Learn merge m on seq[:n] (as _learn_merges does); returns the new length, or -1
+    when no pair occurs twice."""
+    counts[:, :] = 0
+    for i in range(n - 1):
+        counts[seq[i], seq[i + 1]] += 1
+    best = 1
+    ba = -1
+    bb = -1
+    for a in range(vocab):  # row-major: the first maximum is the smallest pair
+        for b in range(vocab):
+            if counts[a, b] > best:
+                best = counts[a, b]
+                ba = a
+                bb = b
+    if ba < 0:
+        return -1
+    merges[m, 0] = ba
+    merges[m, 1] = bb
+    return _apply_merge(seq, n, ba, bb, FIRST_MERGE + m)
+
+
+@njit(cache=True)
 def _encode(seq, merges):
     n = seq.shape[0]
     for m in range(merges.shape[0]):
@@ -115,12 +140,23 @@ class Tokenizer:
                             f"(needs at least {FIRST_MERGE})")
         seq = _bytes_to_ids(text)
         merges = np.zeros((vocab - FIRST_MERGE, 2), np.int64)
-        m, _ = _learn_merges(seq, vocab, vocab - FIRST_MERGE, merges)
+        counts = np.zeros((vocab, vocab), np.int64)
+        n = seq.shape[0]
+        m = 0
+        # One merge per kernel call: the kernels hold the GIL, and Python runs signal
+        # handlers (Ctrl-C) between calls, so a long corpus stays interruptible.
+        while m < len(merges):
+            n = _learn_one(seq, n, vocab, m, merges, counts)
+            if n < 0:
+                break
+            m += 1
         return cls(vocab, merges[:m])
 
     def encode(self, text: str) -> np.ndarray:
         seq = _bytes_to_ids(text)
-        n = _encode(seq, self.merges)
+        n = seq.shape[0]
+        for m in range(self.merges.shape[0]):  # one pass per call: interruptible
+            n = _apply_merge(seq, n, self.merges[m, 0], self.merges[m, 1], FIRST_MERGE + m)
         return seq[:n].copy()
 
     def decode_bytes(self, ids) -> bytes:
@@ -143,13 +179,27 @@ class Tokenizer:
 
     @classmethod
     def from_json(cls, s: str) -> "Tokenizer":
+        """A tokenizer from its JSON, every field checked: the merges must only join
+        bytes and earlier merges, and fit the vocabulary."""
+        from .validate import Invalid, exact_keys, is_int, parse_json
         try:
-            obj = json.loads(s)
-            if obj.get("format") != "hslm-bpe":
-                raise ValueError("not an hslm tokenizer")
-            return cls(int(obj["vocab"]), np.array(obj["merges"], np.int64))
-        except (ValueError, KeyError, TypeError) as e:
-            raise HslmError(f"tokenizer file is not valid: {e}") from None
+            obj = parse_json(s, "the tokenizer")
+            exact_keys(obj, ("format", "version", "vocab", "merges"), "the tokenizer")
+            if obj["format"] != "hslm-bpe" or obj["version"] != 1:
+                raise Invalid("not an hslm-bpe version 1 tokenizer")
+            vocab, merges = obj["vocab"], obj["merges"]
+            if not is_int(vocab) or not FIRST_MERGE <= vocab <= MAX_VOCAB:
+                raise Invalid(f"vocab must be an integer from {FIRST_MERGE} to {MAX_VOCAB}")
+            if not isinstance(merges, list) or len(merges) > vocab - FIRST_MERGE:
+                raise Invalid(f"merges must be a list of at most {vocab - FIRST_MERGE} pairs")
+            for m, pair in enumerate(merges):
+                if not (isinstance(pair, list) and len(pair) == 2
+                        and all(is_int(x) and BYTE0 <= x < FIRST_MERGE + m for x in pair)):
+                    raise Invalid(f"merge {m} is {str(pair)[:40]}, not a pair of ids from "
+                                  f"{BYTE0} to {FIRST_MERGE + m - 1}")
+        except Invalid as e:
+            raise HslmError(f"tokenizer is not valid: {e}") from None
+        return cls(vocab, np.array(merges, np.int64).reshape(-1, 2))
 
 
 def text_sha256(text: str) -> str:
@@ -161,8 +211,34 @@ def _bytes_to_ids(text: str) -> np.ndarray:
 
 
 def read_text(path) -> str:
+    """A UTF-8 file's text; its size judged before it is read (24 bytes of token
+    buffers per byte of text must fit), and a device or pipe read only up to a bound."""
+    import os
+
+    from .validate import available_memory, check_fits, gib
     p = Path(path)
-    raw = read_bytes(p, "data file")
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        raise HslmError(f"data file not found: {p}") from None
+    except OSError as e:
+        raise HslmError(f"cannot read data file {p}: {e.strerror}") from None
+    import stat as stat_mod
+    if stat_mod.S_ISDIR(st.st_mode):
+        raise HslmError(f"data file path is a directory: {p}")
+    if stat_mod.S_ISREG(st.st_mode):
+        check_fits(24 * st.st_size, f"the corpus {p} ({st.st_size:,} bytes)")
+        raw = read_bytes(p, "data file")
+    else:
+        cap = min(MAX_PIPE_TEXT, available_memory() // 24)
+        try:
+            with open(p, "rb") as f:
+                raw = f.read(cap + 1)
+        except OSError as e:
+            raise HslmError(f"cannot read data file {p}: {e.strerror}") from None
+        if len(raw) > cap:
+            raise HslmError(f"data file {p} is not a regular file and holds more than "
+                            f"{gib(cap)}; pass a regular file")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -81,9 +81,13 @@ def describe(path):
         f"step      {ck.step}",
         f"config    {cfg.to_json()}",
         f"params    {cfg.n_params:,}",
-        f"checksum  ok (sha256 {ck.data_sha256})",
+        f"checksum  ok (header sha256 {ck.meta['header_sha256']}, data sha256 "
+        f"{ck.data_sha256})",
     ]
     if ck.kind == "params":
+        tok = ck.tokenizer()
+        lines.append(f"tokenizer {tok.identity[:16]}... ({len(tok.merges)} merges, carried "
+                     "in this file)")
         lines.append("ternary   share of -1 / 0 / +1, scale alpha")
         for name, shape, kind in cfg.tensors():
             if kind != "ternary":
@@ -96,7 +100,7 @@ def describe(path):
             lines.append(f"  {name:16s} {neg:6.1%} {1 - neg - pos:6.1%} {pos:6.1%}  "
                          f"alpha {a:.6f}")
     else:
-        hyper = json.loads(ck.meta["hyper"])
+        hyper = json.loads(ck.meta["hyper"])  # checked when the file was read
         lines += [
             f"hyper     {json.dumps(hyper, sort_keys=True)}",
             f"data      {ck.meta.get('data_source')} (text sha256 {ck.meta.get('text_sha256', '')[:16]}...)",

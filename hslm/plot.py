@@ -12,6 +12,8 @@ def read_metrics(path):
         lines = open(path, encoding="utf-8").read().splitlines()
     except OSError as e:
         raise HslmError(f"cannot read metrics file {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise HslmError(f"metrics file {path} is not UTF-8 text (offset {e.start})") from None
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -29,6 +31,7 @@ def read_metrics(path):
 
 
 def plot_metrics(path, output):
+    from pathlib import Path
     train, valid = read_metrics(path)
     try:
         import matplotlib
@@ -36,6 +39,13 @@ def plot_metrics(path, output):
         raise HslmError("hslm plot needs matplotlib: pip install 'hslm[plot]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    kinds = sorted(plt.figure().canvas.get_supported_filetypes())
+    plt.close("all")
+    ext = Path(output).suffix.lower().lstrip(".")
+    if ext not in kinds:
+        raise HslmError(f"-o {output}: the name must end in one of "
+                        f"{', '.join('.' + k for k in kinds)} (it decides the image format)")
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     if train:

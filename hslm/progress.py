@@ -63,17 +63,35 @@ class Progress:
             self.bar_shown = False
 
 
+class MetricsError(Exception):
+    """The metrics file could not be written (the run saves a checkpoint, then stops)."""
+
+
 class Metrics:
     """Appends one JSON object per line to a file (flushed, so a crash loses nothing)."""
 
     def __init__(self, path):
-        self.f = open(path, "a", encoding="utf-8") if path else None
+        self.path = path
+        self.f = None
+        if path:
+            from .errors import HslmError
+            try:
+                self.f = open(path, "a", encoding="utf-8")
+            except OSError as e:
+                raise HslmError(f"cannot open --metrics {path}: {e.strerror}") from None
 
     def write(self, **record):
         if self.f is not None:
-            self.f.write(json.dumps(record, sort_keys=True) + "\n")
-            self.f.flush()
+            try:
+                self.f.write(json.dumps(record, sort_keys=True) + "\n")
+                self.f.flush()
+            except OSError as e:
+                raise MetricsError(f"cannot write --metrics {self.path}: {e.strerror}") from None
 
     def close(self):
         if self.f is not None:
-            self.f.close()
+            try:
+                self.f.close()
+            except OSError:
+                pass
+            self.f = None

@@ -12,6 +12,7 @@ from . import checkpoint as ckpt
 from .config import PRESETS, Config
 from .data import BUILTIN_SOURCE, Corpus, Tokenizer
 from .errors import HslmError, read_bytes
+from .validate import check_fits, check_hyper, memory_estimate  # noqa: F401 (re-exported)
 from .optim import adamw_step, bias_corrections, learning_rate
 from .params import ModelState, init_params, ternary_mask
 from .step import StepRunner
@@ -36,21 +37,49 @@ class Hyper:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
 
 
-def check_hyper(cfg: Config, h: Hyper):
-    if not 1 <= h.loss_positions <= cfg.window:
-        raise HslmError(f"--loss-positions must be between 1 and the window ({cfg.window}), "
-                        f"got {h.loss_positions}")
-    if h.batch < 1:
-        raise HslmError(f"--batch must be at least 1, got {h.batch}")
-    if not h.lr > 0:
-        raise HslmError(f"--lr must be positive, got {h.lr}")
-    if h.warmup < 0 or h.decay_steps < 1:
-        raise HslmError("--warmup must be >= 0 and --decay-steps >= 1")
-    if h.eval_windows < 1:
-        raise HslmError(f"--eval-windows must be at least 1, got {h.eval_windows}")
+def check_out_dir(out: Path):
+    """Judge an output folder without creating anything: it, or the nearest folder
+    above it that exists, must be a writable folder."""
+    p = Path(out)
+    if p.exists() and not p.is_dir():
+        raise HslmError(f"output folder {out} cannot be written: it is not a folder")
+    probe = p
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        raise HslmError(f"output folder {out} cannot be written: {probe} is not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise HslmError(f"output folder {out} cannot be written: {probe} is not writable")
+
+
+def check_metrics_path(metrics, out: Path):
+    """--metrics must name a file we can append to, in a folder that exists (or the
+    output folder, made when the run starts); judged before anything is created."""
+    if metrics is None:
+        return
+    m = Path(metrics)
+    if m.is_dir():
+        raise HslmError(f"--metrics {m} is a folder; give a file name")
+    if m.exists():
+        if not os.access(m, os.W_OK):
+            raise HslmError(f"--metrics {m} is not writable")
+        return
+    parent = m.parent
+    if os.path.abspath(parent) == os.path.abspath(out):
+        return
+    if not parent.is_dir():
+        raise HslmError(f"--metrics {m}: the folder {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise HslmError(f"--metrics {m}: the folder {parent} is not writable")
 
 
 def prepare_out_dir(out: Path):
+    """Create the output folder, take its lock (one writer per folder) and tidy what
+    killed writers left; returns the held lock (kept until the process ends)."""
+    from .lock import FolderLock
+    check_out_dir(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".hslm-write-test-{os.getpid()}"
@@ -58,7 +87,9 @@ def prepare_out_dir(out: Path):
         probe.unlink()
     except OSError as e:
         raise HslmError(f"output folder {out} cannot be written: {e.strerror or e}") from None
+    lock = FolderLock(out).acquire()
     remove_torn_writes(out)
+    return lock
 
 
 def remove_torn_writes(out: Path):
@@ -104,22 +135,46 @@ class Run:
         return cls(cfg, hyper, corpus, theta, z, z.copy(), 0, rng, plain)
 
     @classmethod
-    def resume(cls, state_path: Path, corpus_for, plain=True) -> "Run":
+    def resume(cls, state_path: Path, corpus_for, plain=True, threads=1, speed=3) -> "Run":
         st = ckpt.read(state_path, expect_kind="state")
         bin_path = state_path.with_suffix(".bin")
         pb = ckpt.read(bin_path, expect_kind="params")
-        if pb.data_sha256 != st.meta.get("params_sha256"):
+        if pb.data_sha256 != st.meta["params_sha256"]:
             raise HslmError(f"{bin_path} does not belong to {state_path} (parameter checksum "
                             "differs)")
         if pb.step != st.step or pb.config != st.config:
             raise HslmError(f"{bin_path} and {state_path} disagree on step or config")
-        hyper = Hyper(**json.loads(st.meta["hyper"]))
-        tok = saved_tokenizer(state_path.parent, st.meta.get("tokenizer"))
-        corpus = corpus_for(st.config, hyper, st.meta.get("text_sha256"), tok)
-        if corpus.tokenizer.identity != st.meta.get("tokenizer"):
-            raise HslmError("the tokenizer differs from the checkpoint's")
+        hyper = st.hyper
+        tok = pb.tokenizer()  # the run's own tokenizer travels in its .bin
+        if tok.identity != st.meta["tokenizer"]:
+            raise HslmError(f"{bin_path} carries another tokenizer than {state_path} records")
+        pb.check_finite()
+        st.check_finite()
+        check_fits(memory_estimate(st.config, hyper.batch, threads, speed),
+                   f"resuming {state_path} (batch {hyper.batch}, {threads} thread(s))")
+        corpus = corpus_for(st.config, hyper, st.meta["text_sha256"], tok)
         return cls(st.config, hyper, corpus, pb.flat(), st.tensor("adam.m").copy(),
                    st.tensor("adam.v").copy(), st.step, Stream.from_state_json(st.meta["rng"]), plain)
+
+    def check_finite(self, loss):
+        """HslmError naming the step and the first non-finite quantity: the loss, a
+        gradient, a parameter or an Adam moment (nothing is saved after one)."""
+        where = f"step {self.step}"
+        if not np.isfinite(loss):
+            raise HslmError(f"{where}: the training loss is {loss}; stopping without saving "
+                            "(the last checkpoint written stays as it was)")
+        names = None
+        for what, arr in (("gradient", self.grad), ("parameter", self.state.theta),
+                          ("Adam first moment", self.m), ("Adam second moment", self.v)):
+            if np.isfinite(arr).all():
+                continue
+            names = names or [n for n, _, _ in self.cfg.tensors()]
+            offs = self.state.offs
+            t = next(i for i in range(len(names))
+                     if not np.isfinite(arr[offs[i]:offs[i + 1]]).all())
+            raise HslmError(f"{where}: the {what} of tensor {names[t]} is not finite (NaN or "
+                            "infinite); stopping without saving (the last checkpoint written "
+                            "stays as it was); a smaller --lr or --weight-decay may help")
 
     # ------------------------------------------------------------- stepping
     def lr_at(self, step):
@@ -151,7 +206,7 @@ class Run:
 
     # ---------------------------------------------------------- checkpoints
     def save(self, out: Path):
-        pblob = ckpt.params_blob(self.cfg, self.state.theta, self.step)
+        pblob = ckpt.params_blob(self.cfg, self.state.theta, self.step, self.corpus.tokenizer)
         extra = {
             "rng": self.rng.state_json(),
             "hyper": self.hyper.to_json(),
@@ -190,43 +245,46 @@ def load_corpus(data, cfg: Config, expect_sha256=None, tokenizer=None) -> Corpus
     return Corpus.load(data, cfg.vocab, cfg.window, expect_sha256, tokenizer)
 
 
-def saved_tokenizer(folder: Path, identity):
-    """The run's tokenizer.json when it is the one the checkpoint names, else None
-    (the tokenizer is then learned again from the text: the same merges)."""
-    p = Path(folder) / "tokenizer.json"
-    if not p.exists():
-        return None
-    try:
-        tok = Tokenizer.from_json(p.read_text(encoding="utf-8"))
-    except (HslmError, OSError, UnicodeDecodeError):
-        return None
-    return tok if tok.identity == identity else None
-
-
 def save_tokenizer(out: Path, tok: Tokenizer):
+    """tokenizer.json beside the checkpoints, for people and other tools; hslm itself
+    reads the copy inside each .bin."""
     ckpt.write_atomic(out / "tokenizer.json", tok.to_json().encode("utf-8"))
 
 
-def load_for_inference(path, data=None):
-    """(config, ModelState, tokenizer or None, Hyper or None) from a .bin (or the .bin
-    beside a .state). The tokenizer comes from tokenizer.json beside the checkpoint;
-    the hyper-parameters from the .state beside it, when there."""
+def load_for_inference(path, threads=1, warn=None):
+    """(config, ModelState, tokenizer, Hyper or None) from a .bin (or the .bin beside a
+    .state). The tokenizer is the one the .bin carries; a tokenizer.json beside it that
+    differs is ignored (with a warning); the hyper-parameters come from the .state
+    beside it, when there and when it belongs to this .bin."""
+    import sys
+    warn = warn or (lambda msg: print(f"warning: {msg}", file=sys.stderr))
     path = Path(path)
     if path.suffix == ".state":
         path = path.with_suffix(".bin")
     ck = ckpt.read(path, expect_kind="params")
     cfg = ck.config
-    state = ModelState(cfg, ck.flat(), Tables(cfg), plain=False)
-    tok = None
+    ck.check_finite()
+    tok = ck.tokenizer()
     tok_path = path.parent / "tokenizer.json"
-    if tok_path.exists():
-        tok = Tokenizer.from_json(tok_path.read_text(encoding="utf-8"))
-        if tok.vocab != cfg.vocab:
-            raise HslmError(f"{tok_path} has a vocabulary of {tok.vocab}, the model {cfg.vocab}")
+    if tok_path.is_file():
+        try:
+            other = Tokenizer.from_json(tok_path.read_bytes()).identity
+        except (HslmError, OSError):
+            other = None
+        if other != tok.identity:
+            warn(f"ignoring {tok_path}: it is not the tokenizer of {path} (which carries "
+                 "its own)")
     hyper = None
     st = path.with_suffix(".state")
     if st.exists():
-        hyper = Hyper(**json.loads(ckpt.read(st, expect_kind="state").meta["hyper"]))
+        sck = ckpt.read(st, expect_kind="state")
+        if sck.meta["params_sha256"] == ck.data_sha256:
+            hyper = sck.hyper
+        else:
+            warn(f"ignoring {st}: it belongs to other parameters than {path}")
+    check_fits(memory_estimate(cfg, threads=threads, training=False),
+               f"evaluating {path} ({cfg.n_params:,} parameters)")
+    state = ModelState(cfg, ck.flat(), Tables(cfg), plain=False)
     return cfg, state, tok, hyper
 
 

@@ -1,0 +1,235 @@
+"""Checks shared by the CLI and the file loaders: a value read from a file is judged
+exactly as the same value given as a flag, and sizes are judged before anything is
+allocated.
+
+Nothing here trusts its input: JSON is parsed with bounded size and depth, without
+NaN/Infinity literals, and every field must have the exact type and range the
+writer produces.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+
+from .errors import HslmError
+
+MAX_JSON = 16 << 20  # bytes of any JSON text we parse (a checkpoint header, a tokenizer)
+MAX_INT = 2 ** 63 - 1  # integer hyper-parameters must fit a signed 64-bit integer
+MIN_TEMPERATURE = 1e-6  # below this (and above 0) logits / T overflow
+
+_HEX64 = re.compile(r"[0-9a-f]{64}\Z")
+
+HYPER_INT = ("batch", "loss_positions", "warmup", "decay_steps", "seed", "eval_windows")
+HYPER_FLOAT = ("lr", "weight_decay")
+
+
+class Invalid(ValueError):
+    """A field that fails a check; the caller words it (flag or file)."""
+
+
+def _no_constants(name):
+    raise Invalid(f"the literal {name} is not allowed")
+
+
+def parse_json(text, what: str, limit: int = MAX_JSON):
+    """json.loads with a size bound, no NaN/Infinity literals and no RecursionError."""
+    if isinstance(text, (bytes, bytearray)):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError:
+            raise Invalid(f"{what} is not UTF-8") from None
+    if not isinstance(text, str):
+        raise Invalid(f"{what} is not a string")
+    if len(text) > limit:
+        raise Invalid(f"{what} is {len(text):,} bytes, more than the {limit:,} allowed")
+    try:
+        return json.loads(text, parse_constant=_no_constants)
+    except RecursionError:
+        raise Invalid(f"{what} is nested too deeply") from None
+    except (ValueError, TypeError) as e:
+        raise Invalid(f"{what} is not valid JSON ({str(e)[:80]})") from None
+
+
+def canonical_json(obj) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_hex64(v) -> bool:
+    return isinstance(v, str) and _HEX64.match(v) is not None
+
+
+def exact_keys(obj, keys, what):
+    if not isinstance(obj, dict):
+        raise Invalid(f"{what} is not a JSON object")
+    missing = sorted(set(keys) - set(obj))
+    extra = sorted(set(obj) - set(keys))
+    if missing or extra:
+        parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
+            [f"unknown {', '.join(map(repr, extra))[:80]}"] if extra else [])
+        raise Invalid(f"{what}: {'; '.join(parts)}")
+
+
+# ------------------------------------------------------------ hyper-parameters
+def hyper_problems(cfg, h):
+    """[(field, message)] for every hyper-parameter out of range (empty when all fit)."""
+    out = []
+
+    def bad(f, msg):
+        out.append((f, f"{msg}, got {getattr(h, f)!r}"))
+
+    for f in HYPER_INT:
+        if not is_int(getattr(h, f)) or abs(getattr(h, f)) > MAX_INT:
+            bad(f, "must be an integer")
+    for f in HYPER_FLOAT:
+        v = getattr(h, f)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+            bad(f, "must be a finite number")
+    if out:
+        return out
+    if not 1 <= h.loss_positions <= cfg.window:
+        bad("loss_positions", f"must be between 1 and the window ({cfg.window})")
+    if h.batch < 1:
+        bad("batch", "must be at least 1")
+    if not h.lr > 0:
+        bad("lr", "must be above 0")
+    if h.warmup < 0:
+        bad("warmup", "must be at least 0")
+    if h.decay_steps < 1:
+        bad("decay_steps", "must be at least 1")
+    if h.weight_decay < 0:
+        bad("weight_decay", "must be at least 0")
+    if h.seed < 0:
+        bad("seed", "must be at least 0")
+    if h.eval_windows < 1:
+        bad("eval_windows", "must be at least 1")
+    return out
+
+
+def check_hyper(cfg, h, source=None):
+    """The one validator of hyper-parameters: flags (source None) and files alike."""
+    problems = hyper_problems(cfg, h)
+    if problems:
+        f, msg = problems[0]
+        if source is None:
+            raise HslmError(f"--{f.replace('_', '-')} {msg}")
+        raise HslmError(f"{source}: the stored hyper-parameter {f} {msg}")
+
+
+def hyper_from_json(text, cfg, source):
+    """A Hyper from a .state's "hyper" field, checked as the flags are."""
+    from .train import Hyper
+    obj = parse_json(text, "hyper")
+    fields = HYPER_INT + HYPER_FLOAT
+    exact_keys(obj, fields, "hyper")
+    for f in HYPER_INT:
+        if not is_int(obj[f]):
+            raise Invalid(f"hyper {f} is not an integer: {obj[f]!r}")
+    for f in HYPER_FLOAT:
+        if not isinstance(obj[f], float):
+            raise Invalid(f"hyper {f} is not a number: {obj[f]!r}")
+    h = Hyper(**obj)
+    if h.to_json() != text:
+        raise Invalid("hyper is not in canonical form")
+    problems = hyper_problems(cfg, h)
+    if problems:
+        f, msg = problems[0]
+        raise Invalid(f"hyper-parameter {f} {msg}")
+    return h
+
+
+# ------------------------------------------------------------------ RNG state
+def check_rng_state(text):
+    """The data generator's state: numpy's PCG64 bit_generator.state, as JSON."""
+    obj = parse_json(text, "rng")
+    exact_keys(obj, ("bit_generator", "state", "has_uint32", "uinteger"), "rng")
+    if obj["bit_generator"] != "PCG64":
+        raise Invalid(f"rng bit_generator is {str(obj['bit_generator'])[:40]!r}, not 'PCG64'")
+    exact_keys(obj["state"], ("state", "inc"), "rng state")
+    s, inc = obj["state"]["state"], obj["state"]["inc"]
+    if not (is_int(s) and 0 <= s < 2 ** 128):
+        raise Invalid("rng state.state is not a 128-bit unsigned integer")
+    if not (is_int(inc) and 0 < inc < 2 ** 128 and inc % 2 == 1):
+        raise Invalid("rng state.inc is not an odd 128-bit unsigned integer")
+    if obj["has_uint32"] not in (0, 1) or not is_int(obj["has_uint32"]):
+        raise Invalid("rng has_uint32 is not 0 or 1")
+    if not (is_int(obj["uinteger"]) and 0 <= obj["uinteger"] < 2 ** 32):
+        raise Invalid("rng uinteger is not a 32-bit unsigned integer")
+    return obj
+
+
+# --------------------------------------------------------------------- config
+def config_from_json(text):
+    """A Config from its JSON, exact fields and canonical form, or Invalid."""
+    from dataclasses import fields as dc_fields
+
+    from .config import Config
+    obj = parse_json(text, "config", limit=4096)
+    exact_keys(obj, [f.name for f in dc_fields(Config)], "config")
+    try:
+        cfg = Config(**obj)
+    except (ValueError, TypeError) as e:
+        raise Invalid(str(e)) from None
+    if cfg.to_json() != text:
+        raise Invalid("config is not in canonical form")
+    return cfg
+
+
+def n_params(cfg) -> int:
+    """Config.n_params by formula: no per-tensor lists, so absurd configs cost nothing."""
+    V, d, F, nb = cfg.vocab, cfg.width, cfg.mlp, cfg.blocks
+    return V * d + nb * (d + 4 * d * d + 2 * d * F + F + d) + d * V + V
+
+
+# --------------------------------------------------------------------- memory
+def memory_estimate(cfg, batch=0, threads=1, speed=3, training=True) -> int:
+    """Bytes the largest buffers of a run (training) or an evaluation need, roughly."""
+    V, d, H, F, nb, L = cfg.vocab, cfg.width, cfg.heads, cfg.mlp, cfg.blocks, cfg.window
+    P = n_params(cfg)
+    f64 = 8
+    total = P * f64  # theta
+    total += 2 * P * 4  # the ternary panels (f32)
+    total += V * cfg.vsa_dim * 9  # the VSA table (drawn as int64, kept as int8)
+    per_window = L * (nb * (17 * d + 3 * F + H * L + 1) + 3 * V + 3 * d + 1) * f64
+    scratch = L * (12 * d + 3 * V + 3 * F + 2 * max(V, F, d)) * f64
+    total += threads * (per_window + scratch)
+    if training:
+        total += 3 * P * f64  # gradient, Adam m and v
+        from .speeds import SPEEDS
+        if SPEEDS[speed].plain_layouts:  # Tf and Tb, and a window accumulator per thread
+            total += 2 * P * f64 + threads * P * f64 * (2 if threads > 1 else 1)
+        else:
+            total += batch * per_window
+        total += batch * (L + 1) * 8
+    return int(total)
+
+
+def available_memory() -> int:
+    """Bytes of memory available now (MemAvailable), or the physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
+
+
+def gib(n) -> str:
+    return f"{n / 2 ** 30:,.1f} GiB"
+
+
+def check_fits(need: int, what: str):
+    have = available_memory()
+    if need > have:
+        raise HslmError(f"{what} needs about {gib(need)} of memory, but only {gib(have)} "
+                        "is available")

@@ -1,0 +1,237 @@
+"""Issue 11, through the CLI: what a hostile test saw, each answered with one clear
+line and a non-zero exit, or working correctly."""
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from hslm import checkpoint as ckpt
+from hslm.errors import HslmError
+from hslm.lock import FolderLock
+from hslm.train import load_for_inference
+
+from helpers import ROOT, hslm
+
+TINY = ["--model", "hslm-tiny", "--batch", "2", "--threads", "1"]
+TEXT = "".join(f"sentence {i}: a different corpus about {i % 11} cats and {i % 5} owls.\n"
+               for i in range(300))
+
+
+def one_line_error(code, out, err):
+    assert code != 0
+    assert "Traceback" not in err and "Traceback" not in out
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    d = tmp_path_factory.mktemp("base")
+    code, out, err = hslm("train", *TINY, "--steps", 2, "--save-every", 1, "--seed", 1,
+                          "--out", d / "run")
+    assert code == 0, err
+    return d / "run"
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["--lr", "inf"], "--lr"), (["--lr", "nan"], "--lr"), (["--lr", "0"], "--lr"),
+    (["--weight-decay", "nan"], "--weight-decay"), (["--weight-decay", "-1"], "--weight-decay"),
+    (["--seed", "-1"], "--seed"), (["--warmup", "-1"], "--warmup"),
+    (["--batch", str(10 ** 12)], "memory"),
+    (["--metrics", "."], "--metrics"), (["--metrics", "/nonexistent/m.jsonl"], "--metrics"),
+    (["--data", "/dev/zero"], "not a regular file"),
+])
+def test_flags_refused_before_anything_is_created(tmp_path, args, expect):
+    out_dir = tmp_path / "o"
+    line = one_line_error(*hslm("train", *TINY, "--steps", 1, "--out", out_dir, *args,
+                                cwd=tmp_path))
+    assert expect in line
+    assert not out_dir.exists()
+
+
+def test_resume_of_a_missing_path_creates_nothing(tmp_path):
+    line = one_line_error(*hslm("train", "--resume", tmp_path / "no" / "dir" / "ckpt_5.state",
+                                "--steps", 9))
+    assert "not found" in line and not (tmp_path / "no").exists()
+
+
+def test_a_diverging_run_stops_before_writing_non_finite_numbers(tmp_path):
+    d = tmp_path / "nan"
+    line = one_line_error(*hslm("train", *TINY, "--steps", 6, "--save-every", 1, "--lr", "1e30",
+                                "--warmup", 0, "--out", d))
+    assert "step " in line and ("not finite" in line or "nan" in line)
+    step = int(line.split("step ")[1].split(":")[0])
+    for n in range(1, step):  # every checkpoint written is finite and loads
+        for ext in (".bin", ".state"):
+            ckpt.read(d / f"ckpt_{n}{ext}").check_finite()
+    assert not (d / f"ckpt_{step}.bin").exists()
+
+
+def test_sample_and_eval_flags(base):
+    b = base / "ckpt_2.bin"
+    for args, expect in [(["--temperature", "nan"], "--temperature"),
+                         (["--temperature", "1e-320"], "--temperature"),
+                         (["--temperature", "-1"], "--temperature"),
+                         (["--seed", "-1"], "--seed")]:
+        assert expect in one_line_error(*hslm("sample", b, *args))
+    assert "--loss-positions" in one_line_error(*hslm("eval", b, "-k", 0))
+    assert "--loss-positions" in one_line_error(*hslm("eval", b, "-k", 10))
+
+
+def test_non_finite_checkpoint_is_refused_by_eval_and_sample(base, tmp_path):
+    ck = ckpt.read(base / "ckpt_2.bin")
+    theta = ck.flat()
+    theta[-1] = np.inf
+    d = tmp_path / "bad"
+    d.mkdir()
+    (d / "ckpt_2.bin").write_bytes(ckpt.params_blob(ck.config, theta, 2, ck.tokenizer()))
+    for cmd in ("eval", "sample"):
+        line = one_line_error(*hslm(cmd, d / "ckpt_2.bin"))
+        assert "non-finite" in line and "bout" in line
+
+
+def test_the_runs_tokenizer_travels_with_its_model(base, tmp_path):
+    code, ref, err = hslm("eval", base / "ckpt_2.bin", "--threads", 1)
+    assert code == 0, err
+    # another run's tokenizer.json beside the checkpoint is ignored, with a warning
+    d = tmp_path / "copy"
+    d.mkdir()
+    for ext in (".bin", ".state"):
+        (d / f"ckpt_2{ext}").write_bytes((base / f"ckpt_2{ext}").read_bytes())
+    other = tmp_path / "other.txt"
+    other.write_text(TEXT)
+    from hslm.data import Tokenizer
+    (d / "tokenizer.json").write_text(Tokenizer.train(TEXT, 300).to_json())
+    code, out, err = hslm("eval", d / "ckpt_2.bin", "--threads", 1)
+    assert code == 0 and out == ref and "ignoring" in err and "tokenizer.json" in err
+    # no tokenizer.json at all: the same number
+    (d / "tokenizer.json").unlink()
+    code, out, err = hslm("eval", d / "ckpt_2.bin", "--threads", 1)
+    assert code == 0 and out == ref and not err
+    # another text is encoded with the run's tokenizer
+    _, _, tok, _ = load_for_inference(d / "ckpt_2.bin")
+    assert tok.identity == ckpt.read(base / "ckpt_2.state").meta["tokenizer"]
+    code, out, err = hslm("eval", d / "ckpt_2.bin", "--data", other, "--threads", 1)
+    assert code == 0 and out != ref, err
+
+
+def test_one_writer_per_folder(tmp_path):
+    d = tmp_path / "locked"
+    d.mkdir()
+    held = FolderLock(d).acquire()
+    try:
+        with pytest.raises(HslmError, match=f"process {os.getpid()}"):
+            FolderLock(d).acquire()
+        line = one_line_error(*hslm("train", *TINY, "--steps", 1, "--out", d))
+        assert f"process {os.getpid()}" in line and "another hslm run" in line
+        assert not [n for n in os.listdir(d) if n.startswith("ckpt_")]
+    finally:
+        held.release()
+    # a lock left by a killed process does not block
+    p = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]);"
+                          "from hslm.lock import FolderLock; FolderLock(sys.argv[2]).acquire();"
+                          "print('held', flush=True); time.sleep(60)", str(ROOT), str(d)],
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"
+    with pytest.raises(HslmError, match=f"process {p.pid}"):
+        FolderLock(d).acquire()
+    p.kill()
+    p.wait()
+    FolderLock(d).acquire().release()
+
+
+def test_metrics_write_failure_saves_and_stops(tmp_path):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    d = tmp_path / "mf"
+    line = one_line_error(*hslm("train", *TINY, "--steps", 3, "--metrics", "/dev/full",
+                                "--out", d))
+    assert "cannot write --metrics" in line and "saved" in line
+    ckpt.read(d / "ckpt_1.state")
+
+
+def test_plot_refuses_what_it_cannot_do(tmp_path):
+    m = tmp_path / "m.jsonl"
+    m.write_text(json.dumps({"kind": "train", "step": 1, "loss": 5.0}) + "\n")
+    for name in ("myplot", "out.xyz"):
+        line = one_line_error(*hslm("plot", m, "-o", tmp_path / name))
+        assert "-o" in line and ".png" in line
+        assert not (tmp_path / name).exists() and not (tmp_path / f"{name}.png").exists()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b"\xff\xfe{}\n")
+    assert "UTF-8" in one_line_error(*hslm("plot", bad, "-o", tmp_path / "x.png"))
+
+
+def test_damaged_and_foreign_files_through_the_cli(base, tmp_path):
+    raw = (base / "ckpt_2.state").read_bytes()
+    i = raw.index(b'\\"lr\\":0.001') + len(b'\\"lr\\":0.00')
+    flipped = raw[:i] + bytes([raw[i] ^ 0x02]) + raw[i + 1:]  # lr 0.001 -> 0.003
+    d = tmp_path / "flip"
+    d.mkdir()
+    (d / "ckpt_2.state").write_bytes(flipped)
+    (d / "ckpt_2.bin").write_bytes((base / "ckpt_2.bin").read_bytes())
+    for cmd in (["info", d / "ckpt_2.state"], ["train", "--resume", d / "ckpt_2.state",
+                                               "--steps", 3]):
+        assert "damaged" in one_line_error(*hslm(*cmd))
+    deep = tmp_path / "deep.bin"
+    h = b"[" * 100000 + b"]" * 100000
+    deep.write_bytes(len(h).to_bytes(8, "little") + h)
+    assert "damaged" in one_line_error(*hslm("info", deep))
+    bad_tok = tmp_path / "tok"
+    bad_tok.mkdir()
+    (bad_tok / "tokenizer.json").write_text('{"format":"hslm-bpe","version":1,"vocab":300,'
+                                            '"merges":[[4,99999]]}')
+    (bad_tok / "ckpt_2.bin").write_bytes((base / "ckpt_2.bin").read_bytes())
+    code, out, err = hslm("sample", bad_tok / "ckpt_2.bin", "--tokens", 3)
+    assert code == 0 and "ignoring" in err and "Traceback" not in err
+
+
+def test_resume_command_printed_on_ctrl_c_runs_verbatim(tmp_path):
+    data = tmp_path / "my text.txt"
+    data.write_text(TEXT * 3)
+    d = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "train", *TINY, "--steps",
+                             "100000", "--data", str(data), "--out", str(d), "--log-every", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("step ") and int(line.split()[1]) >= 2:
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    cmd = [l for l in out.splitlines() if l.startswith("resume with: ")][0][len("resume with: "):]
+    argv = shlex.split(cmd)
+    assert argv[:2] == ["hslm", "train"] and "--data" in argv
+    step = int(argv[argv.index("--steps") - 1].split("ckpt_")[1].split(".")[0])
+    argv[argv.index("--steps") + 1] = str(step + 1)  # one more step is enough to prove it runs
+    code, out, err = hslm(*argv[1:])
+    assert code == 0, err
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_tokenizer_learning_within_a_second(tmp_path):
+    rng = np.random.default_rng(0)
+    words = ["".join(chr(97 + c) for c in rng.integers(0, 26, rng.integers(2, 9)))
+             for _ in range(3000)]
+    big = tmp_path / "big.txt"
+    big.write_text(" ".join(words[i] for i in rng.integers(0, 3000, 1_500_000)))
+    d = tmp_path / "o"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "train", "--model", "hslm-3",
+                             "--data", str(big), "--steps", "1", "--out", str(d),
+                             "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(5)  # imports done; learning 469 merges over ~9 MB takes far longer
+    assert proc.poll() is None
+    t0 = time.time()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and time.time() - t0 < 1.5, (proc.returncode, err)
+    assert "interrupted" in err and "Traceback" not in err
+    assert not d.exists()
