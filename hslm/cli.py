@@ -15,6 +15,11 @@ BYTE_OPTIONS = ("batch", "loss_positions", "lr", "warmup", "decay_steps", "weigh
                 "eval_windows")
 
 
+def token_cache_dir(flag, default):
+    from .token_cache import cache_dir
+    return cache_dir(flag, default)
+
+
 def default_threads() -> int:
     try:
         return max(1, len(os.sched_getaffinity(0)))
@@ -31,8 +36,12 @@ def cli():
 @cli.command()
 @click.option("--model", default="hslm-3", show_default=True,
               help="Model configuration (hslm-3, hslm-tiny, hslm-test).")
-@click.option("--data", type=click.Path(path_type=Path), default=None,
-              help="UTF-8 text file to train on [default: the built-in pydoc topics].")
+@click.option("--data", type=click.Path(path_type=Path), multiple=True,
+              help="UTF-8 text file or folder to train on; repeat for several (joined by a "
+                   "blank line, a folder's files in sorted order) [default: the built-in pydoc "
+                   "topics].")
+@click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
+              help="Folder for the token cache [default: $HSLM_CACHE_DIR, else OUT].")
 @click.option("--steps", type=int, default=10, show_default=True,
               help="Train until this step (counted from the start of the run).")
 @click.option("--batch", type=int, default=8, show_default=True, help="Windows per step.")
@@ -64,7 +73,7 @@ def cli():
               help="A plain progress line every N steps (when stdout is not a terminal).")
 @click.option("--quiet", "-q", is_flag=True, help="No per-step output.")
 @click.pass_context
-def train(ctx, model, data, steps, batch, loss_positions, lr, warmup, decay_steps, weight_decay,
+def train(ctx, model, data, cache_dir, steps, batch, loss_positions, lr, warmup, decay_steps, weight_decay,
           seed, speed, threads, out, save_every, eval_windows, resume, eval_every, metrics,
           log_every, quiet):
     """Train a model; writes OUT/ckpt_<step>.bin and OUT/ckpt_<step>.state."""
@@ -91,7 +100,7 @@ def train(ctx, model, data, steps, batch, loss_positions, lr, warmup, decay_step
                 if n in given and flags[n] != getattr(hyper, n):
                     raise HslmError(f"config mismatch: --{n.replace('_', '-')} {flags[n]} differs "
                                     f"from the checkpoint's {getattr(hyper, n)}")
-            return load_corpus(data, cfg, text_sha256, tokenizer)
+            return load_corpus(data, cfg, text_sha256, tokenizer, token_cache_dir(cache_dir, out))
 
         run = Run.resume(resume, corpus_for, plain=speed < 3)
         if steps <= run.step:
@@ -107,7 +116,7 @@ def train(ctx, model, data, steps, batch, loss_positions, lr, warmup, decay_step
         prepare_out_dir(out)
         if steps < 1:
             raise HslmError(f"--steps must be at least 1, got {steps}")
-        corpus = load_corpus(data, cfg)
+        corpus = load_corpus(data, cfg, cache_dir=token_cache_dir(cache_dir, out))
         run = Run.fresh(cfg, hyper, corpus, plain=speed < 3)
 
     cfg, h = run.cfg, run.hyper
@@ -224,13 +233,16 @@ def info(file):
 
 @cli.command(name="eval")
 @click.argument("ckpt_path", metavar="CKPT", type=click.Path(path_type=Path))
-@click.option("--data", type=click.Path(path_type=Path), default=None,
-              help="The text whose validation split to score [default: the built-in corpus].")
+@click.option("--data", type=click.Path(path_type=Path), multiple=True,
+              help="The text (files or folders, as for train) whose validation split to score "
+                   "[default: the built-in corpus].")
+@click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
+              help="Folder for the token cache [default: $HSLM_CACHE_DIR, else CKPT's folder].")
 @click.option("--windows", type=click.IntRange(1), default=64, show_default=True)
 @click.option("--loss-positions", "-k", type=int, default=None,
               help="Scored positions [default: the run's, or the window].")
 @click.option("--threads", type=click.IntRange(1, 1024), default=None)
-def eval_cmd(ckpt_path, data, windows, loss_positions, threads):
+def eval_cmd(ckpt_path, data, cache_dir, windows, loss_positions, threads):
     """Validation loss and perplexity of a checkpoint (.bin)."""
     import math
 
@@ -242,7 +254,8 @@ def eval_cmd(ckpt_path, data, windows, loss_positions, threads):
     k = loss_positions or (hyper.loss_positions if hyper else cfg.window)
     if not 1 <= k <= cfg.window:
         raise HslmError(f"--loss-positions must be between 1 and {cfg.window}, got {k}")
-    corpus = Corpus.load(data, cfg.vocab, cfg.window, tokenizer=tok)
+    corpus = Corpus.load(data, cfg.vocab, cfg.window, tokenizer=tok,
+                         cache_dir=token_cache_dir(cache_dir, ckpt_path.parent))
     runner = StepRunner(cfg, 3, threads or default_threads())
     try:
         w = corpus.validation_windows(windows, cfg.window)
@@ -262,9 +275,11 @@ def eval_cmd(ckpt_path, data, windows, loss_positions, threads):
 @click.option("--top-k", type=click.IntRange(0), default=40, show_default=True,
               help="Sample among the k most likely tokens (0: all).")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--data", type=click.Path(path_type=Path), default=None,
+@click.option("--data", type=click.Path(path_type=Path), multiple=True,
               help="Rebuild the tokenizer from this text if no tokenizer.json is beside CKPT.")
-def sample(ckpt_path, prompt, n_tokens, temperature, top_k, seed, data):
+@click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
+              help="Folder for the token cache [default: $HSLM_CACHE_DIR, else CKPT's folder].")
+def sample(ckpt_path, prompt, n_tokens, temperature, top_k, seed, data, cache_dir):
     """Continue a prompt with a trained model (reproducible for a seed)."""
     from .sample import sample as sample_ids
     from .step import Worker
@@ -273,7 +288,8 @@ def sample(ckpt_path, prompt, n_tokens, temperature, top_k, seed, data):
     cfg, state, tok, _ = load_for_inference(ckpt_path, data)
     if tok is None:
         from .data import Corpus
-        tok = Corpus.load(data, cfg.vocab, cfg.window).tokenizer
+        tok = Corpus.load(data, cfg.vocab, cfg.window,
+                          cache_dir=token_cache_dir(cache_dir, ckpt_path.parent)).tokenizer
     ids = sample_ids(Worker(cfg, 3), state.kernel_model(), state.tables.vsa, tok.encode(prompt),
                      n_tokens, temperature, top_k, seed, cfg.window)
     click.echo(prompt + tok.decode(ids))
@@ -302,7 +318,7 @@ def _int_list(s, name):
 
 @cli.command()
 @click.option("--model", default="hslm-3", show_default=True)
-@click.option("--data", type=click.Path(path_type=Path), default=None)
+@click.option("--data", type=click.Path(path_type=Path), multiple=True)
 @click.option("--speeds", default="0,1,2,3", show_default=True, help="Speeds to compare.")
 @click.option("--threads", default="1", show_default=True, help="Thread counts, e.g. 1,2.")
 @click.option("--steps", type=int, default=2, show_default=True, help="Timed steps per run.")
