@@ -116,7 +116,7 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
     if src.size >= 2 ** 32 - 1:
         raise HslmError(f"the corpus is {src.size:,} bytes; at most 4 GiB is supported")
     show = src.size >= SHOW_FROM
-    ph = Phase("reading the text", src.size, show=show)
+    ph = Phase("reading and checking the text", src.size, show=show)
     ids = src.read_ids(bpe.ids_dtype(vocab), BYTE0, ph)
     ph.close()
     ctl = np.zeros(4, np.int64)

@@ -98,22 +98,12 @@ class TextSource:
                         progress.update(done)
 
     def scan(self, progress=None) -> str:
-        """sha256 of the joined bytes, checking that every file is UTF-8 text and
-        that the files did not change size since they were listed."""
+        """sha256 of the joined bytes (checking that the files did not change size)."""
         h = hashlib.sha256()
-        dec_file, dec, base, total = None, None, 0, 0
-        for b, f, off in self.chunks(progress):
+        total = 0
+        for b, _, _ in self.chunks(progress):
             h.update(b)
             total += len(b)
-            if f is None:
-                continue
-            if f is not dec_file:
-                if dec is not None:
-                    self._check(dec, b"", dec_file, base, True)
-                dec_file, dec, base = f, [b""], 0
-            base = self._check(dec, b, f, off, False)
-        if dec is not None:
-            self._check(dec, b"", dec_file, base, True)
         if total != self.size:
             raise HslmError(f"the data changed while it was read ({self.label})")
         return h.hexdigest()
@@ -131,15 +121,27 @@ class TextSource:
         return off + len(b)
 
     def read_ids(self, dtype, offset_by: int, progress=None) -> np.ndarray:
-        """The joined bytes as ids (byte + offset_by) in a fresh array of dtype."""
+        """The joined bytes as ids (byte + offset_by) in a fresh array of dtype,
+        checking that every file is UTF-8 text (else an error naming the file and
+        the offset of the first bad byte)."""
         out = np.empty(self.size, dtype)
         pos = 0
-        for b, f, _ in self.chunks(progress):
+        cur, carry = None, [b""]
+        for b, f, off in self.chunks(progress):
             if pos + len(b) > self.size:
                 raise HslmError(f"the data changed while it was read ({self.label})")
+            if f is not None:
+                if f is not cur:
+                    if cur is not None:
+                        self._check(carry, b"", cur, end, True)
+                    cur, carry = f, [b""]
+                self._check(carry, b, f, off, False)
+                end = off + len(b)
             np.add(np.frombuffer(b, np.uint8), offset_by, out=out[pos:pos + len(b)],
                    casting="unsafe")
             pos += len(b)
+        if cur is not None:
+            self._check(carry, b"", cur, end, True)
         if pos != self.size:
             raise HslmError(f"the data changed while it was read ({self.label})")
         return out

@@ -94,6 +94,8 @@ def test_non_utf8_names_the_file_and_offset_across_chunks(tmp_path, monkeypatch)
     ok.write_bytes(("abcdeé" * 200).encode())
     src = textsource.TextSource(ok)
     assert src.scan() == hashlib.sha256(ok.read_bytes()).hexdigest()
+    assert np.array_equal(src.read_ids(np.uint16, 4),
+                          np.frombuffer(ok.read_bytes(), np.uint8).astype(np.uint16) + 4)
 
 
 def test_special_files_and_empty_folders_are_refused(tmp_path):
@@ -119,7 +121,7 @@ def test_ctrl_c_while_learning_the_tokenizer_stops_at_once(tmp_path):
     while True:  # wait until learning has begun
         line = p.stderr.readline()
         assert line, "no progress line"
-        if line.startswith("reading the text"):
+        if line.startswith("reading and checking the text"):
             break
     time.sleep(0.3)
     t0 = time.perf_counter()
