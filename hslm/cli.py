@@ -16,6 +16,11 @@ BYTE_OPTIONS = ("batch", "loss_positions", "lr", "warmup", "decay_steps", "weigh
                 "eval_windows")
 
 
+def token_cache_dir(flag, default):
+    from .token_cache import cache_dir
+    return cache_dir(flag, default)
+
+
 def default_threads() -> int:
     try:
         return max(1, len(os.sched_getaffinity(0)))
@@ -32,8 +37,12 @@ def cli():
 @cli.command()
 @click.option("--model", default="hslm-3", show_default=True,
               help="A preset (see `hslm info`) or a JSON file of config fields.")
-@click.option("--data", type=click.Path(path_type=Path), default=None,
-              help="UTF-8 text file to train on [default: the built-in pydoc topics].")
+@click.option("--data", type=click.Path(path_type=Path), multiple=True,
+              help="UTF-8 text file or folder to train on; repeat for several (joined by a "
+                   "blank line, a folder's files in sorted order) [default: the built-in pydoc "
+                   "topics].")
+@click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
+              help="Folder for the token cache [default: $HSLM_CACHE_DIR, else OUT].")
 @click.option("--steps", type=int, default=10, show_default=True,
               help="Train until this step (counted from the start of the run).")
 @click.option("--batch", type=int, default=8, show_default=True, help="Windows per step.")
@@ -65,7 +74,7 @@ def cli():
               help="A plain progress line every N steps (when stdout is not a terminal).")
 @click.option("--quiet", "-q", is_flag=True, help="No per-step output.")
 @click.pass_context
-def train(ctx, model, data, steps, batch, loss_positions, lr, warmup, decay_steps, weight_decay,
+def train(ctx, model, data, cache_dir, steps, batch, loss_positions, lr, warmup, decay_steps, weight_decay,
           seed, speed, threads, out, save_every, eval_windows, resume, eval_every, metrics,
           log_every, quiet):
     """Train a model; writes OUT/ckpt_<step>.bin and OUT/ckpt_<step>.state."""
@@ -96,7 +105,7 @@ def train(ctx, model, data, steps, batch, loss_positions, lr, warmup, decay_step
                 if n in given and flags[n] != getattr(hyper, n):
                     raise HslmError(f"config mismatch: --{n.replace('_', '-')} {flags[n]} differs "
                                     f"from the checkpoint's {getattr(hyper, n)}")
-            return load_corpus(data, cfg, text_sha256, tokenizer)
+            return load_corpus(data, cfg, text_sha256, tokenizer, token_cache_dir(cache_dir, out))
 
         run = Run.resume(resume, corpus_for, plain=SPEEDS[speed].plain_layouts, threads=threads,
                          speed=speed)
@@ -116,7 +125,7 @@ def train(ctx, model, data, steps, batch, loss_positions, lr, warmup, decay_step
         check_metrics_path(metrics, out)
         check_fits(memory_estimate(cfg, batch, threads, speed),
                    f"--model {model} with --batch {batch} on {threads} thread(s)")
-        corpus = load_corpus(data, cfg)
+        corpus = load_corpus(data, cfg, cache_dir=token_cache_dir(cache_dir, out))
         run = Run.fresh(cfg, hyper, corpus, plain=SPEEDS[speed].plain_layouts)
 
     lock = prepare_out_dir(out)  # one writer per folder, held until the run ends
@@ -133,8 +142,8 @@ def train(ctx, model, data, steps, batch, loss_positions, lr, warmup, decay_step
         def resume_command(state_path):
             import shlex
             cmd = f"hslm train --resume {shlex.quote(str(state_path))} --steps {steps}"
-            if data is not None:
-                cmd += f" --data {shlex.quote(str(data))}"
+            for d in data:
+                cmd += f" --data {shlex.quote(str(d))}"
             if metrics is not None:
                 cmd += f" --metrics {shlex.quote(str(metrics))}"
             return cmd
@@ -275,13 +284,16 @@ def info(file):
 
 @cli.command(name="eval")
 @click.argument("ckpt_path", metavar="CKPT", type=click.Path(path_type=Path))
-@click.option("--data", type=click.Path(path_type=Path), default=None,
-              help="The text whose validation split to score [default: the built-in corpus].")
+@click.option("--data", type=click.Path(path_type=Path), multiple=True,
+              help="The text (files or folders, as for train) whose validation split to score "
+                   "[default: the built-in corpus].")
+@click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
+              help="Folder for the token cache [default: $HSLM_CACHE_DIR, else CKPT's folder].")
 @click.option("--windows", type=click.IntRange(1), default=64, show_default=True)
 @click.option("--loss-positions", "-k", type=int, default=None,
               help="Scored positions [default: the run's, or the window].")
 @click.option("--threads", type=click.IntRange(1, 1024), default=None)
-def eval_cmd(ckpt_path, data, windows, loss_positions, threads):
+def eval_cmd(ckpt_path, data, cache_dir, windows, loss_positions, threads):
     """Validation loss and perplexity of a checkpoint (.bin).
 
     The text is encoded with the run's own tokenizer, which the .bin carries."""
@@ -300,7 +312,8 @@ def eval_cmd(ckpt_path, data, windows, loss_positions, threads):
     if not 1 <= k <= cfg.window:
         raise HslmError(f"--loss-positions must be between 1 and the window ({cfg.window}), "
                         f"got {k}")
-    corpus = Corpus.load(data, cfg.vocab, cfg.window, tokenizer=tok)  # the run's tokenizer
+    corpus = Corpus.load(data, cfg.vocab, cfg.window, tokenizer=tok,  # the run's tokenizer
+                         cache_dir=token_cache_dir(cache_dir, ckpt_path.parent))
     runner = StepRunner(cfg, DEFAULT_SPEED, threads)
     try:
         w = corpus.validation_windows(windows, cfg.window)
@@ -365,7 +378,7 @@ def _int_list(s, name):
 
 @cli.command()
 @click.option("--model", default="hslm-3", show_default=True)
-@click.option("--data", type=click.Path(path_type=Path), default=None)
+@click.option("--data", type=click.Path(path_type=Path), multiple=True)
 @click.option("--speeds", default=",".join(map(str, SPEEDS)), show_default=True, help="Speeds to compare.")
 @click.option("--threads", default="1", show_default=True, help="Thread counts, e.g. 1,2.")
 @click.option("--steps", type=int, default=2, show_default=True, help="Timed steps per run.")

@@ -16,9 +16,10 @@ import zlib
 from pathlib import Path
 
 import numpy as np
-from numba import njit
 
+from . import bpe, token_cache
 from .errors import HslmError, read_bytes
+from .textsource import SHOW_FROM, Phase, TextSource, run_interruptible
 
 N_SPECIAL = 4
 BYTE0 = N_SPECIAL
@@ -49,81 +50,6 @@ def builtin_text() -> str:
     return raw.decode("utf-8")
 
 
-@njit(cache=True)
-def _apply_merge(seq, n, a, b, new):
-    """Replace non-overlapping (a, b) left to right; returns the new length."""
-    w = 0
-    i = 0
-    while i < n:
-        if i + 1 < n and seq[i] == a and seq[i + 1] == b:
-            seq[w] = new
-            i += 2
-        else:
-            seq[w] = seq[i]
-            i += 1
-        w += 1
-    return w
-
-
-@njit(cache=True)
-def _learn_merges(seq, vocab, n_merges, merges):
-    """Learn up to n_merges merges in place on seq; returns (count, final length)."""
-    n = seq.shape[0]
-    counts = np.zeros((vocab, vocab), np.int64)
-    m = 0
-    while m < n_merges:
-        counts[:, :] = 0
-        for i in range(n - 1):
-            counts[seq[i], seq[i + 1]] += 1
-        best = 1
-        ba = -1
-        bb = -1
-        for a in range(vocab):  # row-major: the first maximum is the smallest pair
-            for b in range(vocab):
-                if counts[a, b] > best:
-                    best = counts[a, b]
-                    ba = a
-                    bb = b
-        if ba < 0:
-            break
-        merges[m, 0] = ba
-        merges[m, 1] = bb
-        n = _apply_merge(seq, n, ba, bb, FIRST_MERGE + m)
-        m += 1
-    return m, n
-
-
-@njit(cache=True)
-def _learn_one(seq, n, vocab, m, merges, counts):
-    """Learn merge m on seq[:n] (as _learn_merges does); returns the new length, or -1
-    when no pair occurs twice."""
-    counts[:, :] = 0
-    for i in range(n - 1):
-        counts[seq[i], seq[i + 1]] += 1
-    best = 1
-    ba = -1
-    bb = -1
-    for a in range(vocab):  # row-major: the first maximum is the smallest pair
-        for b in range(vocab):
-            if counts[a, b] > best:
-                best = counts[a, b]
-                ba = a
-                bb = b
-    if ba < 0:
-        return -1
-    merges[m, 0] = ba
-    merges[m, 1] = bb
-    return _apply_merge(seq, n, ba, bb, FIRST_MERGE + m)
-
-
-@njit(cache=True)
-def _encode(seq, merges):
-    n = seq.shape[0]
-    for m in range(merges.shape[0]):
-        n = _apply_merge(seq, n, merges[m, 0], merges[m, 1], FIRST_MERGE + m)
-    return n
-
-
 class Tokenizer:
     def __init__(self, vocab: int, merges: np.ndarray):
         self.vocab = vocab
@@ -138,26 +64,13 @@ class Tokenizer:
         if vocab < FIRST_MERGE:
             raise HslmError(f"vocabulary {vocab} is too small for the byte-level tokenizer "
                             f"(needs at least {FIRST_MERGE})")
-        seq = _bytes_to_ids(text)
-        merges = np.zeros((vocab - FIRST_MERGE, 2), np.int64)
-        counts = np.zeros((vocab, vocab), np.int64)
-        n = seq.shape[0]
-        m = 0
-        # One merge per kernel call: the kernels hold the GIL, and Python runs signal
-        # handlers (Ctrl-C) between calls, so a long corpus stays interruptible.
-        while m < len(merges):
-            n = _learn_one(seq, n, vocab, m, merges, counts)
-            if n < 0:
-                break
-            m += 1
-        return cls(vocab, merges[:m])
+        merges, _ = bpe.run(_bytes_to_ids(text, vocab), vocab)
+        return cls(vocab, merges)
 
     def encode(self, text: str) -> np.ndarray:
-        seq = _bytes_to_ids(text)
-        n = seq.shape[0]
-        for m in range(self.merges.shape[0]):  # one pass per call: interruptible
-            n = _apply_merge(seq, n, self.merges[m, 0], self.merges[m, 1], FIRST_MERGE + m)
-        return seq[:n].copy()
+        seq = _bytes_to_ids(text, self.vocab)
+        _, n = bpe.run(seq, self.vocab, merges=self.merges)
+        return seq[:n].astype(np.int64)
 
     def decode_bytes(self, ids) -> bytes:
         return b"".join(self.pieces[int(i)] if 0 <= int(i) < len(self.pieces) else b""
@@ -206,8 +119,61 @@ def text_sha256(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def _bytes_to_ids(text: str) -> np.ndarray:
-    return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int64) + BYTE0
+def _bytes_to_ids(text: str, vocab: int) -> np.ndarray:
+    raw = np.frombuffer(text.encode("utf-8"), np.uint8)
+    return np.add(raw, BYTE0, dtype=bpe.ids_dtype(vocab))
+
+
+def _check_vocab(vocab):
+    if vocab < FIRST_MERGE:
+        raise HslmError(f"vocabulary {vocab} is too small for the byte-level tokenizer "
+                        f"(needs at least {FIRST_MERGE})")
+
+
+def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_dir=None):
+    """(tokenizer, token stream) for a scanned text: from the token cache when it holds
+    them, else learned (tokenizer None) or encoded, and then cached. The stream is
+    memory-mapped when a cache folder is given."""
+    if tokenizer is None and cache_dir is not None:
+        j = token_cache.read_tokenizer(token_cache.tokenizer_path(cache_dir, sha, vocab), sha)
+        if j is not None:
+            t = Tokenizer.from_json(j)
+            tokenizer = t if t.vocab == vocab else None
+    if tokenizer is not None and cache_dir is not None:
+        arr = token_cache.open_tokens(token_cache.tokens_path(cache_dir, sha, tokenizer.identity),
+                                      sha, tokenizer.identity)
+        if arr is not None:
+            return tokenizer, arr
+    if tokenizer is None:
+        _check_vocab(vocab)
+    if src.size >= 2 ** 32 - 1:
+        raise HslmError(f"the corpus is {src.size:,} bytes; at most 4 GiB is supported")
+    show = src.size >= SHOW_FROM
+    ph = Phase("reading and checking the text", src.size, show=show)
+    ids = src.read_ids(bpe.ids_dtype(vocab), BYTE0, ph)
+    ph.close()
+    ctl = np.zeros(4, np.int64)
+    learn = tokenizer is None
+    total = vocab - FIRST_MERGE if learn else len(tokenizer.merges)
+    ph = Phase("learning the tokenizer" if learn else "encoding", total, "merges", show=show)
+    merges, n = run_interruptible(
+        lambda: bpe.run(ids, vocab, None if learn else tokenizer.merges, ctl=ctl), ctl,
+        lambda: ph.update(int(ctl[1])))
+    ph.close(f" ({src.size / 1e6:,.1f} MB -> {n:,} tokens)")
+    if learn:
+        tokenizer = Tokenizer(vocab, merges)
+    if cache_dir is None:
+        return tokenizer, ids[:n].copy()
+    path = token_cache.tokens_path(cache_dir, sha, tokenizer.identity)
+    token_cache.write_tokens(path, ids[:n], sha, tokenizer.identity)
+    if learn:
+        token_cache.write_tokenizer(token_cache.tokenizer_path(cache_dir, sha, vocab), sha,
+                                    tokenizer.to_json())
+    del ids
+    arr = token_cache.open_tokens(path, sha, tokenizer.identity)
+    if arr is None:
+        raise HslmError(f"the token cache {path} cannot be read back")
+    return tokenizer, arr
 
 
 def read_text(path) -> str:
@@ -249,13 +215,21 @@ def read_text(path) -> str:
 class Corpus:
     """A text's tokens, split: the last 10% of the token stream is validation."""
 
-    def __init__(self, text: str, vocab: int, window: int, source: str, tokenizer=None):
-        if not text:
+    def __init__(self, text, vocab: int, window: int, source: str, tokenizer=None,
+                 cache_dir=None, expect_sha256=None):
+        """text: a str or a TextSource (files streamed, never held whole)."""
+        src = text if isinstance(text, TextSource) else TextSource(text=text, label=source)
+        if src.size == 0:
             raise HslmError(f"the corpus is empty ({source})")
         self.source = source
-        self.text_sha256 = text_sha256(text)
-        self.tokenizer = tokenizer or Tokenizer.train(text, vocab)
-        self.tokens = self.tokenizer.encode(text)
+        ph = Phase("hashing the text", src.size, show=src.size >= SHOW_FROM)
+        self.text_sha256 = src.scan(ph)
+        ph.close()
+        if expect_sha256 is not None and self.text_sha256 != expect_sha256:
+            raise HslmError(f"the training text ({source}) differs from the one the checkpoint "
+                            "was trained on; pass the same --data")
+        self.tokenizer, self.tokens = corpus_tokens(src, self.text_sha256, vocab, tokenizer,
+                                                    cache_dir)
         n = len(self.tokens)
         n_valid = int(n * VALID_SHARE)
         self.train = self.tokens[: n - n_valid]
@@ -268,15 +242,17 @@ class Corpus:
                 f"(about {need_valid * 10} tokens in all)")
 
     @classmethod
-    def load(cls, data, vocab: int, window: int, expect_sha256=None, tokenizer=None) -> "Corpus":
-        """The built-in corpus (data None) or a UTF-8 file; with expect_sha256, the text
-        must be the one a checkpoint was trained on. A given tokenizer is used as it is."""
-        text, source = (builtin_text(), BUILTIN_SOURCE) if data is None else (
-            read_text(data), str(data))
-        if expect_sha256 is not None and text_sha256(text) != expect_sha256:
-            raise HslmError(f"the training text ({source}) differs from the one the checkpoint "
-                            "was trained on; pass the same --data")
-        return cls(text, vocab, window, source, tokenizer)
+    def load(cls, data, vocab: int, window: int, expect_sha256=None, tokenizer=None,
+             cache_dir=None) -> "Corpus":
+        """The built-in corpus (data None or empty) or UTF-8 files (a path, a folder, or a
+        list of them: joined by a blank line); with expect_sha256, the text must be the
+        one a checkpoint was trained on. A given tokenizer is used as it is. With a
+        cache_dir, the tokens are cached there and memory-mapped."""
+        if data is None or (isinstance(data, (list, tuple)) and not data):
+            src = TextSource(text=builtin_text(), label=BUILTIN_SOURCE)
+        else:
+            src = TextSource(data)
+        return cls(src, vocab, window, src.label, tokenizer, cache_dir, expect_sha256)
 
     def draw_windows(self, rng, batch: int, window: int) -> np.ndarray:
         """[batch, window + 1] token windows with uniform start offsets in the training
@@ -294,4 +270,4 @@ class Corpus:
         else:
             idx = np.unique((2 * np.arange(c, dtype=np.int64) * (n_win - 1) + (c - 1))
                             // (2 * (c - 1)))
-        return np.stack([self.valid[i * window:i * window + window + 1] for i in idx])
+        return np.stack([self.valid[i * window:i * window + window + 1] for i in idx]).astype(np.int64)

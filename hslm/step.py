@@ -35,7 +35,7 @@ from numba import njit
 
 from .kernels import WGRAD_ROW_BLOCK
 from .layers import alloc_acts, alloc_record, alloc_scratch
-from .speeds import KERNEL_PANELS, PER_POSITION, SPEED_NAMES, SPEEDS  # noqa: F401 (re-export)
+from .speeds import KERNEL_PANELS, PER_POSITION, SPEEDS
 from .vsa import vsa_window
 from .windows import (gradients_from_records, window_loss_layerwise, window_per_position,
                       windows_layerwise)

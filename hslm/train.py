@@ -241,8 +241,8 @@ def tensor_parts(cfg: Config, n: int):
     return split_by_cost(np.diff(cfg.offsets()).astype(np.float64), n)
 
 
-def load_corpus(data, cfg: Config, expect_sha256=None, tokenizer=None) -> Corpus:
-    return Corpus.load(data, cfg.vocab, cfg.window, expect_sha256, tokenizer)
+def load_corpus(data, cfg: Config, expect_sha256=None, tokenizer=None, cache_dir=None) -> Corpus:
+    return Corpus.load(data, cfg.vocab, cfg.window, expect_sha256, tokenizer, cache_dir)
 
 
 def save_tokenizer(out: Path, tok: Tokenizer):

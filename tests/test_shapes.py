@@ -17,7 +17,7 @@ from hslm.panel_kernels import PANEL, ROWS
 from hslm.params import ModelState, init_params
 from hslm.tables import Tables
 
-from helpers import assert_bits_equal, window_result
+from helpers import window_result
 from test_oracle import close
 from test_speeds import assert_same_window, reordered_wout_gradient
 from test_train import run

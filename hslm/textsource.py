@@ -1,0 +1,228 @@
+"""A training text that is never held whole in a Python string: one or more UTF-8
+files (or the built-in corpus), streamed in chunks when hashed, checked and read
+into the tokenizer's id array; with a progress line and a prompt Ctrl-C."""
+from __future__ import annotations
+
+import codecs
+import hashlib
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .errors import HslmError
+
+CHUNK = 16 << 20
+SEP = b"\n\n"               # files are joined as the built-in corpus's topics are
+SHOW_FROM = 4 << 20          # smaller texts are read without any progress output
+
+
+def _files_of(p: Path):
+    if p.is_dir():
+        files = sorted(q for q in p.iterdir() if not q.name.startswith(".") and q.is_file())
+        if not files:
+            raise HslmError(f"data folder {p} has no files")
+        return files
+    return [p]
+
+
+class TextSource:
+    """The bytes of the built-in text (`text` given) or of files joined by SEP."""
+
+    def __init__(self, paths=None, text: str | None = None, label: str | None = None):
+        if text is not None:
+            self.blob = text.encode("utf-8")
+            self.files = []
+            self.size = len(self.blob)
+            self.label = label or "text"
+            return
+        self.blob = None
+        if isinstance(paths, (str, os.PathLike)):
+            paths = [paths]
+        files = []
+        for p in paths:
+            files.extend(_files_of(Path(p)))
+        self.files = []
+        size = 0
+        for f in files:
+            try:
+                st = f.stat()
+            except FileNotFoundError:
+                raise HslmError(f"data file not found: {f}") from None
+            except OSError as e:
+                raise HslmError(f"cannot read data file {f}: {e.strerror}") from None
+            if not f.is_file():
+                raise HslmError(f"data file {f} is not a regular file")
+            self.files.append(f)
+            size += st.st_size
+        size += len(SEP) * max(len(self.files) - 1, 0)
+        self.size = size
+        self.label = label or (str(paths[0]) if len(paths) == 1 else
+                               f"{len(self.files)} files ({', '.join(map(str, paths))})")
+
+    def _open(self, f):
+        try:
+            return open(f, "rb")
+        except OSError as e:
+            raise HslmError(f"cannot read data file {f}: {e.strerror}") from None
+
+    def chunks(self, progress=None):
+        """(bytes, file or None, offset of the chunk in that file), in order."""
+        if self.blob is not None:
+            for o in range(0, max(len(self.blob), 1), CHUNK):
+                yield self.blob[o:o + CHUNK], None, o
+                if progress:
+                    progress.update(min(o + CHUNK, len(self.blob)))
+            return
+        done = 0
+        for i, f in enumerate(self.files):
+            if i:
+                yield SEP, None, 0
+                done += len(SEP)
+            with self._open(f) as fh:
+                off = 0
+                while True:
+                    try:
+                        b = fh.read(CHUNK)
+                    except OSError as e:
+                        raise HslmError(f"cannot read data file {f}: {e.strerror}") from None
+                    if not b:
+                        break
+                    yield b, f, off
+                    off += len(b)
+                    done += len(b)
+                    if progress:
+                        progress.update(done)
+
+    def scan(self, progress=None) -> str:
+        """sha256 of the joined bytes (checking that the files did not change size)."""
+        h = hashlib.sha256()
+        total = 0
+        for b, _, _ in self.chunks(progress):
+            h.update(b)
+            total += len(b)
+        if total != self.size:
+            raise HslmError(f"the data changed while it was read ({self.label})")
+        return h.hexdigest()
+
+    @staticmethod
+    def _check(carry, b, f, off, final):
+        data = carry[0] + b
+        start = off - len(carry[0])
+        try:
+            _, used = codecs.utf_8_decode(data, "strict", final)
+        except UnicodeDecodeError as e:
+            raise HslmError(f"data file {f} is not UTF-8 text (byte 0x{data[e.start]:02x} at "
+                            f"offset {start + e.start})") from None
+        carry[0] = data[used:]
+        return off + len(b)
+
+    def read_ids(self, dtype, offset_by: int, progress=None) -> np.ndarray:
+        """The joined bytes as ids (byte + offset_by) in a fresh array of dtype,
+        checking that every file is UTF-8 text (else an error naming the file and
+        the offset of the first bad byte)."""
+        out = np.empty(self.size, dtype)
+        pos = 0
+        cur, carry = None, [b""]
+        for b, f, off in self.chunks(progress):
+            if pos + len(b) > self.size:
+                raise HslmError(f"the data changed while it was read ({self.label})")
+            if f is not None:
+                if f is not cur:
+                    if cur is not None:
+                        self._check(carry, b"", cur, end, True)
+                    cur, carry = f, [b""]
+                self._check(carry, b, f, off, False)
+                end = off + len(b)
+            np.add(np.frombuffer(b, np.uint8), offset_by, out=out[pos:pos + len(b)],
+                   casting="unsafe")
+            pos += len(b)
+        if cur is not None:
+            self._check(carry, b"", cur, end, True)
+        if pos != self.size:
+            raise HslmError(f"the data changed while it was read ({self.label})")
+        return out
+
+
+def _mb(n):
+    return f"{n / 1e6:,.1f} MB"
+
+
+def _duration(s: float) -> str:
+    s = int(round(s))
+    m, s = divmod(s, 60)
+    return f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+class Phase:
+    """One line of progress for a phase over `total` units: redrawn in place on a
+    terminal (done, rate, time left), a plain line at the end otherwise. Silent
+    when `show` is False."""
+
+    def __init__(self, what: str, total: int, unit="bytes", show=True, stream=None):
+        self.stream = stream or sys.stderr
+        self.show = show
+        self.tty = show and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.what, self.total, self.unit = what, max(total, 1), unit
+        self.t0 = self.last = time.perf_counter()
+        self.done = 0
+
+    def _fmt(self, n):
+        return _mb(n) if self.unit == "bytes" else f"{n:,} {self.unit}"
+
+    def update(self, done):
+        self.done = done
+        if not self.tty:
+            return
+        now = time.perf_counter()
+        if now - self.last < 0.2 and done < self.total:
+            return
+        self.last = now
+        el = now - self.t0
+        rate = done / el if el > 0 else 0.0
+        left = (self.total - done) / rate if rate > 0 else 0.0
+        r = f"{rate / 1e6:,.1f} MB/s" if self.unit == "bytes" else f"{rate:,.1f} {self.unit}/s"
+        self.stream.write(f"\r{self.what}: {self._fmt(done)} / {self._fmt(self.total)} | {r} | "
+                          f"{_duration(left)} left   ")
+        self.stream.flush()
+
+    def close(self, note=""):
+        if not self.show:
+            return
+        el = time.perf_counter() - self.t0
+        line = f"{self.what}: {self._fmt(self.total)} in {el:.1f}s{note}"
+        if self.tty:
+            self.stream.write("\r" + line + " " * 20 + "\n")
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+def run_interruptible(fn, ctl, poll=None, interval=0.1):
+    """Runs fn() (a nogil kernel watching ctl[0]) in a worker thread; calls poll()
+    every `interval` s. Ctrl-C sets ctl[0] and waits for the kernel to notice."""
+    box = {}
+
+    def target():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True, name="hslm-bpe")
+    t.start()
+    try:
+        while t.is_alive():
+            t.join(interval)
+            if poll:
+                poll()
+    except KeyboardInterrupt:
+        ctl[0] = 1
+        t.join()
+        raise
+    if "error" in box:
+        raise box["error"]
+    return box["value"]

@@ -1,0 +1,151 @@
+"""The incremental BPE gives exactly the merges and the token stream of the plain
+algorithm (a rescan per merge), kept here as the reference."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from hslm import bpe
+from hslm.data import builtin_text
+
+FIRST_MERGE = 260
+
+
+def _ref_apply(seq, n, a, b, new):
+    w = i = 0
+    while i < n:
+        if i + 1 < n and seq[i] == a and seq[i + 1] == b:
+            seq[w] = new
+            i += 2
+        else:
+            seq[w] = seq[i]
+            i += 1
+        w += 1
+    return w
+
+
+def ref_learn(data: bytes, vocab: int):
+    """The original hslm.data._learn_merges, in plain Python/numpy."""
+    seq = list(np.frombuffer(data, np.uint8).astype(np.int64) + 4)
+    n = len(seq)
+    merges = []
+    while len(merges) < vocab - FIRST_MERGE:
+        counts = {}
+        for i in range(n - 1):
+            counts[(seq[i], seq[i + 1])] = counts.get((seq[i], seq[i + 1]), 0) + 1
+        best, pair = 1, None
+        for k in sorted(counts):  # the first maximum in (first, second) order
+            if counts[k] > best:
+                best, pair = counts[k], k
+        if pair is None:
+            break
+        n = _ref_apply(seq, n, pair[0], pair[1], FIRST_MERGE + len(merges))
+        merges.append(pair)
+    return np.array(merges, np.int64).reshape(-1, 2), np.array(seq[:n], np.int64)
+
+
+def ref_encode(data: bytes, merges):
+    seq = list(np.frombuffer(data, np.uint8).astype(np.int64) + 4)
+    n = len(seq)
+    for m, (a, b) in enumerate(merges):
+        n = _ref_apply(seq, n, a, b, FIRST_MERGE + m)
+    return np.array(seq[:n], np.int64)
+
+
+def new_learn(data: bytes, vocab: int, slack=0.25):
+    tok = np.frombuffer(data, np.uint8).astype(np.uint16) + 4
+    merges, w = bpe.run(tok, vocab, slack=slack)
+    return merges, tok[:w].astype(np.int64)
+
+
+def new_encode(data: bytes, merges, vocab):
+    tok = np.frombuffer(data, np.uint8).astype(np.uint16) + 4
+    _, w = bpe.run(tok, vocab, merges=merges)
+    return tok[:w].astype(np.int64)
+
+
+def check(data: bytes, vocab=300, slack=0.25):
+    rm, rs = ref_learn(data, vocab)
+    nm, ns = new_learn(data, vocab, slack)
+    assert rm.tolist() == nm.tolist()
+    assert rs.tolist() == ns.tolist()
+    assert new_encode(data, nm, vocab).tolist() == rs.tolist()
+    return nm
+
+
+SMALL = ["", "a", "aa", "aaa", "aaaa", "aaaaa", "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+         "abababab", "ababababa", "aabaabaab", "abcabcabcabc", "ab" "cd" "ab" "cd",
+         "xyxyxy xyxy yxyx", "zzzzyzzzzyzzzz", "the cat the hat the bat",
+         "ünïcödé ünïcödé 🙂🙂🙂 日本語日本語", "\n\n\n\n  \t  \t\t", "abba" * 17 + "a"]
+
+
+@pytest.mark.parametrize("text", SMALL)
+def test_small_texts_give_the_reference_merges_and_stream(text):
+    check(text.encode())
+
+
+@pytest.mark.parametrize("slack", [0.0, 0.01, 2.0])
+def test_pool_compaction_does_not_change_anything(slack):
+    data = ("def f(x):\n    return x + 1\n\n" * 40 + "aaaa bbbb abab " * 30).encode()
+    check(data, vocab=330, slack=slack)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text(alphabet="ab c\u00e9", max_size=120), st.integers(261, 300))
+def test_random_small_alphabet(text, vocab):
+    check(text.encode(), vocab)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(max_size=200).filter(lambda b: True), st.integers(261, 290))
+def test_random_bytes(data, vocab):
+    check(data, vocab)
+
+
+def test_encoding_other_text_with_learned_merges():
+    merges = new_learn(b"hello world, hello there; aaaa" * 5, 290)[0]
+    for other in [b"", b"h", b"hello hello aaaaaaa", "héllo wörld".encode(), b"xyz" * 9]:
+        assert new_encode(other, merges, 290).tolist() == ref_encode(other, merges).tolist()
+
+
+@pytest.mark.slow
+def test_builtin_corpus_gives_the_reference_merges():
+    """The built-in corpus, vocab 729 (469 merges): the compiled reference (a rescan
+    per merge, the algorithm hslm shipped first) against the incremental kernel."""
+    data = builtin_text().encode("utf-8")
+    seq = np.frombuffer(data, np.uint8).astype(np.int64) + 4
+    merges = np.zeros((469, 2), np.int64)
+    m, n = _ref_learn_compiled(seq, 729, 469, merges)
+    nm, ns = new_learn(data, 729)
+    assert m == 469 and np.array_equal(merges, nm)
+    assert np.array_equal(seq[:n], ns)
+    assert np.array_equal(new_encode(data, nm, 729), ns)
+
+
+def _ref_learn_compiled(seq, vocab, n_merges, merges):
+    from numba import njit
+    apply = njit(_ref_apply)
+
+    @njit
+    def learn(seq, vocab, n_merges, merges):
+        n = seq.shape[0]
+        counts = np.zeros((vocab, vocab), np.int64)
+        m = 0
+        while m < n_merges:
+            counts[:, :] = 0
+            for i in range(n - 1):
+                counts[seq[i], seq[i + 1]] += 1
+            best = 1
+            ba = bb = -1
+            for a in range(vocab):
+                for b in range(vocab):
+                    if counts[a, b] > best:
+                        best = counts[a, b]
+                        ba, bb = a, b
+            if ba < 0:
+                break
+            merges[m, 0] = ba
+            merges[m, 1] = bb
+            n = apply(seq, n, ba, bb, FIRST_MERGE + m)
+            m += 1
+        return m, n
+    return learn(seq, vocab, n_merges, merges)

@@ -1,0 +1,136 @@
+"""The token cache, texts made of several files, streaming checks, Ctrl-C."""
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from hslm import bpe, textsource, token_cache
+from hslm.data import Corpus
+from hslm.errors import HslmError
+from hslm.rng import Stream
+from tests.helpers import ROOT
+
+TEXT = ("def f(x):\n    return x * 2  # ünïcode\n\n" * 300
+        + "class A:\n    pass\n" * 200)
+
+
+def test_cached_tokens_are_the_same_and_are_used(tmp_path, monkeypatch):
+    (tmp_path / "t.txt").write_text(TEXT, encoding="utf-8")
+    plain = Corpus.load(tmp_path / "t.txt", 300, 27)
+    cached = Corpus.load(tmp_path / "t.txt", 300, 27, cache_dir=tmp_path / "c")
+    assert np.array_equal(plain.tokens, cached.tokens)
+    assert np.array_equal(plain.train, cached.train) and np.array_equal(plain.valid, cached.valid)
+    assert plain.tokenizer.identity == cached.tokenizer.identity
+    assert plain.text_sha256 == hashlib.sha256(TEXT.encode()).hexdigest()
+    files = sorted(p.name for p in (tmp_path / "c").iterdir())
+    assert files == [f"bpe-{plain.text_sha256[:16]}-300.json",
+                     f"tokens-{plain.text_sha256[:16]}-{plain.tokenizer.identity[:16]}.tok"]
+
+    def no_bpe(*a, **k):
+        raise AssertionError("the tokens should come from the cache")
+    monkeypatch.setattr(bpe, "run", no_bpe)
+    again = Corpus.load(tmp_path / "t.txt", 300, 27, cache_dir=tmp_path / "c")
+    assert isinstance(again.tokens, np.memmap)
+    assert np.array_equal(again.tokens, plain.tokens)
+    assert again.tokenizer.identity == plain.tokenizer.identity
+    rng = Stream.seeded("test", 3)
+    assert np.array_equal(again.draw_windows(Stream.seeded("test", 3), 4, 27),
+                          plain.draw_windows(rng, 4, 27))
+    v = again.validation_windows(8, 27)
+    assert v.dtype == np.int64 and np.array_equal(v, plain.validation_windows(8, 27))
+
+
+def test_a_damaged_cache_is_not_used(tmp_path):
+    (tmp_path / "t.txt").write_text(TEXT, encoding="utf-8")
+    good = Corpus.load(tmp_path / "t.txt", 300, 27, cache_dir=tmp_path)
+    path = token_cache.tokens_path(tmp_path, good.text_sha256, good.tokenizer.identity)
+    expect = np.array(good.tokens)
+    del good
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 1
+    path.write_bytes(bytes(raw))
+    assert token_cache.open_tokens(path, hashlib.sha256(TEXT.encode()).hexdigest(),
+                                   "0" * 64) is None
+    again = Corpus.load(tmp_path / "t.txt", 300, 27, cache_dir=tmp_path)
+    assert np.array_equal(again.tokens, expect)
+    path.write_bytes(path.read_bytes()[:200])  # truncated
+    again = Corpus.load(tmp_path / "t.txt", 300, 27, cache_dir=tmp_path)
+    assert np.array_equal(again.tokens, expect)
+
+
+def test_several_files_and_folders_are_joined_by_a_blank_line(tmp_path):
+    d = tmp_path / "d"
+    d.mkdir()
+    parts = [TEXT[:3000], TEXT[3000:5000], TEXT[5000:]]
+    for name, p in zip(["b.txt", "a.txt", "c.txt"], [parts[1], parts[0], parts[2]]):
+        (d / name).write_text(p, encoding="utf-8")
+    joined = "\n\n".join(parts)
+    one = tmp_path / "one.txt"
+    one.write_text(joined, encoding="utf-8")
+    ref = Corpus.load(one, 300, 27)
+    for data in [d, [d / "a.txt", d / "b.txt", d / "c.txt"], (d,)]:
+        c = Corpus.load(data, 300, 27)
+        assert c.text_sha256 == ref.text_sha256 == hashlib.sha256(joined.encode()).hexdigest()
+        assert np.array_equal(c.tokens, ref.tokens)
+
+
+def test_non_utf8_names_the_file_and_offset_across_chunks(tmp_path, monkeypatch):
+    monkeypatch.setattr(textsource, "CHUNK", 7)
+    (tmp_path / "a.txt").write_text("hello", encoding="utf-8")
+    bad = tmp_path / "b.txt"
+    bad.write_bytes("ok é ok".encode() * 3 + b"\xff rest")
+    with pytest.raises(HslmError, match=r"b.txt is not UTF-8 text \(byte 0xff at offset 24\)"):
+        Corpus.load([tmp_path / "a.txt", bad], 300, 27)
+    cut = tmp_path / "c.txt"
+    cut.write_bytes(b"abcdef" + "é".encode()[:1])  # a sequence cut short at the end
+    with pytest.raises(HslmError, match=r"c.txt is not UTF-8 text \(byte 0xc3 at offset 6\)"):
+        Corpus.load(cut, 300, 27)
+    # a multi-byte character split between two chunks is fine
+    ok = tmp_path / "d.txt"
+    ok.write_bytes(("abcdeé" * 200).encode())
+    src = textsource.TextSource(ok)
+    assert src.scan() == hashlib.sha256(ok.read_bytes()).hexdigest()
+    assert np.array_equal(src.read_ids(np.uint16, 4),
+                          np.frombuffer(ok.read_bytes(), np.uint8).astype(np.uint16) + 4)
+
+
+def test_special_files_and_empty_folders_are_refused(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(HslmError, match="has no files"):
+        Corpus.load(tmp_path / "empty", 300, 27)
+    if os.path.exists("/dev/zero"):
+        with pytest.raises(HslmError, match="not a regular file"):
+            Corpus.load("/dev/zero", 300, 27)
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_learning_the_tokenizer_stops_at_once(tmp_path):
+    rng = np.random.default_rng(0)
+    words = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), rng.integers(2, 9)))
+             for _ in range(3000)]
+    text = " ".join(rng.choice(words, 30_000_000 // 6)) + "\n"
+    (tmp_path / "big.txt").write_text(text)
+    p = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "train", "--data",
+                          str(tmp_path / "big.txt"), "--out", str(tmp_path / "o"), "--steps", "1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    while True:  # wait until learning has begun
+        line = p.stderr.readline()
+        assert line, "no progress line"
+        if line.startswith("reading and checking the text"):
+            break
+    time.sleep(0.3)
+    t0 = time.perf_counter()
+    p.send_signal(signal.SIGINT)
+    rc = p.wait(timeout=30)
+    waited = time.perf_counter() - t0
+    rest = p.stderr.read()
+    assert rc == 130, rest
+    assert waited < 1.5, waited
+    assert "Traceback" not in rest and "interrupted" in rest
+    assert not list((tmp_path / "o").glob("tokens-*"))
