@@ -23,9 +23,9 @@ from .train import Run
 def machine_peak_gflops_per_core():
     """Theoretical f64 peak of one core: GHz x flops/cycle (2 FMA pipes x vector width).
 
-    Returns (gflops, description). Without FMA contraction (which the bit-identity
-    rules forbid) the attainable ceiling is half of it: a multiply and an add
-    issue separately."""
+    Returns (gflops, description). The ternary kernels may use FMA (exact there);
+    the weight-gradient kernel multiplies and adds separately, which on cores with
+    separate add pipes (Zen) still runs at full rate and elsewhere at half."""
     mhz, flags, model = None, "", platform.processor()
     try:
         with open("/proc/cpuinfo") as f:
@@ -54,7 +54,20 @@ def checkpoint_digest(run: Run) -> str:
     return hashlib.sha256(p + s).hexdigest()
 
 
+def checkpoint_bytes(run: Run) -> int:
+    """Bytes of the .bin and .state the run would write now."""
+    p = ckpt.params_blob(run.cfg, run.state.theta, run.step, run.corpus.tokenizer)
+    s = ckpt.state_blob(run.cfg, run.m, run.v, run.step, ckpt.params_sha256_of(p),
+                        {"rng": run.rng.state_json()})
+    return len(p) + len(s)
+
+
 def bench_speed(cfg, hyper, corpus, speed, threads, steps, warm=True):
+    """Time `steps` training steps at one speed and thread count (after a warm-up that
+    changes nothing), and measure the numpy memory the run holds (tracemalloc)."""
+    import tracemalloc
+
+    tracemalloc.start()
     run = Run.fresh(cfg, hyper, corpus, plain=SPEEDS[speed].plain_layouts)
     runner = StepRunner(cfg, speed, threads)
     try:
@@ -65,16 +78,21 @@ def bench_speed(cfg, hyper, corpus, speed, threads, steps, warm=True):
             z = np.zeros(2)  # and the optimiser's kernel, on throwaway arrays
             adamw_step(z, z.copy(), z.copy(), z.copy(), np.array([0, 2]), np.array([True]), 0.1,
                        0.001, 0.0, 0.0, np.zeros(1), 0, 1)
-        losses = []
+        losses = [run.train_step(runner)]  # one untimed step: first-touch of every buffer
+        memory = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
         t0 = time.perf_counter()
         for _ in range(steps):
             losses.append(run.train_step(runner))
         dt = time.perf_counter() - t0
     finally:
         runner.close()
-    return dict(speed=speed, threads=threads, seconds=dt,
+        if tracemalloc.is_tracing():
+            tracemalloc.stop()
+    return dict(speed=speed, threads=threads, batch=hyper.batch, seconds=dt,
                 tok_s=steps * hyper.batch * cfg.window / dt, losses=losses,
-                digest=checkpoint_digest(run))
+                digest=checkpoint_digest(run), memory_bytes=memory,
+                checkpoint_bytes=checkpoint_bytes(run))
 
 
 def torch_baseline(cfg, hyper, corpus, dtype_name, steps):
@@ -176,3 +194,117 @@ def threading_description(threads):
     return ("Python threads over nogil Numba kernels (one worker and scratch per thread; "
             "no Numba threading layer, so fork and Ctrl-C are safe)") if max(threads) > 1 else \
         "one thread"
+
+
+# ---------------------------------------------------------------- the report
+def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch, profile,
+              progress=None):
+    """Every (model, batch, threads, speed) side by side in one process, plus PyTorch
+    and a speed-3 profile: a report dict (machine, versions, rows, ratios)."""
+    import sys
+
+    import numba
+
+    from .hyper import Hyper
+    from .train import check_hyper, load_corpus, resolve_config
+    from .validate import check_fits, memory_estimate
+
+    peak, peak_desc = machine_peak_gflops_per_core()
+    report = {"machine": peak_desc, "peak_gflops_per_core": peak,
+              "python": sys.version.split()[0], "numpy": np.__version__,
+              "numba": numba.__version__, "steps": steps, "seed": 1729, "models": []}
+    for name in models:
+        cfg = resolve_config(name)
+        k = cfg.window if k_flag is None else k_flag
+        corpus = None
+        entry = {"model": name, "params": cfg.n_params, "k": k, "window": cfg.window,
+                 "flops_per_token": flops_per_token(cfg, k), "rows": [], "groups": []}
+        for batch in batches:
+            hyper = Hyper(batch=batch, loss_positions=k, seed=1729)
+            check_hyper(cfg, hyper)
+            check_fits(memory_estimate(cfg, batch, max(threads), max(speeds)),
+                       f"bench --model {name} --batch {batch}")
+            if corpus is None:
+                corpus = load_corpus(data, cfg)
+            digests, losses = set(), set()
+            for t in threads:
+                for s in speeds:
+                    r = bench_speed(cfg, hyper, corpus, s, t, steps)
+                    r["gflops"] = r["tok_s"] * entry["flops_per_token"] / 1e9
+                    r["peak_share"] = r["gflops"] / (peak * t)
+                    entry["rows"].append(r)
+                    digests.add(r["digest"])
+                    losses.add(tuple(r["losses"]))
+                    if progress:
+                        progress(f"ran {name} batch {batch} speed {s} on {t} thread(s): "
+                                 f"{r['tok_s']:.1f} tok/s")
+            entry["groups"].append({"batch": batch, "identical": len(digests) == 1
+                                    and len(losses) == 1, "digest": sorted(digests)[0]})
+        if with_torch:
+            try:
+                import torch
+            except ImportError:
+                entry["torch"] = None
+            else:
+                hyper = Hyper(batch=batches[0], loss_positions=k, seed=1729)
+                entry["torch"] = {"version": torch.__version__, **{
+                    dt: torch_baseline(cfg, hyper, corpus, dt, steps) for dt in ("f64", "f32")}}
+        if profile and name == models[0]:
+            hyper = Hyper(batch=batches[0], loss_positions=k, seed=1729)
+            entry["profile_ms"] = profile_layerwise(cfg, hyper, corpus)
+        report["models"].append(entry)
+    return report
+
+
+def format_report(report):
+    """The report as the lines `hslm bench` prints."""
+    from .speeds import SPEED_NAMES
+    peak = report["peak_gflops_per_core"]
+    out = [f"hslm bench: {report['steps']} timed steps per run, seed {report['seed']}; "
+           f"Python {report['python']}, numpy {report['numpy']}, numba {report['numba']}",
+           f"machine: {report['machine']}: f64 FMA peak {peak:.1f} GFLOP/s per core",
+           "FLOPs per token: 2 per multiply-add of the ternary matrices (forward, input "
+           "gradient, weight gradient at scored positions)"]
+    for e in report["models"]:
+        out.append(f"model {e['model']} ({e['params']:,} parameters, window {e['window']}, "
+                   f"k {e['k']}, {e['flops_per_token'] / 1e6:.2f} MFLOP per token)")
+        out.append(f"{'batch':>5} {'speed':>5} {'name':>10} {'threads':>7} {'tok/s':>10} "
+                   f"{'x slowest':>9} {'GFLOP/s':>8} {'% peak':>7} {'par. eff.':>9} "
+                   f"{'MiB':>7} {'ckpt MB':>8}")
+        rows = e["rows"]
+        for r in rows:
+            same = [x for x in rows if x["batch"] == r["batch"]]
+            slowest = min(x["tok_s"] for x in same)
+            base = next(x for x in same if x["speed"] == r["speed"])
+            eff = r["tok_s"] / (r["threads"] / base["threads"] * base["tok_s"])
+            out.append(f"{r['batch']:>5} {r['speed']:>5} {SPEED_NAMES[r['speed']]:>10} "
+                       f"{r['threads']:>7} {r['tok_s']:>10.1f} {r['tok_s'] / slowest:>9.2f} "
+                       f"{r['gflops']:>8.2f} {100 * r['peak_share']:>6.1f}% {100 * eff:>8.1f}% "
+                       f"{r['memory_bytes'] / 2 ** 20:>7.0f} {r['checkpoint_bytes'] / 1e6:>8.1f}")
+        for g in e["groups"]:
+            out.append(f"batch {g['batch']}: " + (
+                f"checkpoints byte-identical across all runs (sha256 {g['digest'][:16]}...), "
+                "losses identical" if g["identical"] else "CHECKPOINTS DIFFER across runs"))
+        t = e.get("torch")
+        if t:
+            ours = max((r for r in rows if r["threads"] == 1 and r["batch"] == rows[0]["batch"]),
+                       key=lambda r: r["tok_s"], default=None)
+            line = (f"PyTorch {t['version']} baseline, one thread, windows batched: "
+                    f"f64 {t['f64']:.1f} tok/s, f32 {t['f32']:.1f} tok/s")
+            if ours:
+                line += (f"; speed {ours['speed']} is {ours['tok_s'] / t['f64']:.2f}x torch "
+                         f"f64, {ours['tok_s'] / t['f32']:.2f}x torch f32")
+            out.append(line)
+        elif "torch" in e:
+            out.append("PyTorch baseline: torch not installed (pip install torch==2.13.0)")
+        if e.get("profile_ms"):
+            total = sum(ms for _, ms in e["profile_ms"])
+            out.append(f"speed-3 step profile, one thread ({total:.1f} ms per step of "
+                       f"{rows[0]['batch']} windows):")
+            for name, ms in e["profile_ms"]:
+                out.append(f"  {name:46s} {ms:8.1f} ms {100 * ms / total:5.1f}%")
+    return out
+
+
+def all_identical(report) -> bool:
+    return all(g["identical"] for e in report["models"] for g in e["groups"])

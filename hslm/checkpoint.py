@@ -131,7 +131,7 @@ class Checkpoint:
         self.kind = self.meta["kind"]
         self.step = int(self.meta["step"])
         self.config = config
-        self.hyper = hyper  # .state: the training hyper-parameters (a train.Hyper)
+        self.hyper = hyper  # .state: the training hyper-parameters (a hyper.Hyper)
 
     def names(self):
         return sorted(self.header, key=lambda n: self.header[n]["data_offsets"][0])

@@ -169,7 +169,7 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
     if learn:
         token_cache.write_tokenizer(token_cache.tokenizer_path(cache_dir, sha, vocab), sha,
                                     tokenizer.to_json())
-    del ids
+    ids = None  # free the id array before mapping the cache
     arr = token_cache.open_tokens(path, sha, tokenizer.identity)
     if arr is None:
         raise HslmError(f"the token cache {path} cannot be read back")

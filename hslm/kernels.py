@@ -1,13 +1,12 @@
 """Fast matrix kernels with the exact summation order of hslm.layers.
 
-Speed comes from loop structure only (see ../shared/NUMBA_NOTES.md); no BLAS,
+Speed comes from loop structure only; no BLAS,
 no np.sum, no reassociation: each output is the same chain of additions as the
 plain dot product in hslm.layers.matvec_dot.
 
 * ternary_matmul_rows (speed 2, one position at a time): the outputs j in the
   innermost, contiguous loop; the input index i sequential for each output,
-  unrolled by 4 as (((y + a0 w0) + a1 w1) + a2 w2) + a3 w3; one loaded matrix
-  row serves up to 4 rows per pass.
+  unrolled by 4 as (((y + a0 w0) + a1 w1) + a2 w2) + a3 w3.
 * ternary_panels and weight_grad_rows (speed 3, all positions of a window):
   the register-tiled kernels of hslm.panel_kernels over matrices stored in
   column panels, compiled with LLVM's SLP vectoriser.
@@ -38,49 +37,7 @@ def ternary_matmul_rows(X, T, alpha, Y):
     for j0 in range(0, b, COL_TILE):
         j1 = min(j0 + COL_TILE, b)
         w = j1 - j0
-        r = 0
-        while r + 4 <= n:
-            y0 = Y[r, j0:j1]
-            y1 = Y[r + 1, j0:j1]
-            y2 = Y[r + 2, j0:j1]
-            y3 = Y[r + 3, j0:j1]
-            for j in range(w):
-                y0[j] = 0.0
-                y1[j] = 0.0
-                y2[j] = 0.0
-                y3[j] = 0.0
-            i = 0
-            while i + 4 <= a:
-                w0 = T[i, j0:j1]
-                w1 = T[i + 1, j0:j1]
-                w2 = T[i + 2, j0:j1]
-                w3 = T[i + 3, j0:j1]
-                a00, a01, a02, a03 = X[r, i], X[r, i + 1], X[r, i + 2], X[r, i + 3]
-                a10, a11, a12, a13 = X[r + 1, i], X[r + 1, i + 1], X[r + 1, i + 2], X[r + 1, i + 3]
-                a20, a21, a22, a23 = X[r + 2, i], X[r + 2, i + 1], X[r + 2, i + 2], X[r + 2, i + 3]
-                a30, a31, a32, a33 = X[r + 3, i], X[r + 3, i + 1], X[r + 3, i + 2], X[r + 3, i + 3]
-                for j in range(w):
-                    y0[j] = (((y0[j] + a00 * w0[j]) + a01 * w1[j]) + a02 * w2[j]) + a03 * w3[j]
-                    y1[j] = (((y1[j] + a10 * w0[j]) + a11 * w1[j]) + a12 * w2[j]) + a13 * w3[j]
-                    y2[j] = (((y2[j] + a20 * w0[j]) + a21 * w1[j]) + a22 * w2[j]) + a23 * w3[j]
-                    y3[j] = (((y3[j] + a30 * w0[j]) + a31 * w1[j]) + a32 * w2[j]) + a33 * w3[j]
-                i += 4
-            while i < a:
-                w0 = T[i, j0:j1]
-                a00, a10, a20, a30 = X[r, i], X[r + 1, i], X[r + 2, i], X[r + 3, i]
-                for j in range(w):
-                    y0[j] = y0[j] + a00 * w0[j]
-                    y1[j] = y1[j] + a10 * w0[j]
-                    y2[j] = y2[j] + a20 * w0[j]
-                    y3[j] = y3[j] + a30 * w0[j]
-                i += 1
-            for j in range(w):
-                y0[j] = alpha * y0[j]
-                y1[j] = alpha * y1[j]
-                y2[j] = alpha * y2[j]
-                y3[j] = alpha * y3[j]
-            r += 4
-        while r < n:
+        for r in range(n):  # one row per pass (the per-position speed calls one row)
             y0 = Y[r, j0:j1]
             for j in range(w):
                 y0[j] = 0.0
@@ -102,7 +59,6 @@ def ternary_matmul_rows(X, T, alpha, Y):
                 i += 1
             for j in range(w):
                 y0[j] = alpha * y0[j]
-            r += 1
 
 
 WGRAD_ROW_BLOCK = 36  # gradient rows per unit of the weight-gradient phase (a multiple of 3 rows)
@@ -143,7 +99,8 @@ def weight_grad_rows(X, i0, i1, DY, G, XT, PD):
 
     A tile of gradient rows is held in registers while every position adds to
     it, then added into G: each element is the same chain of additions as the
-    per-position outer_add, and G gets the window's sum added once.
+    per-position streaming (windows.stream_weight_grads), and G gets the window's
+    sum added once.
     XT (>= (i1 - i0) n) and PD (>= n b + PANEL n) are flat scratch for X's columns
     transposed and DY in column panels."""
     n = X.shape[0]

@@ -3,7 +3,7 @@
 B is a matrix [a, b] stored in column panels: P[q, i, c] = B[i, q * PANEL + c],
 zero-padded past column b. Each output element is one sum over i = 0, 1, ...
 in increasing order from 0.0, the same chain of additions as the plain loops
-in hslm.ops; a tile of ROWS x PANEL sums is held in registers meanwhile.
+in hslm.layers; a tile of ROWS x PANEL sums is held in registers meanwhile.
 """
 from numba import njit
 

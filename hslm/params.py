@@ -29,13 +29,6 @@ def init_params(cfg: Config, seed: int) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate(parts), dtype=np.float64)
 
 
-def named_views(cfg: Config, flat: np.ndarray) -> dict:
-    """{name: view of flat with the tensor's shape}, in parameter order."""
-    offs = cfg.offsets()
-    return {name: flat[offs[t]:offs[t + 1]].reshape(shape)
-            for t, (name, shape, _) in enumerate(cfg.tensors())}
-
-
 def ternary_mask(cfg: Config) -> np.ndarray:
     return np.array([kind == "ternary" for _, _, kind in cfg.tensors()])
 

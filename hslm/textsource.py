@@ -125,7 +125,7 @@ class TextSource:
         checking that every file is UTF-8 text (else an error naming the file and
         the offset of the first bad byte)."""
         out = np.empty(self.size, dtype)
-        pos = 0
+        pos = end = 0
         cur, carry = None, [b""]
         for b, f, off in self.chunks(progress):
             if pos + len(b) > self.size:

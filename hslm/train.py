@@ -3,38 +3,24 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
+import click
 import numpy as np
 
 from . import checkpoint as ckpt
 from .config import PRESETS, Config
 from .data import BUILTIN_SOURCE, Corpus, Tokenizer
 from .errors import HslmError, read_bytes
-from .validate import check_fits, check_hyper, memory_estimate  # noqa: F401 (re-exported)
+from .hyper import HYPER_NAMES, Hyper
 from .optim import adamw_step, bias_corrections, learning_rate
 from .params import ModelState, init_params, ternary_mask
-from .step import StepRunner
 from .rng import Stream
+from .speeds import SPEEDS
+from .step import StepRunner
 from .tables import Tables
-
-
-@dataclass
-class Hyper:
-    """Everything besides the config that decides a run's bytes (stored in .state)."""
-
-    batch: int = 8
-    loss_positions: int = 27
-    lr: float = 1e-3
-    warmup: int = 100
-    decay_steps: int = 10000
-    weight_decay: float = 0.01
-    seed: int = 0
-    eval_windows: int = 64
-
-    def to_json(self):
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+from .validate import check_fits, check_hyper, memory_estimate
 
 
 def check_out_dir(out: Path):
@@ -305,3 +291,190 @@ def resolve_config(model: str) -> Config:
     except (ValueError, TypeError, RecursionError, UnicodeDecodeError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise HslmError(f"model config {path}: {msg}") from None
+
+
+# ------------------------------------------------------------------ the run loop
+@dataclass
+class TrainOptions:
+    """What `hslm train` was asked (the CLI parses, this module runs)."""
+
+    model: str
+    data: tuple
+    cache_dir: Path | None
+    steps: int
+    hyper: dict          # HYPER_NAMES -> value given or default (loss_positions may be None)
+    given: set           # option names given on the command line
+    speed: int
+    threads: int
+    out: Path | None
+    save_every: int
+    resume: Path | None
+    eval_every: int
+    metrics: Path | None
+    log_every: int
+    quiet: bool
+
+    def resume_command(self, state_path) -> str:
+        """The command that continues this run from state_path, to run verbatim."""
+        import shlex
+        cmd = f"hslm train --resume {shlex.quote(str(state_path))} --steps {self.steps}"
+        for d in self.data:
+            cmd += f" --data {shlex.quote(str(d))}"
+        if self.cache_dir is not None:
+            cmd += f" --cache-dir {shlex.quote(str(self.cache_dir))}"
+        if self.metrics is not None:
+            cmd += f" --metrics {shlex.quote(str(self.metrics))}"
+        return cmd
+
+
+def open_run(o: TrainOptions):
+    """Judge every flag and path, then make the run or load the one to resume; nothing
+    is created before all checks pass. Returns (run, output folder)."""
+    from .token_cache import cache_dir as token_cache_dir
+
+    if o.resume is not None:
+        out = o.out or o.resume.parent
+        check_out_dir(out)
+        check_metrics_path(o.metrics, out)
+        cfg_flag = resolve_config(o.model) if "model" in o.given else None
+
+        def corpus_for(cfg, hyper, text_sha256, tokenizer):
+            if cfg_flag is not None and cfg_flag != cfg:
+                raise HslmError(f"config mismatch: --model {o.model} differs from the "
+                                "checkpoint's configuration")
+            for n in HYPER_NAMES:  # flags that decide the bytes must agree with the run's
+                if n in o.given and o.hyper[n] != getattr(hyper, n):
+                    raise HslmError(f"config mismatch: --{n.replace('_', '-')} {o.hyper[n]} "
+                                    f"differs from the checkpoint's {getattr(hyper, n)}")
+            return load_corpus(o.data, cfg, text_sha256, tokenizer,
+                               token_cache_dir(o.cache_dir, out))
+
+        run = Run.resume(o.resume, corpus_for, plain=SPEEDS[o.speed].plain_layouts,
+                         threads=o.threads, speed=o.speed)
+        if o.steps <= run.step:
+            raise HslmError(f"{o.resume} is already at step {run.step}; pass --steps above it")
+        return run, out
+    cfg = resolve_config(o.model)
+    values = dict(o.hyper)
+    if values["loss_positions"] is None:
+        values["loss_positions"] = cfg.window
+    hyper = Hyper(**values)
+    check_hyper(cfg, hyper)
+    if o.steps < 1:
+        raise HslmError(f"--steps must be at least 1, got {o.steps}")
+    out = o.out or Path("ckpt")
+    check_out_dir(out)
+    check_metrics_path(o.metrics, out)
+    check_fits(memory_estimate(cfg, hyper.batch, o.threads, o.speed),
+               f"--model {o.model} with --batch {hyper.batch} on {o.threads} thread(s)")
+    corpus = load_corpus(o.data, cfg, cache_dir=token_cache_dir(o.cache_dir, out))
+    return Run.fresh(cfg, hyper, corpus, plain=SPEEDS[o.speed].plain_layouts), out
+
+
+def train_run(o: TrainOptions, echo=None):
+    """`hslm train`: open the run, hold its folder, step until o.steps with progress,
+    metrics, evaluations and checkpoints. Returns (first loss, last loss, validation loss)."""
+    echo = echo or click.echo
+    run, out = open_run(o)
+    lock = prepare_out_dir(out)  # one writer per folder, held until the run ends
+    try:
+        cfg, h = run.cfg, run.hyper
+        save_tokenizer(out, run.corpus.tokenizer)
+        if not o.quiet:
+            echo(f"model {cfg.n_params:,} parameters | data {run.corpus.source}: "
+                 f"{len(run.corpus.train):,} train / {len(run.corpus.valid):,} valid tokens | "
+                 f"speed {o.speed} ({SPEEDS[o.speed].name}) | threads {o.threads} | "
+                 f"batch {h.batch} x {cfg.window} | k {h.loss_positions}")
+        return run_loop(run, out, o, echo)
+    finally:
+        lock.release()
+
+
+class StopRequest:
+    """Signal handler: the first SIGINT/SIGTERM asks the loop to stop after the
+    current step (with a checkpoint); a second one stops at once."""
+
+    def __init__(self, echo):
+        self.signum = None
+        self.echo = echo
+
+    def __call__(self, signum, frame):
+        import signal
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+        self.echo(f"\n{signal.Signals(signum).name}: finishing the current step, then saving "
+                  "(again to stop at once)", err=True)
+
+
+def run_loop(run, out, o: TrainOptions, echo=None):
+    """The step loop: progress, metrics, checkpoints, and a clean stop on SIGINT/SIGTERM.
+
+    Nothing non-finite is ever saved: a NaN or infinite loss, gradient or parameter
+    stops the run with an error before the next checkpoint."""
+    import math
+    import signal
+    import sys
+    import time
+
+    from .progress import Metrics, MetricsError, Progress
+
+    echo = echo or click.echo
+    cfg, h = run.cfg, run.hyper
+    metrics = Metrics(o.metrics)
+    progress = Progress(run.step, o.steps, quiet=o.quiet, log_every=o.log_every)
+    stop = StopRequest(echo)
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    runner = StepRunner(cfg, o.speed, o.threads)
+    first = last = None
+
+    def evaluate():
+        v = run.validation_loss(runner)
+        if not math.isfinite(v):
+            raise HslmError(f"step {run.step}: the validation loss is {v}")
+        metrics.write(kind="eval", step=run.step, valid_loss=v, perplexity=math.exp(v))
+        return v
+
+    try:
+        try:
+            while run.step < o.steps:
+                t0 = time.perf_counter()
+                loss = run.train_step(runner)
+                dt = time.perf_counter() - t0
+                run.check_finite(loss)
+                first = loss if first is None else first
+                last = loss
+                tok_s = h.batch * cfg.window / dt
+                progress.step(run.step, loss, run.lr_at(run.step), tok_s)
+                if metrics.f is not None:
+                    metrics.write(kind="train", step=run.step, loss=loss, lr=run.lr_at(run.step),
+                                  grad_norm=float(np.sqrt(np.sum(run.norms ** 2))), tok_s=tok_s,
+                                  ternary_zero_share=run.ternary_zero_share())
+                if stop.signum is not None:
+                    b, s = run.save(out)
+                    progress.message(f"{signal.Signals(stop.signum).name}: stopped after step "
+                                     f"{run.step}; saved {b} and {s}")
+                    progress.message(f"resume with: {o.resume_command(s)}")
+                    sys.exit(128 + stop.signum)
+                if o.eval_every and run.step % o.eval_every == 0 and run.step < o.steps:
+                    v = evaluate()
+                    progress.message(f"step {run.step}: valid {v:.4f} (perplexity "
+                                     f"{math.exp(v):.1f})")
+                if o.save_every and run.step % o.save_every == 0 and run.step < o.steps:
+                    run.save(out)
+            b, s = run.save(out)
+            progress.close()
+            if not o.quiet:
+                echo(f"saved {b} and {s}")
+            valid = evaluate()
+        except MetricsError as e:  # the run itself is fine: keep it, then stop
+            b, s = run.save(out)
+            raise HslmError(f"{e}; stopped after step {run.step} and saved {s} (resume with: "
+                            f"{o.resume_command(s)})") from None
+    finally:
+        progress.close()
+        runner.close()
+        metrics.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return first, last, valid

@@ -14,6 +14,7 @@ import os
 import re
 
 from .errors import HslmError
+from .hyper import HYPER_PARAMS
 
 MAX_JSON = 16 << 20  # bytes of any JSON text we parse (a checkpoint header, a tokenizer)
 MAX_INT = 2 ** 63 - 1  # integer hyper-parameters must fit a signed 64-bit integer
@@ -21,8 +22,8 @@ MIN_TEMPERATURE = 1e-6  # below this (and above 0) logits / T overflow
 
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 
-HYPER_INT = ("batch", "loss_positions", "warmup", "decay_steps", "seed", "eval_windows")
-HYPER_FLOAT = ("lr", "weight_decay")
+HYPER_INT = tuple(p.name for p in HYPER_PARAMS if p.type is int)
+HYPER_FLOAT = tuple(p.name for p in HYPER_PARAMS if p.type is float)
 
 
 class Invalid(ValueError):
@@ -92,22 +93,15 @@ def hyper_problems(cfg, h):
             bad(f, "must be a finite number")
     if out:
         return out
-    if not 1 <= h.loss_positions <= cfg.window:
-        bad("loss_positions", f"must be between 1 and the window ({cfg.window})")
-    if h.batch < 1:
-        bad("batch", "must be at least 1")
-    if not h.lr > 0:
-        bad("lr", "must be above 0")
-    if h.warmup < 0:
-        bad("warmup", "must be at least 0")
-    if h.decay_steps < 1:
-        bad("decay_steps", "must be at least 1")
-    if h.weight_decay < 0:
-        bad("weight_decay", "must be at least 0")
-    if h.seed < 0:
-        bad("seed", "must be at least 0")
-    if h.eval_windows < 1:
-        bad("eval_windows", "must be at least 1")
+    for p in HYPER_PARAMS:  # the table's ranges
+        v = getattr(h, p.name)
+        if p.name == "loss_positions":
+            if not 1 <= v <= cfg.window:
+                bad(p.name, f"must be between 1 and the window ({cfg.window})")
+        elif p.low_excluded and not v > p.low:
+            bad(p.name, f"must be above {p.low:g}")
+        elif not p.low_excluded and not v >= p.low:
+            bad(p.name, f"must be at least {p.low:g}")
     return out
 
 
@@ -123,7 +117,7 @@ def check_hyper(cfg, h, source=None):
 
 def hyper_from_json(text, cfg, source):
     """A Hyper from a .state's "hyper" field, checked as the flags are."""
-    from .train import Hyper
+    from .hyper import Hyper
     obj = parse_json(text, "hyper")
     fields = HYPER_INT + HYPER_FLOAT
     exact_keys(obj, fields, "hyper")

@@ -145,14 +145,28 @@ def test_kill_9_never_leaves_a_corrupt_checkpoint(tmp_path):
     assert not [n for n in os.listdir(tmp_path) if ".tmp" in n]
 
 
-def test_bench_compares_speeds_threads_and_torch_on_a_small_model():
-    code, out, err = hslm("bench", "--model", "hslm-tiny", "--speeds", "0,3", "--threads", "1,2",
-                          "--steps", 1, "--batch", 4)
+def test_bench_compares_speeds_threads_batches_and_torch_on_small_models(tmp_path):
+    report_path = tmp_path / "bench.json"
+    narrow = tmp_path / "narrow.json"
+    narrow.write_text('{"vocab": 263, "width": 14, "heads": 2, "head_width": 7, "mlp": 50, '
+                      '"blocks": 1, "window": 5, "vsa_dim": 56}')
+    code, out, err = hslm("bench", "--model", f"hslm-tiny,{narrow}", "--speed", "0,3",
+                          "--threads", "1", "--threads", "2", "--steps", 1, "--batch", "2,4",
+                          "--json", report_path)
     assert code == 0, err
-    rows = [l.split() for l in out.splitlines() if l.split()[:2] in (["0", "reference"],
-                                                                     ["3", "layerwise"])]
-    assert sorted((r[0], r[2]) for r in rows) == [("0", "1"), ("0", "2"), ("3", "1"), ("3", "2")]
-    assert all(float(r[3]) > 0 for r in rows)
-    assert "byte-identical across all runs" in out
+    rows = [l.split() for l in out.splitlines()
+            if len(l.split()) > 3 and l.split()[1:3] in (["0", "reference"], ["3", "layerwise"])]
+    # 2 models x 2 batches x 2 thread counts x 2 speeds
+    assert len(rows) == 16
+    assert sorted({(r[0], r[1], r[3]) for r in rows}) == sorted(
+        (b, s, t) for b in ("2", "4") for s in ("0", "3") for t in ("1", "2"))
+    assert all(float(r[4]) > 0 for r in rows)
+    assert out.count("byte-identical across all runs") == 4
     assert "PyTorch" in out and "f64" in out and "f32" in out
     assert "speed-3 step profile" in out and "weight gradients" in out
+    import json
+    report = json.loads(report_path.read_text())
+    assert [m["model"] for m in report["models"]] == ["hslm-tiny", str(narrow)]
+    assert report["machine"] and report["numpy"] and len(report["models"][0]["rows"]) == 8
+    assert all(r["memory_bytes"] > 0 and r["checkpoint_bytes"] > 0
+               for m in report["models"] for r in m["rows"])
