@@ -226,3 +226,34 @@ class StepRunner:
 
         self._map(part, min(N, B))
         return ordered_mean(losses)
+
+
+def kernels_cached(speed: int) -> bool:
+    """Whether Numba's cache holds compiled code for this speed's main kernels (so the
+    first step will not compile). Reads Numba's cache index, a private API: when it
+    cannot tell, it says True (no message rather than a wrong one)."""
+    from .optim import adamw_step
+    sp = SPEEDS[speed]
+    kernels = [adamw_step, window_loss_layerwise]
+    kernels += ([window_per_position] if sp.loop == PER_POSITION
+                else [windows_layerwise, gradients_from_records])
+    try:
+        return all(len(k._cache._cache_file._load_index()) > 0 for k in kernels)
+    except Exception:  # noqa: BLE001 (any failure of the private API: assume cached)
+        return True
+
+
+def warm_up(runner: "StepRunner", run) -> None:
+    """Run the step's kernels once on throwaway buffers (one window, a two-element
+    optimiser), so that compiling or loading them is not counted in step 1. Changes
+    nothing in the run: its generator, parameters and moments are not touched."""
+    from .optim import adamw_step
+    from .rng import Stream
+    cfg, h = run.cfg, run.hyper
+    model = run.state.kernel_model()
+    w = run.corpus.draw_windows(Stream.seeded("warm-up", 0), 1, cfg.window)
+    runner.gradient(model, run.tables.vsa, w, h.loss_positions, np.zeros(cfg.n_params))
+    runner.loss(model, run.tables.vsa, w, h.loss_positions)
+    z = np.zeros(2)
+    adamw_step(z, z.copy(), z.copy(), z.copy(), np.array([0, 2]), np.array([True]), 0.1, 0.001,
+               0.0, 0.0, np.zeros(1), 0, 1)

@@ -18,7 +18,7 @@ from .optim import adamw_step, bias_corrections, learning_rate
 from .params import ModelState, init_params, ternary_mask
 from .rng import Stream
 from .speeds import SPEEDS
-from .step import StepRunner
+from .step import StepRunner, kernels_cached, warm_up
 from .tables import Tables
 from .validate import check_fits, check_hyper, memory_estimate
 
@@ -427,6 +427,14 @@ def run_loop(run, out, o: TrainOptions, echo=None):
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     runner = StepRunner(cfg, o.speed, o.threads)
     first = last = None
+    # compile (first run only) or load the kernels before step 1, so its figure is the step's
+    compiling = not kernels_cached(o.speed)
+    if compiling:
+        progress.message("compiling kernels (first run only; about a minute) ...")
+    t0 = time.perf_counter()
+    warm_up(runner, run)
+    if compiling:
+        progress.message(f"compiled in {time.perf_counter() - t0:.0f} s")
 
     def evaluate():
         v = run.validation_loss(runner)
