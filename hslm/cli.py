@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 import numpy as np
 
+from . import distributed
 from .errors import HslmError
 from .speeds import DEFAULT_SPEED, SPEEDS, speed_help
 
@@ -87,6 +88,7 @@ def train(ctx, model, data, cache_dir, steps, batch, loss_positions, lr, warmup,
     given = {n for n in ctx.params
              if ctx.get_parameter_source(n) == click.core.ParameterSource.COMMANDLINE}
     threads = threads or default_threads()
+    quiet = quiet or not distributed.is_writer()  # MPI: rank 0 alone prints and writes
     # Every flag and path is judged before anything is created.
     if resume is not None:
         out = out or resume.parent
@@ -128,10 +130,12 @@ def train(ctx, model, data, cache_dir, steps, batch, loss_positions, lr, warmup,
         corpus = load_corpus(data, cfg, cache_dir=token_cache_dir(cache_dir, out))
         run = Run.fresh(cfg, hyper, corpus, plain=SPEEDS[speed].plain_layouts)
 
-    lock = prepare_out_dir(out)  # one writer per folder, held until the run ends
+    # one writer per folder, held until the run ends (MPI: rank 0 is the writer)
+    lock = prepare_out_dir(out) if distributed.is_writer() else distributed.NO_LOCK
     try:
         cfg, h = run.cfg, run.hyper
-        save_tokenizer(out, run.corpus.tokenizer)
+        if distributed.is_writer():
+            save_tokenizer(out, run.corpus.tokenizer)
         if not quiet:
             click.echo(f"model {cfg.n_params:,} parameters | data {run.corpus.source}: "
                        f"{len(run.corpus.train):,} train / {len(run.corpus.valid):,} valid "
@@ -148,8 +152,9 @@ def train(ctx, model, data, cache_dir, steps, batch, loss_positions, lr, warmup,
                 cmd += f" --metrics {shlex.quote(str(metrics))}"
             return cmd
 
-        run_loop(run, out, steps, speed, threads, save_every, eval_every, metrics, log_every,
-                 quiet, resume_command)
+        distributed.start()  # MPI: every rank is ready (else the first error is reported once)
+        run_loop(run, out, steps, speed, threads, save_every, eval_every,
+                 metrics if distributed.is_writer() else None, log_every, quiet, resume_command)
     finally:
         lock.release()
 
@@ -173,7 +178,7 @@ def run_loop(run, out, steps, speed, threads, save_every, eval_every, metrics_pa
     progress = Progress(run.step, steps, quiet=quiet, log_every=log_every)
     stop = StopRequest()
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    runner = StepRunner(cfg, speed, threads)
+    runner = StepRunner(cfg, speed, threads, world=distributed.current())
     first = last = None
 
     def evaluate():
@@ -198,6 +203,8 @@ def run_loop(run, out, steps, speed, threads, save_every, eval_every, metrics_pa
                     metrics.write(kind="train", step=run.step, loss=loss, lr=run.lr_at(run.step),
                                   grad_norm=float(np.sqrt(np.sum(run.norms ** 2))), tok_s=tok_s,
                                   ternary_zero_share=run.ternary_zero_share())
+                # MPI: the ranks agree on a stop and compare parameters (hslm/distributed.py)
+                stop.signum = distributed.after_step(run, stop.signum, steps, save_every)
                 if stop.signum is not None:
                     b, s = run.save(out)
                     progress.message(f"{signal.Signals(stop.signum).name}: stopped after step "
@@ -215,6 +222,7 @@ def run_loop(run, out, steps, speed, threads, save_every, eval_every, metrics_pa
             if not quiet:
                 click.echo(f"saved {b} and {s}")
             valid = evaluate()
+            distributed.summary(click.echo)  # MPI: bytes sent per rank per step
         except MetricsError as e:  # the run itself is fine: keep it, then stop
             b, s = run.save(out)
             raise HslmError(f"{e}; stopped after step {run.step} and saved {s} (resume with: "
@@ -239,8 +247,9 @@ class StopRequest:
         if self.signum is not None:
             raise KeyboardInterrupt
         self.signum = signum
-        click.echo(f"\n{signal_name(signum)}: finishing the current step, then saving "
-                   "(again to stop at once)", err=True)
+        if distributed.is_writer():  # MPI: rank 0 alone prints
+            click.echo(f"\n{signal_name(signum)}: finishing the current step, then saving "
+                       "(again to stop at once)", err=True)
 
 
 def signal_name(signum):
@@ -466,6 +475,8 @@ def bench(model, data, speeds, threads, steps, batch, loss_positions, with_torch
 def main(argv=None):
     """Entry point: every error is one line on stderr and a non-zero exit."""
     try:
+        if distributed.init() is not None:  # launched by MPI with P > 1 (hslm/distributed.py)
+            distributed.run_main(cli, argv)
         rv = cli.main(args=argv, prog_name="hslm", standalone_mode=False)
     except click.exceptions.NoArgsIsHelpError as e:
         click.echo(e.ctx.get_help())

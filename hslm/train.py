@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from . import checkpoint as ckpt
+from . import distributed
 from .config import PRESETS, Config
 from .data import BUILTIN_SOURCE, Corpus, Tokenizer
 from .errors import HslmError, read_bytes
@@ -219,6 +220,8 @@ class Run:
         sblob = ckpt.state_blob(self.cfg, self.m, self.v, self.step,
                                 ckpt.params_sha256_of(pblob), extra)
         base = out / f"ckpt_{self.step}"
+        if not distributed.is_writer():  # MPI: rank 0 alone writes
+            return base.with_suffix(".bin"), base.with_suffix(".state")
         ckpt.write_atomic(base.with_suffix(".bin"), pblob)
         ckpt.write_atomic(base.with_suffix(".state"), sblob)
         return base.with_suffix(".bin"), base.with_suffix(".state")
