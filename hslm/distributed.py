@@ -318,7 +318,9 @@ class World:
             print(f"error: {who}{msg}", file=sys.stderr, flush=True)
         if isinstance(msg, _Shared):
             sys.exit(code)
+        sys.stderr.flush()
         self.comm.Abort(code)
+        os._exit(code)  # Abort may return before the launcher ends this process
 
     def summary(self, echo):
         """Rank 0 reports what each rank sent per step."""
