@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from . import distributed
 from .errors import HslmError
 from .speeds import DEFAULT_SPEED, SPEEDS, speed_help
 
@@ -280,6 +281,8 @@ def bench(model, data, cache_dir, speed, threads, batch, steps, loss_positions, 
 def main(argv=None):
     """Entry point: every error is one line on stderr and a non-zero exit."""
     try:
+        if distributed.init() is not None:  # launched by MPI with P > 1 (hslm/distributed.py)
+            distributed.run_main(cli, argv)
         rv = cli.main(args=argv, prog_name="hslm", standalone_mode=False)
     except click.exceptions.NoArgsIsHelpError as e:
         click.echo(e.ctx.get_help())

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import bpe, token_cache
+from . import bpe, distributed, token_cache
 from .errors import HslmError, read_bytes
 from .textsource import SHOW_FROM, Phase, TextSource, run_interruptible
 
@@ -162,7 +162,7 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
     ph.close(f" ({src.size / 1e6:,.1f} MB -> {n:,} tokens)")
     if learn:
         tokenizer = Tokenizer(vocab, merges)
-    if cache_dir is None:
+    if cache_dir is None or not distributed.is_writer():  # MPI: rank 0 alone writes the cache
         return tokenizer, ids[:n].copy()
     path = token_cache.tokens_path(cache_dir, sha, tokenizer.identity)
     token_cache.write_tokens(path, ids[:n], sha, tokenizer.identity)

@@ -130,8 +130,9 @@ def ordered_mean(values) -> float:
 class StepRunner:
     """Computes the gradient of a batch of windows at one speed on N threads."""
 
-    def __init__(self, cfg, speed: int, threads: int = 1):
+    def __init__(self, cfg, speed: int, threads: int = 1, world=None):
         self.cfg = cfg
+        self.world = world  # MPI (hslm/distributed.py): None in one process
         self.speed = SPEEDS[speed]
         self.threads = max(1, int(threads))
         self.workers = [Worker(cfg, speed) for _ in range(self.threads)]
@@ -161,6 +162,8 @@ class StepRunner:
 
     def gradient(self, model, vsa_table, windows: np.ndarray, k: int, G: np.ndarray) -> float:
         """G = the batch's gradient (scaled by 1/(k B)); returns the step's mean loss."""
+        if self.world is not None:  # MPI: this rank's windows, summed in window order
+            return self.world.gradient(self, model, vsa_table, windows, k, G)
         B = windows.shape[0]
         scale = 1.0 / (k * B)
         G[:] = 0.0
@@ -217,6 +220,8 @@ class StepRunner:
 
     def loss(self, model, vsa_table, windows: np.ndarray, k: int) -> float:
         """Mean loss of windows, forward only (validation)."""
+        if self.world is not None:  # MPI: each rank scores its windows
+            return self.world.loss(self, model, vsa_table, windows, k)
         B, N = windows.shape[0], self.threads
         losses = np.zeros(B)
 

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import click
 import numpy as np
 
 from . import checkpoint as ckpt
+from . import distributed
 from .config import PRESETS, Config
 from .data import BUILTIN_SOURCE, Corpus, Tokenizer
 from .errors import HslmError, read_bytes
@@ -205,6 +206,8 @@ class Run:
         sblob = ckpt.state_blob(self.cfg, self.m, self.v, self.step,
                                 ckpt.params_sha256_of(pblob), extra)
         base = out / f"ckpt_{self.step}"
+        if not distributed.is_writer():  # MPI: rank 0 alone writes
+            return base.with_suffix(".bin"), base.with_suffix(".state")
         ckpt.write_atomic(base.with_suffix(".bin"), pblob)
         ckpt.write_atomic(base.with_suffix(".state"), sblob)
         return base.with_suffix(".bin"), base.with_suffix(".state")
@@ -375,16 +378,21 @@ def train_run(o: TrainOptions, echo=None):
     """`hslm train`: open the run, hold its folder, step until o.steps with progress,
     metrics, evaluations and checkpoints. Returns (first loss, last loss, validation loss)."""
     echo = echo or click.echo
+    if not distributed.is_writer():  # MPI: rank 0 alone prints and writes
+        o = replace(o, quiet=True, metrics=None)
     run, out = open_run(o)
-    lock = prepare_out_dir(out)  # one writer per folder, held until the run ends
+    # one writer per folder, held until the run ends (MPI: rank 0 is the writer)
+    lock = prepare_out_dir(out) if distributed.is_writer() else distributed.NO_LOCK
     try:
         cfg, h = run.cfg, run.hyper
-        save_tokenizer(out, run.corpus.tokenizer)
+        if distributed.is_writer():
+            save_tokenizer(out, run.corpus.tokenizer)
         if not o.quiet:
             echo(f"model {cfg.n_params:,} parameters | data {run.corpus.source}: "
                  f"{len(run.corpus.train):,} train / {len(run.corpus.valid):,} valid tokens | "
                  f"speed {o.speed} ({SPEEDS[o.speed].name}) | threads {o.threads} | "
                  f"batch {h.batch} x {cfg.window} | k {h.loss_positions}")
+        distributed.start()  # MPI: every rank is ready (else the first error is reported once)
         return run_loop(run, out, o, echo)
     finally:
         lock.release()
@@ -403,8 +411,9 @@ class StopRequest:
         if self.signum is not None:
             raise KeyboardInterrupt
         self.signum = signum
-        self.echo(f"\n{signal.Signals(signum).name}: finishing the current step, then saving "
-                  "(again to stop at once)", err=True)
+        if distributed.is_writer():  # MPI: rank 0 alone prints
+            self.echo(f"\n{signal.Signals(signum).name}: finishing the current step, then "
+                      "saving (again to stop at once)", err=True)
 
 
 def run_loop(run, out, o: TrainOptions, echo=None):
@@ -425,7 +434,7 @@ def run_loop(run, out, o: TrainOptions, echo=None):
     progress = Progress(run.step, o.steps, quiet=o.quiet, log_every=o.log_every)
     stop = StopRequest(echo)
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    runner = StepRunner(cfg, o.speed, o.threads)
+    runner = StepRunner(cfg, o.speed, o.threads, world=distributed.current())
     first = last = None
     # compile (first run only) or load the kernels before step 1, so its figure is the step's
     compiling = not kernels_cached(o.speed)
@@ -458,6 +467,8 @@ def run_loop(run, out, o: TrainOptions, echo=None):
                     metrics.write(kind="train", step=run.step, loss=loss, lr=run.lr_at(run.step),
                                   grad_norm=float(np.sqrt(np.sum(run.norms ** 2))), tok_s=tok_s,
                                   ternary_zero_share=run.ternary_zero_share())
+                # MPI: the ranks agree on a stop and compare parameters (hslm/distributed.py)
+                stop.signum = distributed.after_step(run, stop.signum, o.steps, o.save_every)
                 if stop.signum is not None:
                     b, s = run.save(out)
                     progress.message(f"{signal.Signals(stop.signum).name}: stopped after step "
@@ -475,6 +486,7 @@ def run_loop(run, out, o: TrainOptions, echo=None):
             if not o.quiet:
                 echo(f"saved {b} and {s}")
             valid = evaluate()
+            distributed.summary(echo)  # MPI: bytes sent per rank per step
         except MetricsError as e:  # the run itself is fine: keep it, then stop
             b, s = run.save(out)
             raise HslmError(f"{e}; stopped after step {run.step} and saved {s} (resume with: "

@@ -6,7 +6,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest

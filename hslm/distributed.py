@@ -1,0 +1,381 @@
+"""Data-parallel training over MPI, byte-identical to one process.
+
+`mpiexec -n P hslm train ...` (or `srun hslm train ...`) runs P copies of the same
+command. Every rank reads the same data and draws the same windows (the window
+stream is seeded identically); window w of a step belongs to rank floor(w P / B),
+so each rank holds a contiguous run of windows (a rank may hold none).
+
+The step's gradient must be the one of a single process, to the bit:
+G = ((0 + S_w0) + S_w1) + ... per element, in window order. MPI's Allreduce does
+not promise an order of addition, so it is not used for G. Instead the running
+sum travels from rank to rank in window order, in chunks (a pipeline):
+
+    rank 0 adds its windows' sums into G (from zeros), chunk by chunk, and sends
+    each chunk to rank 1; rank r receives a chunk, adds its windows' sums into
+    it in window order, sends it on; the last rank broadcasts the finished G.
+
+Each element thus sees exactly the additions of one process, in its order.
+Speed 3 adds the windows' sums straight from their records
+(`gradients_from_records` over the chunk's gradient units and the rank's windows),
+so nothing per window is kept; speeds 0-2 keep each of the rank's windows' sums
+S_w in its own zeroed buffer (0 + S_w == S_w: a sum from +0.0 is never -0.0) and
+add them in window order when the chunk arrives. Communication per step: every
+rank but the last sends 8 n_params bytes (point to point) and the last rank
+broadcasts 8 n_params bytes; window losses are allgathered and averaged in
+window order. Every rank then takes the same optimiser step on the same G.
+
+Rank 0 alone writes (checkpoints, tokenizer.json, the token cache, metrics) and
+prints. The ranks agree after every step whether to stop (SIGINT/SIGTERM on any
+rank: one checkpoint, then every rank stops) and compare a sha256 of their
+parameters every CHECK_EVERY steps and at every save. An error on one rank ends
+the whole run (comm.Abort); errors before the first step (bad flags) are
+reported once.
+
+Nothing here imports mpi4py unless the process was launched by MPI.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+
+import numpy as np
+
+from .errors import HslmError
+
+# Environment variables that MPI launchers set (MPICH/Hydra and Intel MPI, Open MPI,
+# PMIx under Slurm, MVAPICH). HSLM_MPI=1 forces MPI, HSLM_MPI=0 ignores it.
+LAUNCH_VARIABLES = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK",
+                    "MV2_COMM_WORLD_SIZE")
+CHECK_EVERY = 16            # steps between parameter digest comparisons (and at every save)
+CHUNK_ELEMENTS = 1 << 17    # about 1 MB of gradient per message of the pipeline
+TAG = 13
+
+_world = None
+
+
+class AllRanksError(HslmError):
+    """An error every rank raises at the same point: rank 0 reports it, all exit."""
+
+
+def launched_by_mpi(env=None) -> bool:
+    env = os.environ if env is None else env
+    forced = env.get("HSLM_MPI")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return any(v in env for v in LAUNCH_VARIABLES)
+
+
+def init():
+    """The World when launched by MPI with more than one rank, else None (and then
+    mpi4py is never imported)."""
+    global _world
+    if _world is not None or not launched_by_mpi():
+        return _world
+    size = os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE")
+    if size == "1" and os.environ.get("HSLM_MPI") != "1":
+        return None
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise HslmError("launched by MPI, but mpi4py is not installed: pip install 'hslm[mpi]' "
+                        "(or set HSLM_MPI=0 to run each copy as one process)") from None
+    if MPI.COMM_WORLD.Get_size() == 1:
+        return None
+    _world = World(MPI.COMM_WORLD, MPI)
+    return _world
+
+
+def current():
+    return _world
+
+
+def is_writer() -> bool:
+    """True in one process and on rank 0: the one that writes files and prints."""
+    return _world is None or _world.rank == 0
+
+
+class _NoLock:
+    def release(self):
+        pass
+
+
+NO_LOCK = _NoLock()
+
+
+def ranges(B: int, P: int):
+    """[(lo, hi)] of each rank: window w goes to rank floor(w P / B)."""
+    return [((r * B + P - 1) // P, ((r + 1) * B + P - 1) // P) for r in range(P)]
+
+
+def unit_chunks(cfg, units, target=CHUNK_ELEMENTS):
+    """[(e0, e1, u0, u1)]: consecutive gradient units grouped into chunks of about
+    `target` elements; their element ranges cover the flat gradient in order."""
+    offs = cfg.offsets()
+    shapes = [s for _, s, _ in cfg.tensors()]
+    spans = []
+    for t, r0, r1 in units:
+        cols = int(np.prod(shapes[t][1:])) if len(shapes[t]) > 1 else 1
+        spans.append((int(offs[t] + r0 * cols), int(offs[t] + r1 * cols)))
+    chunks, u0 = [], 0
+    for u in range(len(spans)):
+        if spans[u][1] - spans[u0][0] >= target or u == len(spans) - 1:
+            chunks.append((spans[u0][0], spans[u][1], u0, u + 1))
+            u0 = u + 1
+    assert chunks[0][0] == 0 and chunks[-1][1] == cfg.n_params
+    assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:])), "units not contiguous"
+    return chunks
+
+
+def one_line(e) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+class World:
+    """This rank's place among P ranks, and everything MPI does for a run."""
+
+    def __init__(self, comm, MPI):
+        self.comm, self.MPI = comm, MPI
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.started = False     # after the first step begins, an error aborts every rank
+        self.sent = 0            # bytes this rank sent (point to point and broadcast root)
+        self.steps = 0
+        self.batch = -1          # the sizes the buffers below were made for
+        hook = os.environ.get("HSLM_MPI_TEST_FAIL", "")  # "RANK:STEP" (tests): raise there
+        self.fail_at = tuple(int(x) for x in hook.split(":")) if hook else None
+        if self.rank != 0:  # rank 0 alone prints: the others' stdout goes nowhere
+            sys.stdout = open(os.devnull, "w")
+
+    # ------------------------------------------------------------ a step
+    def gradient(self, runner, model, vsa_table, windows, k, G):
+        """runner.gradient over MPI: G (all ranks) = the batch's gradient, summed
+        in window order exactly as one process sums it; returns the mean loss."""
+        from .speeds import PER_POSITION
+        self.steps += 1
+        if self.fail_at == (self.rank, self.steps):
+            raise HslmError(f"test hook HSLM_MPI_TEST_FAIL: rank {self.rank} fails at step "
+                            f"{self.steps}")
+        B = windows.shape[0]
+        lo, hi = ranges(B, self.size)[self.rank]
+        mine = np.ascontiguousarray(windows[lo:hi])
+        nb = hi - lo
+        scale = 1.0 / (k * B)
+        losses = np.zeros(nb)
+        G[:] = 0.0
+        if runner.speed.loop == PER_POSITION:
+            fold = self._per_position(runner, model, vsa_table, mine, k, scale, G, losses)
+            chunks = [(e0, e1, (e0, e1)) for e0, e1, _, _ in self._chunks(runner)]
+        else:
+            fold = self._layerwise(runner, model, vsa_table, mine, k, scale, G, losses)
+            chunks = [(e0, e1, (u0, u1)) for e0, e1, u0, u1 in self._chunks(runner)]
+        self.fold_in_order(G, chunks, fold if nb else None)
+        return self.ordered_mean(losses)
+
+    def _chunks(self, runner):
+        if getattr(runner, "_mpi_chunks", None) is None:
+            runner._mpi_chunks = unit_chunks(runner.cfg, runner.units)
+        return runner._mpi_chunks
+
+    def _per_position(self, runner, model, vsa_table, mine, k, scale, G, losses):
+        """Speeds 0-2: each of this rank's windows into its own zeroed buffer."""
+        from .step import add_in_order
+        nb, N = mine.shape[0], runner.threads
+        if self.batch != nb:
+            self.bufs = np.zeros((max(nb, 1), runner.cfg.n_params))
+            self.batch = nb
+        bufs = self.bufs
+        for g0 in range(0, nb, N):
+            n = min(N, nb - g0)
+
+            def one(j):
+                bufs[g0 + j][:] = 0.0
+                return runner.workers[j].window(model, vsa_table, mine[g0 + j], k, scale,
+                                                bufs[g0 + j])
+
+            losses[g0:g0 + n] = runner._map(one, n)
+
+        def fold(span):
+            e0, e1 = span
+            cuts = [e0 + (e1 - e0) * r // N for r in range(N + 1)]
+            runner._map(lambda r: add_in_order(G, bufs, nb, cuts[r], cuts[r + 1]), N)
+        return fold
+
+    def _layerwise(self, runner, model, vsa_table, mine, k, scale, G, losses):
+        """Speed 3: the rank's windows' records; the chunk's units add their sums."""
+        from .layers import alloc_acts, alloc_record
+        from .step import split_by_cost
+        from .step import gradient_units
+        from .windows import gradients_from_records, windows_layerwise
+        nb, N = mine.shape[0], runner.threads
+        cfg = runner.cfg
+        if nb == 0:
+            return None
+        if self.batch != nb:
+            self.acts = alloc_acts(cfg.dims(), nb)
+            self.rec = alloc_record(cfg.dims(), nb)
+            self.vsa = np.zeros((nb, cfg.blocks, cfg.window, cfg.width))
+            self.batch = nb
+            _, self.cost = gradient_units(cfg)
+        kernel = runner.speed.kernel
+
+        def run_windows(j):
+            windows_layerwise(model, vsa_table, mine, self.vsa, k, scale, self.acts, self.rec,
+                              runner.workers[j].scr, j, N, losses, kernel)
+
+        runner._map(run_windows, min(N, nb))
+
+        def fold(span):
+            u0, u1 = span
+            parts = [(u0 + a, u0 + b) for a, b in split_by_cost(self.cost[u0:u1], N)]
+
+            def run_units(j):
+                scr = runner.workers[j].scr
+                gradients_from_records(model, self.acts, self.rec, mine, k, runner.units,
+                                       parts[j][0], parts[j][1], G, scr.xt, scr.dy_panels)
+            runner._map(run_units, N)
+        return fold
+
+    def fold_in_order(self, G, chunks, fold):
+        """The pipeline: for each chunk [e0, e1) in order, receive the running sum from
+        the rank before (rank 0 starts from G's zeros), add this rank's windows
+        (fold(arg), None when it has none), send it to the next rank; then the last
+        rank broadcasts G."""
+        r, P, comm = self.rank, self.size, self.comm
+        pending = []
+        for e0, e1, arg in chunks:
+            if r > 0:
+                comm.Recv(G[e0:e1], source=r - 1, tag=TAG)
+            if fold is not None:
+                fold(arg)
+            if r < P - 1:
+                pending.append(comm.Isend(G[e0:e1], dest=r + 1, tag=TAG))
+                self.sent += 8 * (e1 - e0)
+        self.MPI.Request.Waitall(pending)
+        comm.Bcast(G, root=P - 1)
+        if r == P - 1:
+            self.sent += G.nbytes
+
+    def ordered_mean(self, losses):
+        from .step import ordered_mean
+        every = [v for part in self.comm.allgather([float(v) for v in losses]) for v in part]
+        return ordered_mean(every)
+
+    def loss(self, runner, model, vsa_table, windows, k):
+        """runner.loss over MPI: each rank scores its run of windows; the mean in order."""
+        lo, hi = ranges(windows.shape[0], self.size)[self.rank]
+        losses = np.zeros(hi - lo)
+        N = runner.threads
+
+        def part(j):
+            for i in range(j, hi - lo, N):
+                losses[i] = runner.workers[j].window_loss(model, vsa_table, windows[lo + i], k)
+
+        runner._map(part, min(N, hi - lo))
+        return self.ordered_mean(losses)
+
+    # -------------------------------------------------- agreement between ranks
+    def digest_check(self, theta, step):
+        d = hashlib.sha256(np.ascontiguousarray(theta).tobytes()).hexdigest()
+        every = self.comm.allgather(d)
+        if len(set(every)) != 1:
+            odd = [r for r, x in enumerate(every) if x != every[0]]
+            raise AllRanksError(f"after step {step} the ranks hold different parameters (rank 0 "
+                                f"sha256 {every[0][:16]}..., rank(s) {odd} differ); stopping "
+                                "without saving")
+
+    def after_step(self, run, signum, steps, save_every):
+        """Agree whether any rank was asked to stop (the largest signal number wins),
+        and compare the parameters now and then. Returns the agreed signal or None."""
+        agreed = self.comm.allreduce(int(signum or 0), op=self.MPI.MAX)
+        s = run.step
+        if (agreed or s % CHECK_EVERY == 0 or s >= steps
+                or (save_every and s % save_every == 0)):
+            self.digest_check(run.state.theta, s)
+        return agreed or None
+
+    def start(self):
+        """Before the first step: did every rank get ready? If one failed, the
+        first failing rank has reported it; the others leave with its exit code."""
+        self._agree(None, 0)
+        self.started = True
+
+    def _agree(self, msg, code):
+        every = self.comm.allgather((msg, code))
+        failed = [(r, m, c) for r, (m, c) in enumerate(every) if c]
+        if failed:
+            first, m, c = failed[0]
+            if first == self.rank and m is not None:
+                print(f"error: {m}", file=sys.stderr, flush=True)
+            sys.exit(c)
+
+    def fail(self, msg, code):
+        """An error on this rank: before the first step, agree with the others and
+        report it once; during the run, report it and abort every rank."""
+        if not self.started:
+            self._agree(msg, code)
+        if self.rank == 0 or not isinstance(msg, _Shared):
+            who = "" if isinstance(msg, _Shared) else f"rank {self.rank} of {self.size}: "
+            print(f"error: {who}{msg}", file=sys.stderr, flush=True)
+        if isinstance(msg, _Shared):
+            sys.exit(code)
+        sys.stderr.flush()
+        self.comm.Abort(code)
+        os._exit(code)  # Abort may return before the launcher ends this process
+
+    def summary(self, echo):
+        """Rank 0 reports what each rank sent per step."""
+        every = self.comm.allgather(self.sent / max(self.steps, 1))
+        if self.rank == 0:
+            per = ", ".join(f"{b / 1e6:.2f}" for b in every)
+            echo(f"MPI: {self.size} ranks; MB sent per step by rank 0..{self.size - 1}: {per} "
+                 f"(running sums to the next rank; the last rank broadcasts the gradient)")
+
+
+class _Shared(str):
+    """The message of an AllRanksError."""
+
+
+def after_step(run, signum, steps, save_every):
+    """The step loop's hook: in one process, the signal as it is."""
+    return signum if _world is None else _world.after_step(run, signum, steps, save_every)
+
+
+def start():
+    if _world is not None:
+        _world.start()
+
+
+def summary(echo):
+    if _world is not None:
+        _world.summary(echo)
+
+
+def run_main(cli, argv):
+    """The CLI's main() under MPI: the same one-line errors and exit codes, agreed
+    between ranks (see World.fail)."""
+    import click
+    w = _world
+    try:
+        rv = cli.main(args=argv, prog_name="hslm", standalone_mode=False)
+    except SystemExit as e:
+        if not w.started and e.code not in (0, None):  # e.g. --help: nothing to report
+            w._agree(None, e.code)
+        raise
+    except click.exceptions.NoArgsIsHelpError as e:
+        click.echo(e.ctx.get_help())
+        sys.exit(0)
+    except click.UsageError as e:  # the same flags on every rank: rank 0 reports
+        if w.rank == 0:
+            click.echo(f"error: {e.format_message()}".replace("\n", " "), err=True)
+        sys.exit(2)
+    except click.ClickException as e:
+        w.fail(e.format_message(), e.exit_code)
+    except (click.Abort, KeyboardInterrupt):
+        w.fail("interrupted", 130)
+    except AllRanksError as e:
+        w.fail(_Shared(one_line(e)), 2)
+    except HslmError as e:
+        w.fail(one_line(e), 2)
+    except Exception as e:  # noqa: BLE001 - one rank's bug must not leave the others waiting
+        w.fail(f"{type(e).__name__}: {one_line(e)}", 1)
+    sys.exit(rv if isinstance(rv, int) else 0)

@@ -1,0 +1,229 @@
+"""MPI data parallelism (hslm/distributed.py): `mpiexec -n P hslm train` writes the bytes
+of one process, for any P and batch; resume across P; faults end every rank.
+
+Skipped when mpi4py or mpiexec is missing (pip install 'hslm[mpi]')."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from hslm import distributed
+from hslm.config import PRESETS
+
+from helpers import ROOT, assert_bits_equal, setup
+
+MPIEXEC = shutil.which("mpiexec")
+try:
+    import mpi4py  # noqa: F401
+    HAVE_MPI4PY = True
+except ImportError:
+    HAVE_MPI4PY = False
+needs_mpi = pytest.mark.skipif(not (MPIEXEC and HAVE_MPI4PY),
+                               reason="needs mpi4py and mpiexec: pip install 'hslm[mpi]'")
+
+TINY = ["--model", "hslm-tiny", "--seed", "1729", "-q"]
+
+
+def env():
+    e = {k: v for k, v in os.environ.items() if k not in distributed.LAUNCH_VARIABLES}
+    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+    e.pop("HSLM_MPI_TEST_FAIL", None)
+    return e
+
+
+def hslm(*args, ranks=None, extra_env=None, timeout=120):
+    cmd = [sys.executable, str(ROOT / "cli.py"), *map(str, args)]
+    if ranks:
+        cmd = [MPIEXEC, "-n", str(ranks)] + cmd
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                       env={**env(), **(extra_env or {})})
+    return p.returncode, p.stdout, p.stderr
+
+
+def train(out, *args, ranks=None, threads=1):
+    code, stdout, err = hslm("train", *TINY, "--out", out, "--threads", threads, *args,
+                             ranks=ranks)
+    assert code == 0, err
+    return stdout
+
+
+def same_bytes(a, b, step):
+    for ext in ("bin", "state"):
+        assert (a / f"ckpt_{step}.{ext}").read_bytes() == (b / f"ckpt_{step}.{ext}").read_bytes(), \
+            f"ckpt_{step}.{ext} differs"
+
+
+# ------------------------------------------------------------- in one process
+def test_without_mpi_nothing_imports_mpi4py():
+    code = ("import sys; from hslm.cli import main\n"
+            "try: main(['info'])\n"
+            "except SystemExit: pass\n"
+            "assert 'mpi4py' not in sys.modules, 'mpi4py imported'")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env(),
+                       cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    assert not distributed.launched_by_mpi({})
+    assert distributed.launched_by_mpi({"PMI_RANK": "0"})
+    assert distributed.launched_by_mpi({"OMPI_COMM_WORLD_SIZE": "4"})
+    assert not distributed.launched_by_mpi({"PMI_RANK": "0", "HSLM_MPI": "0"})
+    assert distributed.launched_by_mpi({"HSLM_MPI": "1"})
+
+
+def test_windows_split_in_contiguous_runs():
+    for B in range(1, 20):
+        for P in range(1, 9):
+            rs = distributed.ranges(B, P)
+            assert rs[0][0] == 0 and rs[-1][1] == B
+            for r, (lo, hi) in enumerate(rs):
+                assert all(w * P // B == r for w in range(lo, hi))
+                assert lo <= hi
+            assert all(a[1] == b[0] for a, b in zip(rs, rs[1:]))
+
+
+def test_chunks_cover_the_gradient_in_order():
+    from hslm.step import gradient_units
+    for name in ("hslm-tiny", "hslm-3"):
+        cfg = PRESETS[name]
+        units, _ = gradient_units(cfg)
+        for target in (1, 1000, distributed.CHUNK_ELEMENTS, 10 ** 9):
+            ch = distributed.unit_chunks(cfg, units, target)
+            assert ch[0][0] == 0 and ch[-1][1] == cfg.n_params and ch[-1][3] == len(units)
+            assert all(a[1] == b[0] and a[3] == b[2] for a, b in zip(ch, ch[1:]))
+
+
+def test_window_sums_fold_exactly_and_a_reordered_sum_does_not():
+    """What the pipeline relies on: 0 + S_w == S_w to the bit (no -0.0 in a window's
+    sum), and ((0 + S_0) + S_1) + ... in window order is the step's gradient. The
+    negative control: an order MPI's Allreduce may use ((S_0 + S_1) + (S_2 + S_3))
+    differs in bytes, so the tests below could catch a reordered reduction."""
+    from hslm.step import StepRunner, Worker
+    cfg, tb, ms, _ = setup("hslm-tiny", False)
+    rng = np.random.default_rng(5)
+    B, k = 4, cfg.window
+    windows = rng.integers(0, cfg.vocab, (B, cfg.window + 1))
+    scale = 1.0 / (k * B)
+    model = ms.kernel_model()
+    S = []
+    for w in range(B):
+        out = np.zeros(cfg.n_params)
+        Worker(cfg, 3).window(model, tb.vsa, windows[w], k, scale, out)
+        assert not np.any(np.signbit(out) & (out == 0.0)), "a window sum holds -0.0"
+        assert_bits_equal(0.0 + out, out, "0 + S_w")
+        S.append(out)
+    G = np.zeros(cfg.n_params)
+    StepRunner(cfg, 3, 1).gradient(model, tb.vsa, windows, k, G)
+    seq = np.zeros(cfg.n_params)
+    for s in S:
+        seq += s
+    assert_bits_equal(seq, G, "window-order fold vs the step's gradient")
+    tree = (S[0] + S[1]) + (S[2] + S[3])
+    assert np.any(tree.view(np.uint64) != G.view(np.uint64)), \
+        "negative control: a reordered sum should differ in some bits"
+
+
+# ------------------------------------------------------------------ under MPI
+@pytest.fixture(scope="module")
+def refs(tmp_path_factory):
+    """One-process runs (speed 3, 2 threads): 4 steps, saved at 2 and 4."""
+    base = tmp_path_factory.mktemp("ref")
+    out = {}
+    for batch in (2, 4, 5):
+        d = base / f"b{batch}"
+        train(d, "--batch", batch, "--steps", 4, "--save-every", 2, threads=2)
+        out[batch] = d
+    return out
+
+
+@needs_mpi
+@pytest.mark.parametrize("speed,batch,ranks", [(3, 4, 2), (2, 4, 3), (3, 5, 2), (2, 5, 3),
+                                               (3, 2, 3), (3, 5, 3)])
+def test_mpi_checkpoints_equal_one_process(refs, tmp_path, speed, batch, ranks):
+    d = tmp_path / "mpi"
+    stdout = train(d, "--batch", batch, "--steps", 4, "--speed", speed, ranks=ranks)
+    same_bytes(refs[batch], d, 4)
+    assert "MB sent per step" in stdout
+    assert sorted(p.name for p in d.glob("ckpt_*")) == ["ckpt_4.bin", "ckpt_4.state"]
+
+
+@needs_mpi
+def test_mpi_json_model_and_threads_per_rank(tmp_path):
+    cfg = tmp_path / "m.json"
+    fields = {f: getattr(PRESETS["hslm-test"], f) for f in
+              ("vocab", "width", "heads", "head_width", "mlp", "blocks", "window", "vsa_dim")}
+    fields["vocab"] = 280  # the byte-level tokenizer needs at least 260
+    cfg.write_text(json.dumps(fields))
+    args = ["--model", cfg, "--seed", "3", "--batch", 3, "--steps", 3, "-q"]
+    code, _, err = hslm("train", *args, "--out", tmp_path / "one", "--threads", 1)
+    assert code == 0, err
+    code, _, err = hslm("train", *args, "--out", tmp_path / "two", "--threads", 2, ranks=2)
+    assert code == 0, err
+    same_bytes(tmp_path / "one", tmp_path / "two", 3)
+
+
+@needs_mpi
+def test_resume_across_rank_counts(refs, tmp_path):
+    # one process to step 2, then 3 ranks to step 4
+    a = tmp_path / "a"
+    train(a, "--batch", 4, "--steps", 2)
+    code, _, err = hslm("train", "--resume", a / "ckpt_2.state", "--steps", 4, "-q",
+                        "--threads", 1, ranks=3)
+    assert code == 0, err
+    same_bytes(refs[4], a, 4)
+    # 2 ranks to step 2, then one process to step 4
+    b = tmp_path / "b"
+    train(b, "--batch", 4, "--steps", 2, ranks=2)
+    same_bytes(refs[4], b, 2)
+    code, _, err = hslm("train", "--resume", b / "ckpt_2.state", "--steps", 4, "-q")
+    assert code == 0, err
+    same_bytes(refs[4], b, 4)
+
+
+@needs_mpi
+def test_a_failing_rank_stops_every_rank(tmp_path):
+    t0 = time.monotonic()
+    code, stdout, err = hslm("train", *TINY, "--batch", 4, "--steps", 50, "--out", tmp_path,
+                             ranks=3, extra_env={"HSLM_MPI_TEST_FAIL": "1:2"}, timeout=60)
+    assert code != 0
+    assert time.monotonic() - t0 < 30
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert errors == ["error: rank 1 of 3: test hook HSLM_MPI_TEST_FAIL: rank 1 fails at step 2"]
+    assert "Traceback" not in err
+    assert not list(tmp_path.glob("ckpt_*"))
+
+
+@needs_mpi
+def test_bad_flags_are_reported_once(tmp_path):
+    code, _, err = hslm("train", *TINY, "--batch", 0, "--out", tmp_path, ranks=3)
+    assert code == 2
+    assert err.strip() == "error: --batch must be at least 1, got 0"
+    code, _, err = hslm("train", "--no-such-flag", ranks=2)
+    assert code == 2 and err.count("error:") == 1, err
+
+
+@needs_mpi
+def test_sigterm_saves_one_checkpoint_and_stops_every_rank(tmp_path):
+    cmd = [MPIEXEC, "-n", "2", sys.executable, str(ROOT / "cli.py"), "train", *TINY,
+           "--batch", 4, "--steps", 10 ** 6, "--out", tmp_path, "--threads", 1, "--log-every", 1]
+    p = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env())
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "tokenizer.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.5)
+        p.send_signal(signal.SIGTERM)
+        stdout, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 128 + signal.SIGTERM, err
+    ckpts = sorted(tmp_path.glob("ckpt_*"))
+    assert len(ckpts) == 2, ckpts
+    assert "SIGTERM: stopped after step" in stdout + err
+    assert err.count("SIGTERM: finishing the current step") == 1
