@@ -388,7 +388,9 @@ def train_run(o: TrainOptions, echo=None):
         if distributed.is_writer():
             save_tokenizer(out, run.corpus.tokenizer)
         if not o.quiet:
-            echo(f"model {cfg.n_params:,} parameters | data {run.corpus.source}: "
+            need = memory_estimate(cfg, h.batch, o.threads, o.speed)
+            echo(f"model {cfg.n_params:,} parameters, about {need / 2 ** 20:,.0f} MiB for "
+                 f"parameters, optimiser, scratch and activations | data {run.corpus.source}: "
                  f"{len(run.corpus.train):,} train / {len(run.corpus.valid):,} valid tokens | "
                  f"speed {o.speed} ({SPEEDS[o.speed].name}) | threads {o.threads} | "
                  f"batch {h.batch} x {cfg.window} | k {h.loss_positions}")

@@ -83,10 +83,12 @@ def window_per_position(model, tokens, vsa, k, scale, A, R, S, acc, out, recompu
             if not scored:
                 continue
             for j in range(p + 1):
-                position_forward(model, A, 0, tokens, vsa, j, False, j == p, kernel)
+                position_forward(model, A, 0, tokens, vsa, j, kv_only_last=False,
+                                 with_head=j == p, kernel=kernel)
         else:
-            position_forward(model, A, 0, tokens, vsa, p, kv_only_unscored and not scored,
-                             scored, kernel)
+            position_forward(model, A, 0, tokens, vsa, p,
+                             kv_only_last=kv_only_unscored and not scored, with_head=scored,
+                             kernel=kernel)
         if scored:
             r = p - s
             loss_sum += loss_rows(model, A, R, 0, tokens, s, r, r + 1, scale)

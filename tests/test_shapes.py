@@ -148,3 +148,11 @@ def test_info_lists_the_presets_with_their_parameter_counts(capsys):
     for line in ("hslm-3          2,130,138", "hslm-3-deep     3,905,253",
                  "hslm-3-wide     7,802,487", "hslm-3-long     2,130,138"):
         assert line in out
+
+
+def test_train_says_the_parameter_count_and_memory_before_step_1(tmp_path, capsys):
+    code, out, err = run(capsys, "train", "--model", "hslm-tiny", "--steps", 1, "--out",
+                         tmp_path / "o", "--threads", 1)
+    assert code == 0, err
+    header = out.splitlines()[0]
+    assert header.startswith("model 31,350 parameters, about ") and " MiB for " in header
