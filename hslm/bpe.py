@@ -85,6 +85,18 @@ def _heap_pop(hc, hp, size):
     return size
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _count_change(counts, stamp, touched, nt, m, q, delta):
+    """counts[q] += delta, and q listed once in touched during merge m; returns the list's
+    new length."""
+    counts[q] += delta
+    if stamp[q] != m:
+        stamp[q] = m
+        touched[nt] = q
+        nt += 1
+    return nt
+
+
 @njit(cache=True, nogil=True)
 def _compact(tok, n, V, L, counts, pool, seg_start, seg_len, keep_p, keep_k, ctl):
     """Moves every segment's live entries to the front of the pool, in place; the
@@ -224,34 +236,14 @@ def bpe_kernel(tok, V, merges, n_merges, learn, slack, ctl):
             if s + La >= n or tok[s + La] != b:
                 continue
             r = s + LN
-            if s > 0:
+            if s > 0:  # (x, a) becomes (x, N)
                 x = np.int64(tok[s - 1])
-                q = x * V + a
-                counts[q] -= 1
-                if stamp[q] != m:
-                    stamp[q] = m
-                    touched[nt] = q
-                    nt += 1
-                q = x * V + N
-                counts[q] += 1
-                if stamp[q] != m:
-                    stamp[q] = m
-                    touched[nt] = q
-                    nt += 1
-            if r < n:
+                nt = _count_change(counts, stamp, touched, nt, m, x * V + a, -1)
+                nt = _count_change(counts, stamp, touched, nt, m, x * V + N, 1)
+            if r < n:  # (b, y) becomes (N, y)
                 y = np.int64(tok[r])
-                q = b * V + y
-                counts[q] -= 1
-                if stamp[q] != m:
-                    stamp[q] = m
-                    touched[nt] = q
-                    nt += 1
-                q = N * V + y
-                counts[q] += 1
-                if stamp[q] != m:
-                    stamp[q] = m
-                    touched[nt] = q
-                    nt += 1
+                nt = _count_change(counts, stamp, touched, nt, m, b * V + y, -1)
+                nt = _count_change(counts, stamp, touched, nt, m, N * V + y, 1)
             counts[p] -= 1
             if La > 1:
                 tok[s + La - 1] = 0

@@ -94,12 +94,19 @@ def encode(tensors, metadata: dict) -> bytes:
     return struct.pack("<Q", len(h)) + h + data
 
 
-def write_atomic(path: Path, blob: bytes):
+def write_atomic(path: Path, blob, what: str = "checkpoint", make_parent: bool = False):
+    """Write blob (bytes, or a list of byte-like parts) to path atomically: a temporary
+    file in the same folder, flushed and fsynced, renamed over path, and the folder
+    fsynced. A reader never sees a half-written file under path."""
     path = Path(path)
     tmp = path.parent / f".{path.name}.tmp{os.getpid()}"
+    parts = [blob] if isinstance(blob, (bytes, bytearray, memoryview)) else blob
     try:
+        if make_parent:
+            path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
-            f.write(blob)
+            for part in parts:
+                f.write(part)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -108,7 +115,7 @@ def write_atomic(path: Path, blob: bytes):
             tmp.unlink()
         except OSError:
             pass
-        raise HslmError(f"cannot write checkpoint {path}: {e.strerror or e}") from None
+        raise HslmError(f"cannot write {what} {path}: {e.strerror or e}") from None
     try:  # make the rename itself durable
         fd = os.open(path.parent, os.O_RDONLY)
         try:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import HslmError
+from .checkpoint import write_atomic
 
 MAGIC = b"HSLMTOK1"
 HEADER = 128
@@ -55,35 +55,8 @@ def _sha_of(arr: np.ndarray) -> bytes:
     return h.digest()
 
 
-def _fsync_dir(folder: Path):
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
-
-
 def _write(path: Path, parts):
-    path = Path(path)
-    tmp = path.parent / f".{path.name}.tmp{os.getpid()}"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            for p in parts:
-                f.write(p)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise HslmError(f"cannot write the token cache {path}: {e.strerror or e}") from None
-    _fsync_dir(path.parent)
+    write_atomic(path, parts, what="the token cache", make_parent=True)
 
 
 def write_tokens(path: Path, tokens: np.ndarray, text_sha256: str, identity: str):

@@ -47,3 +47,12 @@ def hslm(*args, cwd=None):
     p = subprocess.run([sys.executable, str(ROOT / "cli.py"), *map(str, args)], cwd=cwd,
                        capture_output=True, text=True, timeout=600)
     return p.returncode, p.stdout, p.stderr
+
+
+def one_line_error(code, out, err):
+    """The CLI failed with exactly one line `error: ...` on stderr, and no traceback."""
+    assert code != 0
+    assert "Traceback" not in err and "Traceback" not in out
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]

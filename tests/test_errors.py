@@ -3,17 +3,9 @@ import os
 
 import pytest
 
-from helpers import hslm
+from helpers import hslm, one_line_error
 
 TINY = ["--model", "hslm-tiny", "--steps", "1", "--batch", "2"]
-
-
-def one_line_error(code, out, err):
-    assert code != 0
-    assert "Traceback" not in err and "Traceback" not in out
-    lines = [l for l in err.splitlines() if l.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -15,19 +15,11 @@ from hslm.errors import HslmError
 from hslm.lock import FolderLock
 from hslm.train import load_for_inference
 
-from helpers import ROOT, hslm
+from helpers import ROOT, hslm, one_line_error
 
 TINY = ["--model", "hslm-tiny", "--batch", "2", "--threads", "1"]
 TEXT = "".join(f"sentence {i}: a different corpus about {i % 11} cats and {i % 5} owls.\n"
                for i in range(300))
-
-
-def one_line_error(code, out, err):
-    assert code != 0
-    assert "Traceback" not in err and "Traceback" not in out
-    lines = [l for l in err.splitlines() if l.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
