@@ -450,7 +450,8 @@ def run_loop(run, out, o: TrainOptions, echo=None):
     def evaluate():
         v = run.validation_loss(runner)
         if not math.isfinite(v):
-            raise HslmError(f"step {run.step}: the validation loss is {v}")
+            raise HslmError(f"step {run.step}: the validation loss is {v} (the parameters are "
+                            "finite but the model overflows; is --lr too high?); not saved")
         metrics.write(kind="eval", step=run.step, valid_loss=v, perplexity=math.exp(v))
         return v
 
@@ -483,11 +484,12 @@ def run_loop(run, out, o: TrainOptions, echo=None):
                                      f"{math.exp(v):.1f})")
                 if o.save_every and run.step % o.save_every == 0 and run.step < o.steps:
                     run.save(out)
-            b, s = run.save(out)
             progress.close()
+            # evaluate before saving: a model whose validation loss is not finite is not saved
+            valid = evaluate()
+            b, s = run.save(out)
             if not o.quiet:
                 echo(f"saved {b} and {s}")
-            valid = evaluate()
             distributed.summary(echo)  # MPI: bytes sent per rank per step
         except MetricsError as e:  # the run itself is fine: keep it, then stop
             b, s = run.save(out)
