@@ -35,9 +35,10 @@ def ternary_mask(cfg: Config) -> np.ndarray:
 
 @njit(cache=True, nogil=True)
 def quantize_into(theta, offs, rows, cols, is_ternary, alpha, plain, Tf, Tb, pf_offs, Pf,
-                  pb_offs, Pb, panel, t0, t1):
+                  pb_offs, Pb, panel, abs_sums, sums_given, t0, t1):
     """alpha = mean|W| (1 if <= 1e-6); T = sign(W) where |W| > alpha/2 (spec section 3),
-    for tensors t0..t1-1, written in the layouts the kernels read:
+    for tensors t0..t1-1, written in the layouts the kernels read. With sums_given,
+    abs_sums[t] already holds sum |W| in element order (adamw_step makes it).
 
     * always the column panels of T (Pf) and of its transpose (Pb), for the
       register-tiled kernels: P[q, i, c] = M[i, q * panel + c], zero past the last column;
@@ -49,9 +50,12 @@ def quantize_into(theta, offs, rows, cols, is_ternary, alpha, plain, Tf, Tb, pf_
             continue
         o = offs[t]
         m, n = rows[t], cols[t]
-        s = 0.0
-        for e in range(m * n):
-            s += abs(theta[o + e])
+        if sums_given:
+            s = abs_sums[t]
+        else:
+            s = 0.0
+            for e in range(m * n):
+                s += abs(theta[o + e])
         a = s / (m * n)
         if a <= 1e-6:
             a = 1.0
@@ -66,12 +70,12 @@ def quantize_into(theta, offs, rows, cols, is_ternary, alpha, plain, Tf, Tb, pf_
                 for j in range(n):
                     for i in range(i0, i1):
                         Tb[o + j * m + i] = Tf[o + i * n + j]
-        # Pf[q, i, c] = T[i, q panel + c] and Pb[q, j, c] = T[q panel + c, j]. T is made
-        # in flat runs first (they vectorise), then copied; the zero padding past the
-        # last column is never written.
+        # Pf[q, i, c] = T[i, q panel + c] and Pb[q, j, c] = T[q panel + c, j], both from
+        # one pass over theta: a row of T is made in a flat run (it vectorises), then
+        # copied into both; a panel of Pb (rows q panel ...) stays in cache while its rows
+        # are written. The zero padding past the last column is never written.
         pf, pb = pf_offs[t], pb_offs[t]
-        buf = np.empty(panel * max(m, n))
-        row = buf[:n]
+        row = np.empty(n)
         for i in range(m):
             for j in range(n):
                 w = theta[o + i * n + j]
@@ -81,17 +85,10 @@ def quantize_into(theta, offs, rows, cols, is_ternary, alpha, plain, Tf, Tb, pf_
                 dst = pf + (q * m + i) * panel
                 for c in range(min(panel, n - j0)):
                     Pf[dst + c] = row[j0 + c]
-        for q in range((m + panel - 1) // panel):
-            i0 = q * panel
-            h = min(panel, m - i0)
-            blk = buf[:h * n]
-            for e in range(h * n):
-                w = theta[o + i0 * n + e]
-                blk[e] = 1.0 if w > half else (-1.0 if w < -half else 0.0)
+            q, c = i // panel, i % panel
+            dst = pb + q * n * panel + c
             for j in range(n):
-                dst = pb + (q * n + j) * panel
-                for c in range(h):
-                    Pb[dst + c] = blk[c * n + j]
+                Pb[dst + j * panel] = row[j]
 
 
 def panel_offsets(rows, cols, is_ternary, panel):
@@ -124,11 +121,14 @@ class ModelState:
         self.Pb = np.zeros(self.pb_offs[-1], np.float32)
         self.requantize()
 
-    def requantize(self, t0=0, t1=None):
+    def requantize(self, t0=0, t1=None, abs_sums=None):
+        """Remake alpha and the trits of tensors t0..t1-1 from theta; abs_sums, when given,
+        holds each tensor's sum |W| (adamw_step's by-product)."""
         t1 = len(self.rows) if t1 is None else t1
         quantize_into(self.theta, self.offs, self.rows, self.cols, self.is_ternary, self.alpha,
                       self.plain, self.Tf, self.Tb, self.pf_offs, self.Pf, self.pb_offs, self.Pb,
-                      PANEL, t0, t1)
+                      PANEL, self.alpha if abs_sums is None else abs_sums,
+                      abs_sums is not None, t0, t1)
 
     def kernel_model(self) -> Model:
         c, tb = self.cfg, self.tables

@@ -261,4 +261,4 @@ def warm_up(runner: "StepRunner", run) -> None:
     runner.loss(model, run.tables.vsa, w, h.loss_positions)
     z = np.zeros(2)
     adamw_step(z, z.copy(), z.copy(), z.copy(), np.array([0, 2]), np.array([True]), 0.1, 0.001,
-               0.0, 0.0, np.zeros(1), 0, 1)
+               0.0, 0.0, np.zeros(1), np.zeros(1), 0, 1)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -112,6 +113,7 @@ class Run:
         self.grad = np.zeros(cfg.n_params)
         self.decay = ternary_mask(cfg)
         self.norms = np.zeros(len(cfg.tensors()))
+        self.abs_sums = np.zeros(len(cfg.tensors()))  # sum |W| per tensor, for alpha
 
     @classmethod
     def fresh(cls, cfg: Config, hyper: Hyper, corpus: Corpus, plain=True) -> "Run":
@@ -180,8 +182,8 @@ class Run:
         def update(part):  # tensors are independent: threads take contiguous runs of them
             t0, t1 = part
             adamw_step(self.state.theta, self.grad, self.m, self.v, self.state.offs, self.decay,
-                       bc1, bc2, lr, h.weight_decay, self.norms, t0, t1)
-            self.state.requantize(t0, t1)
+                       bc1, bc2, lr, h.weight_decay, self.norms, self.abs_sums, t0, t1)
+            self.state.requantize(t0, t1, self.abs_sums)  # alpha from the update's sums
 
         runner.map_parts(update, tensor_parts(self.cfg, runner.threads))
         return loss
@@ -381,8 +383,18 @@ def train_run(o: TrainOptions, echo=None):
     if not distributed.is_writer():  # MPI: rank 0 alone prints and writes
         o = replace(o, quiet=True, metrics=None)
     run, out = open_run(o)
+    # From here on SIGINT/SIGTERM finish the current step and save (before, while the
+    # text is read and tokenized, Ctrl-C stops at once): installed before anything is
+    # written, so a signal that sees the run's files always gets a checkpoint.
+    stop = StopRequest(echo)
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     # one writer per folder, held until the run ends (MPI: rank 0 is the writer)
-    lock = prepare_out_dir(out) if distributed.is_writer() else distributed.NO_LOCK
+    try:
+        lock = prepare_out_dir(out) if distributed.is_writer() else distributed.NO_LOCK
+    except BaseException:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        raise
     try:
         cfg, h = run.cfg, run.hyper
         if distributed.is_writer():
@@ -395,9 +407,11 @@ def train_run(o: TrainOptions, echo=None):
                  f"speed {o.speed} ({SPEEDS[o.speed].name}) | threads {o.threads} | "
                  f"batch {h.batch} x {cfg.window} | k {h.loss_positions}")
         distributed.start()  # MPI: every rank is ready (else the first error is reported once)
-        return run_loop(run, out, o, echo)
+        return run_loop(run, out, o, stop, echo)
     finally:
         lock.release()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 class StopRequest:
@@ -409,7 +423,6 @@ class StopRequest:
         self.echo = echo
 
     def __call__(self, signum, frame):
-        import signal
         if self.signum is not None:
             raise KeyboardInterrupt
         self.signum = signum
@@ -418,13 +431,12 @@ class StopRequest:
                       "saving (again to stop at once)", err=True)
 
 
-def run_loop(run, out, o: TrainOptions, echo=None):
+def run_loop(run, out, o: TrainOptions, stop, echo=None):
     """The step loop: progress, metrics, checkpoints, and a clean stop on SIGINT/SIGTERM.
 
     Nothing non-finite is ever saved: a NaN or infinite loss, gradient or parameter
     stops the run with an error before the next checkpoint."""
     import math
-    import signal
     import sys
     import time
 
@@ -434,8 +446,6 @@ def run_loop(run, out, o: TrainOptions, echo=None):
     cfg, h = run.cfg, run.hyper
     metrics = Metrics(o.metrics)
     progress = Progress(run.step, o.steps, quiet=o.quiet, log_every=o.log_every)
-    stop = StopRequest(echo)
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     runner = StepRunner(cfg, o.speed, o.threads, world=distributed.current())
     first = last = None
     # compile (first run only) or load the kernels before step 1, so its figure is the step's
@@ -499,6 +509,4 @@ def run_loop(run, out, o: TrainOptions, echo=None):
         progress.close()
         runner.close()
         metrics.close()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     return first, last, valid

@@ -18,10 +18,12 @@ def test_adamw_matches_torch():
     groups = [{"params": [ts[i]], "weight_decay": 0.01 if decay[i] else 0.0} for i in range(3)]
     opt = torch.optim.AdamW(groups, lr=0.01, betas=(0.9, 0.999), eps=1e-8)
     norms = np.zeros(3)
+    sums = np.zeros(3)
     for step in range(1, 6):
         lr = learning_rate(step, 0.01, 2, 5)
         g = rng.normal(size=offs[-1]) * (0.1 if step % 2 else 3.0)  # clipped on even steps
-        adamw_step(theta, g, m, v, offs, decay, *bias_corrections(step), lr, 0.01, norms, 0, 3)
+        adamw_step(theta, g, m, v, offs, decay, *bias_corrections(step), lr, 0.01, norms,
+                   sums, 0, 3)
         for i, t in enumerate(ts):
             gi = torch.tensor(g[offs[i]:offs[i + 1]].copy())
             norm = gi.norm()
@@ -30,6 +32,11 @@ def test_adamw_matches_torch():
         opt.step()
         ref = np.concatenate([t.detach().numpy() for t in ts])
         np.testing.assert_allclose(theta, ref, rtol=1e-12, atol=1e-14)
+        for i in range(3):  # the fused sum |w| (for alpha) is the plain loop's, to the bit
+            s = 0.0
+            for w in theta[offs[i]:offs[i + 1]]:
+                s += abs(float(w))
+            assert sums[i] == s
         assert np.allclose(norms, [np.linalg.norm(g[offs[i]:offs[i + 1]]) for i in range(3)])
 
 
