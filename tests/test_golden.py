@@ -33,6 +33,8 @@ GOLDEN_HSLM3 = {
     "ckpt_2.bin": "f395d790a8d4c926",
     "ckpt_2.state": "15846c7e57749bc8",
 }
+# the README's quick start: hslm train --speed 3 --steps 10 --seed 1729
+GOLDEN_QUICKSTART_BIN = "b0e43665a240fe014d973380e817bf7e8a40fe28bab6efb1a0b88ecf7329b7fc"
 # numpy >= 2.3 names its x86 dispatch targets by level; older ones by feature
 NUMPY_SIMD_OFF = ("X86_V3 X86_V4 AVX512_ICL AVX512_SPR AVX512F AVX512CD AVX512_KNL AVX512_KNM "
                   "AVX512_SKX AVX512_CLX AVX512_CNL AVX2 FMA3 AVX F16C")
@@ -103,3 +105,12 @@ def test_same_bytes_with_other_kernels(tmp_path, variant):
 def test_golden_hslm3_run(tmp_path):
     assert train_in_fresh_process(tmp_path / "run", ["--steps", "2", "--seed", "1729"]) == \
         GOLDEN_HSLM3
+
+
+def test_the_readme_quick_start_digest(tmp_path):
+    """The digest the README publishes for its quick start (a user checks it with hslm info)."""
+    out = tmp_path / "ckpt"
+    train_in_fresh_process(out, ["--speed", "3", "--steps", "10", "--seed", "1729"])
+    assert data_sha256(out / "ckpt_10.bin") == GOLDEN_QUICKSTART_BIN
+    readme = (ROOT / "README.md").read_text()
+    assert f"data sha256 {GOLDEN_QUICKSTART_BIN}" in readme
