@@ -199,7 +199,7 @@ def threading_description(threads):
 
 # ---------------------------------------------------------------- the report
 def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch, profile,
-              progress=None):
+              progress=None, cache_dir=None):
     """Every (model, batch, threads, speed) side by side in one process, plus PyTorch
     and a speed-3 profile: a report dict (machine, versions, rows, ratios)."""
     import sys
@@ -226,7 +226,7 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
             check_fits(memory_estimate(cfg, batch, max(threads), max(speeds)),
                        f"bench --model {name} --batch {batch}")
             if corpus is None:
-                corpus = load_corpus(data, cfg)
+                corpus = load_corpus(data, cfg, cache_dir=cache_dir)
             digests, losses = set(), set()
             for t in threads:
                 for s in speeds:

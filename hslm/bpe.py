@@ -310,6 +310,16 @@ def bpe_kernel(tok, V, merges, n_merges, learn, slack, ctl):
     return m, w
 
 
+def memory_needed(vocab: int, n_bytes: int, learn: bool = True) -> int:
+    """Bytes bpe_kernel touches for a text of n_bytes: four vocab^2 int64 tables (pair
+    counts, position-list starts and lengths, merge stamps), the position lists (uint32
+    plus 25% room), the ids, and the heap's first fill (its worst-case reserve is
+    allocated but never touched)."""
+    ids = n_bytes * np.dtype(ids_dtype(vocab)).itemsize
+    heap = 16 * min(vocab * vocab, n_bytes) if learn else 0
+    return 32 * vocab * vocab + 5 * n_bytes + ids + heap
+
+
 def ids_dtype(vocab: int):
     return np.uint16 if vocab <= 65535 else np.uint32
 

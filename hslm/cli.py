@@ -1,4 +1,5 @@
-"""The `hslm` command: train, diff, info, bench."""
+"""The `hslm` command: train, eval, sample, diff, info, plot, bench. It parses and prints;
+the work is in the modules it calls (the run itself: hslm/train.py)."""
 from __future__ import annotations
 
 import os
@@ -266,13 +267,15 @@ def bench(model, data, cache_dir, speed, threads, batch, steps, loss_positions, 
     batches = _split(batch, int, "--batch")
     if min(thread_counts) < 1 or min(batches) < 1:
         raise HslmError("--threads and --batch must be at least 1")
+    from .token_cache import cache_dir as token_cache_dir
     report = run_bench(models, speeds, thread_counts, batches, steps, loss_positions, data,
-                       with_torch, profile, progress=lambda m: click.echo(f"  {m}", err=True))
+                       with_torch, profile, progress=lambda m: click.echo(f"  {m}", err=True),
+                       cache_dir=token_cache_dir(cache_dir, None))
     for line in format_report(report):
         click.echo(line)
     if json_path is not None:
         from .checkpoint import write_atomic
-        write_atomic(json_path, (json.dumps(report, indent=1) + "\n").encode())
+        write_atomic(json_path, (json.dumps(report, indent=1) + "\n").encode(), what="report")
         click.echo(f"wrote {json_path}")
     if not all_identical(report):
         sys.exit(1)
@@ -299,6 +302,10 @@ def main(argv=None):
         sys.exit(130)
     except HslmError as e:
         click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except MemoryError:  # a safety net: sizes are judged before allocating, but estimates err
+        click.echo("error: out of memory (try a smaller --batch, model or corpus, or fewer "
+                   "--threads)", err=True)
         sys.exit(2)
     sys.exit(rv if isinstance(rv, int) else 0)
 

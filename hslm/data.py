@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from . import bpe, distributed, token_cache
-from .errors import HslmError, read_bytes
+from .errors import HslmError
+from .validate import check_fits
 from .textsource import SHOW_FROM, Phase, TextSource, run_interruptible
 
 N_SPECIAL = 4
@@ -135,10 +136,14 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
     them, else learned (tokenizer None) or encoded, and then cached. The stream is
     memory-mapped when a cache folder is given."""
     if tokenizer is None and cache_dir is not None:
-        j = token_cache.read_tokenizer(token_cache.tokenizer_path(cache_dir, sha, vocab), sha)
-        if j is not None:
-            t = Tokenizer.from_json(j)
-            tokenizer = t if t.vocab == vocab else None
+        found = token_cache.read_tokenizer(token_cache.tokenizer_path(cache_dir, sha, vocab), sha)
+        if found is not None:  # a damaged or foreign file is a miss: learned again
+            try:
+                t = Tokenizer.from_json(found[0])
+            except HslmError:
+                t = None
+            if t is not None and t.vocab == vocab and t.identity == found[1]:
+                tokenizer = t
     if tokenizer is not None and cache_dir is not None:
         arr = token_cache.open_tokens(token_cache.tokens_path(cache_dir, sha, tokenizer.identity),
                                       sha, tokenizer.identity)
@@ -148,6 +153,9 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
         _check_vocab(vocab)
     if src.size >= 2 ** 32 - 1:
         raise HslmError(f"the corpus is {src.size:,} bytes; at most 4 GiB is supported")
+    check_fits(bpe.memory_needed(vocab, src.size, learn=tokenizer is None),
+               f"{'learning' if tokenizer is None else 'applying'} a tokenizer of vocabulary "
+               f"{vocab:,} on {src.size:,} bytes of text")
     show = src.size >= SHOW_FROM
     ph = Phase("reading and checking the text", src.size, show=show)
     ids = src.read_ids(bpe.ids_dtype(vocab), BYTE0, ph)
@@ -165,51 +173,20 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
     if cache_dir is None or not distributed.is_writer():  # MPI: rank 0 alone writes the cache
         return tokenizer, ids[:n].copy()
     path = token_cache.tokens_path(cache_dir, sha, tokenizer.identity)
-    token_cache.write_tokens(path, ids[:n], sha, tokenizer.identity)
-    if learn:
-        token_cache.write_tokenizer(token_cache.tokenizer_path(cache_dir, sha, vocab), sha,
-                                    tokenizer.to_json())
+    try:
+        token_cache.write_tokens(path, ids[:n], sha, tokenizer.identity)
+        if learn:
+            token_cache.write_tokenizer(token_cache.tokenizer_path(cache_dir, sha, vocab), sha,
+                                        tokenizer.to_json(), tokenizer.identity)
+    except HslmError as e:  # the cache is an optimisation: a read-only folder must not stop us
+        import sys
+        print(f"warning: {e}; going on without the token cache", file=sys.stderr)
+        return tokenizer, ids[:n].copy()
     ids = None  # free the id array before mapping the cache
     arr = token_cache.open_tokens(path, sha, tokenizer.identity)
     if arr is None:
         raise HslmError(f"the token cache {path} cannot be read back")
     return tokenizer, arr
-
-
-def read_text(path) -> str:
-    """A UTF-8 file's text; its size judged before it is read (24 bytes of token
-    buffers per byte of text must fit), and a device or pipe read only up to a bound."""
-    import os
-
-    from .validate import available_memory, check_fits, gib
-    p = Path(path)
-    try:
-        st = os.stat(p)
-    except FileNotFoundError:
-        raise HslmError(f"data file not found: {p}") from None
-    except OSError as e:
-        raise HslmError(f"cannot read data file {p}: {e.strerror}") from None
-    import stat as stat_mod
-    if stat_mod.S_ISDIR(st.st_mode):
-        raise HslmError(f"data file path is a directory: {p}")
-    if stat_mod.S_ISREG(st.st_mode):
-        check_fits(24 * st.st_size, f"the corpus {p} ({st.st_size:,} bytes)")
-        raw = read_bytes(p, "data file")
-    else:
-        cap = min(MAX_PIPE_TEXT, available_memory() // 24)
-        try:
-            with open(p, "rb") as f:
-                raw = f.read(cap + 1)
-        except OSError as e:
-            raise HslmError(f"cannot read data file {p}: {e.strerror}") from None
-        if len(raw) > cap:
-            raise HslmError(f"data file {p} is not a regular file and holds more than "
-                            f"{gib(cap)}; pass a regular file")
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise HslmError(f"data file {p} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset "
-                        f"{e.start})") from None
 
 
 class Corpus:

@@ -139,7 +139,8 @@ class World:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.started = False     # after the first step begins, an error aborts every rank
         self.sent = 0            # bytes this rank sent (point to point and broadcast root)
-        self.steps = 0
+        self.steps = 0           # gradients computed (the warm-up's included: it sends too)
+        self.train_steps = 0     # training steps (for the test hook)
         self.batch = -1          # the sizes the buffers below were made for
         hook = os.environ.get("HSLM_MPI_TEST_FAIL", "")  # "RANK:STEP" (tests): raise there
         self.fail_at = tuple(int(x) for x in hook.split(":")) if hook else None
@@ -152,9 +153,11 @@ class World:
         in window order exactly as one process sums it; returns the mean loss."""
         from .speeds import PER_POSITION
         self.steps += 1
-        if self.fail_at == (self.rank, self.steps):
-            raise HslmError(f"test hook HSLM_MPI_TEST_FAIL: rank {self.rank} fails at step "
-                            f"{self.steps}")
+        if not getattr(runner, "warming_up", False):  # step.warm_up's call is not a step
+            self.train_steps += 1
+            if self.fail_at == (self.rank, self.train_steps):
+                raise HslmError(f"test hook HSLM_MPI_TEST_FAIL: rank {self.rank} fails at step "
+                                f"{self.train_steps}")
         B = windows.shape[0]
         lo, hi = ranges(B, self.size)[self.rank]
         mine = np.ascontiguousarray(windows[lo:hi])

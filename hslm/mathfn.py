@@ -77,8 +77,8 @@ def _exponent_and_fraction(x):
 
 @njit(cache=True, nogil=True, inline="always")
 def exp(x):
-    """e^x within 1 ulp, from basic operations only (fdlibm's method, without branches
-    so that loops over it vectorise)."""
+    """e^x within 1 ulp, from basic operations only (fdlibm's method; the only branches
+    are the two clamps, which compile to selects)."""
     # clamp: below -746 the result rounds to 0, above 710 it is +inf (NaN stays NaN)
     xc = x
     if xc < -746.0:

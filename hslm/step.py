@@ -257,8 +257,12 @@ def warm_up(runner: "StepRunner", run) -> None:
     cfg, h = run.cfg, run.hyper
     model = run.state.kernel_model()
     w = run.corpus.draw_windows(Stream.seeded("warm-up", 0), 1, cfg.window)
-    runner.gradient(model, run.tables.vsa, w, h.loss_positions, np.zeros(cfg.n_params))
-    runner.loss(model, run.tables.vsa, w, h.loss_positions)
+    runner.warming_up = True
+    try:
+        runner.gradient(model, run.tables.vsa, w, h.loss_positions, np.zeros(cfg.n_params))
+        runner.loss(model, run.tables.vsa, w, h.loss_positions)
+    finally:
+        runner.warming_up = False
     z = np.zeros(2)
     adamw_step(z, z.copy(), z.copy(), z.copy(), np.array([0, 2]), np.array([True]), 0.1, 0.001,
                0.0, 0.0, np.zeros(1), np.zeros(1), 0, 1)

@@ -22,7 +22,10 @@ SHOW_FROM = 4 << 20          # smaller texts are read without any progress outpu
 
 def _files_of(p: Path):
     if p.is_dir():
-        files = sorted(q for q in p.iterdir() if not q.name.startswith(".") and q.is_file())
+        try:
+            files = sorted(q for q in p.iterdir() if not q.name.startswith(".") and q.is_file())
+        except OSError as e:
+            raise HslmError(f"cannot read data folder {p}: {e.strerror or e}") from None
         if not files:
             raise HslmError(f"data folder {p} has no files")
         return files

@@ -96,17 +96,25 @@ def open_tokens(path: Path, text_sha256: str, identity: str):
     return arr
 
 
-def write_tokenizer(path: Path, text_sha256: str, tokenizer_json: str):
-    obj = {"text_sha256": text_sha256, "tokenizer": json.loads(tokenizer_json)}
+TOKENIZER_CACHE_VERSION = "hslm-bpe-cache/1"  # bump when the BPE rules change
+
+
+def write_tokenizer(path: Path, text_sha256: str, tokenizer_json: str, identity: str):
+    """Remember the tokenizer learned from a text, with its identity (a checksum of the
+    merges) and the version of the learning rules."""
+    obj = {"version": TOKENIZER_CACHE_VERSION, "text_sha256": text_sha256,
+           "identity": identity, "tokenizer": json.loads(tokenizer_json)}
     _write(path, [json.dumps(obj, separators=(",", ":")).encode("utf-8")])
 
 
 def read_tokenizer(path: Path, text_sha256: str):
-    """The tokenizer JSON remembered for this text, or None."""
+    """(tokenizer JSON, identity) remembered for this text, or None when there is none or it
+    is from other rules; the caller checks the identity against the merges it parses."""
     try:
         obj = json.loads(Path(path).read_text(encoding="utf-8"))
-        if obj.get("text_sha256") != text_sha256:
+        if (obj.get("version") != TOKENIZER_CACHE_VERSION
+                or obj.get("text_sha256") != text_sha256 or not isinstance(obj["identity"], str)):
             return None
-        return json.dumps(obj["tokenizer"], separators=(",", ":"))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return json.dumps(obj["tokenizer"], separators=(",", ":")), obj["identity"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None

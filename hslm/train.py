@@ -267,12 +267,16 @@ def load_for_inference(path, threads=1, warn=None):
                  "its own)")
     hyper = None
     st = path.with_suffix(".state")
-    if st.exists():
-        sck = ckpt.read(st, expect_kind="state")
-        if sck.meta["params_sha256"] == ck.data_sha256:
-            hyper = sck.hyper
+    if st.exists():  # only for its default k: a damaged or foreign .state is set aside
+        try:
+            sck = ckpt.read(st, expect_kind="state")
+        except HslmError as e:
+            warn(f"ignoring {st}: {e}")
         else:
-            warn(f"ignoring {st}: it belongs to other parameters than {path}")
+            if sck.meta["params_sha256"] == ck.data_sha256:
+                hyper = sck.hyper
+            else:
+                warn(f"ignoring {st}: it belongs to other parameters than {path}")
     check_fits(memory_estimate(cfg, threads=threads, training=False),
                f"evaluating {path} ({cfg.n_params:,} parameters)")
     state = ModelState(cfg, ck.flat(), Tables(cfg), plain=False)

@@ -28,6 +28,11 @@ GOLDEN_TINY = {
     "ckpt_3.bin": "334757f949a90a4e",
     "ckpt_3.state": "63360cae658b9a07",
 }
+# the same run's whole files (headers included: config, tokenizer, RNG, hyper-parameters)
+GOLDEN_TINY_FILES = {
+    "ckpt_3.bin": "8f43e63914cba32a",
+    "ckpt_3.state": "ce883a8b9ad81769",
+}
 # hslm train --steps 2 --seed 1729 (hslm-3, the built-in corpus, speed 3)
 GOLDEN_HSLM3 = {
     "ckpt_2.bin": "f395d790a8d4c926",
@@ -38,6 +43,10 @@ GOLDEN_QUICKSTART_BIN = "b0e43665a240fe014d973380e817bf7e8a40fe28bab6efb1a0b88ec
 # numpy >= 2.3 names its x86 dispatch targets by level; older ones by feature
 NUMPY_SIMD_OFF = ("X86_V3 X86_V4 AVX512_ICL AVX512_SPR AVX512F AVX512CD AVX512_KNL AVX512_KNM "
                   "AVX512_SKX AVX512_CLX AVX512_CNL AVX2 FMA3 AVX F16C")
+
+
+def file_sha256(path) -> str:
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
 
 
 def data_sha256(path) -> str:
@@ -59,6 +68,11 @@ def train_in_fresh_process(out, args, env_extra=None):
             if name.startswith("ckpt_")}
 
 
+def file_digests(out):
+    return {name: file_sha256(out / name)[:16] for name in sorted(os.listdir(out))
+            if name.startswith("ckpt_")}
+
+
 def npy_features_accepted():
     """NPY_DISABLE_CPU_FEATURES with only the names this numpy knows (others are errors)."""
     from numpy._core._multiarray_umath import __cpu_dispatch__  # noqa: PLC0415
@@ -68,6 +82,8 @@ def npy_features_accepted():
 
 def test_golden_tiny_run(tmp_path):
     assert train_in_fresh_process(tmp_path / "run", TINY_ARGS) == GOLDEN_TINY
+    # the whole files, headers included (tokenizer, RNG state, hyper-parameters, metadata)
+    assert file_digests(tmp_path / "run") == GOLDEN_TINY_FILES
 
 
 def test_golden_digests_notice_a_change(tmp_path):
@@ -83,8 +99,12 @@ def test_golden_digests_notice_a_change(tmp_path):
 ], ids=["glibc-no-fma-avx", "numpy-no-simd"])
 def test_same_bytes_on_another_machine(tmp_path, env):
     if "NPY_DISABLE_CPU_FEATURES" in env:
-        env = {"NPY_DISABLE_CPU_FEATURES": npy_features_accepted()}
+        features = npy_features_accepted()
+        if not features:
+            pytest.skip("this numpy dispatches to no SIMD target that could be turned off")
+        env = {"NPY_DISABLE_CPU_FEATURES": features}
     assert train_in_fresh_process(tmp_path / "run", TINY_ARGS, env) == GOLDEN_TINY
+    assert file_digests(tmp_path / "run") == GOLDEN_TINY_FILES
 
 
 @pytest.mark.slow
@@ -100,6 +120,7 @@ def test_same_bytes_with_other_kernels(tmp_path, variant):
             pytest.skip("not an AVX-512 machine: 256-bit vectors are already the only width")
         env["HSLM_VECTOR_WIDTH"] = "256"
     assert train_in_fresh_process(tmp_path / "run", TINY_ARGS, env) == GOLDEN_TINY
+    assert file_digests(tmp_path / "run") == GOLDEN_TINY_FILES
 
 
 def test_golden_hslm3_run(tmp_path):

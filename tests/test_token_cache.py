@@ -1,10 +1,12 @@
 """The token cache, texts made of several files, streaming checks, Ctrl-C."""
 import hashlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -134,3 +136,44 @@ def test_ctrl_c_while_learning_the_tokenizer_stops_at_once(tmp_path):
     assert waited < 1.5, waited
     assert "Traceback" not in rest and "interrupted" in rest
     assert not list((tmp_path / "o").glob("tokens-*"))
+
+
+def varied_text(n_words=6000):
+    rng = np.random.default_rng(7)
+    words = ["".join(chr(97 + c) for c in rng.integers(0, 26, rng.integers(2, 8)))
+             for _ in range(500)]
+    return " ".join(words[i] for i in rng.integers(0, 500, n_words))
+
+
+def test_a_damaged_or_foreign_remembered_tokenizer_is_learned_again(tmp_path):
+    (tmp_path / "t.txt").write_text(varied_text())
+    first = Corpus.load(tmp_path / "t.txt", 300, 9, cache_dir=tmp_path / "c")
+    [remembered] = list((tmp_path / "c").glob("bpe-*.json"))
+    for token in list((tmp_path / "c").glob("tokens-*")):
+        token.unlink()
+    obj = json.loads(remembered.read_text())
+    obj["tokenizer"]["merges"] = [[5, 6]]  # valid JSON, other merges, identity kept
+    remembered.write_text(json.dumps(obj))
+    again = Corpus.load(tmp_path / "t.txt", 300, 9, cache_dir=tmp_path / "c")
+    assert again.tokenizer.identity == first.tokenizer.identity
+    remembered.write_text('{"version": "hslm-bpe-cache/1", "tokenizer": [')  # not JSON
+    assert Corpus.load(tmp_path / "t.txt", 300, 9, cache_dir=tmp_path / "c").tokenizer.identity \
+        == first.tokenizer.identity
+
+
+def test_a_cache_folder_that_cannot_be_written_is_a_warning(tmp_path, capfd):
+    (tmp_path / "t.txt").write_text(varied_text())
+    c = Corpus.load(tmp_path / "t.txt", 300, 9, cache_dir=Path("/proc/hslm-not-writable"))
+    assert len(c.tokens) > 0
+    assert "going on without the token cache" in capfd.readouterr().err
+
+
+def test_a_tokenizer_too_large_to_learn_is_refused_in_one_line(tmp_path):
+    model = tmp_path / "m.json"
+    model.write_text(json.dumps({"vocab": 200000, "width": 27, "heads": 3, "head_width": 9,
+                                 "mlp": 81, "blocks": 1, "window": 9, "vsa_dim": 108}))
+    p = subprocess.run([sys.executable, str(ROOT / "cli.py"), "train", "--model", str(model),
+                        "--steps", "1", "--out", str(tmp_path / "o")],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.startswith("error: ") and "tokenizer of vocabulary 200,000" in p.stderr
