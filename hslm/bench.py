@@ -77,7 +77,7 @@ def bench_speed(cfg, hyper, corpus, speed, threads, steps, warm=True):
             runner.gradient(model, run.tables.vsa, w, hyper.loss_positions, run.grad)
             z = np.zeros(2)  # and the optimiser's kernel, on throwaway arrays
             adamw_step(z, z.copy(), z.copy(), z.copy(), np.array([0, 2]), np.array([True]), 0.1,
-                       0.001, 0.0, 0.0, np.zeros(1), np.zeros(1), 0, 1)
+                       0.001, 0.0, 0.0, np.zeros(1), np.zeros(1), np.zeros(1), 0, 1)
         losses = [run.train_step(runner)]  # one untimed step: first-touch of every buffer
         memory = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
@@ -172,10 +172,11 @@ def profile_layerwise(cfg, hyper, corpus, steps=3):
     th, m, v = run.state.theta.copy(), run.m.copy(), run.v.copy()
     norms = np.zeros(len(cfg.tensors()))
     sums = np.zeros(len(cfg.tensors()))
+    moments = np.zeros(len(cfg.tensors()))
 
     def opt():
         adamw_step(th, run.grad, m, v, run.state.offs, run.decay, *bias_corrections(5), 1e-9,
-                   0.0, norms, sums, 0, len(norms))
+                   0.0, norms, sums, moments, 0, len(norms))
         run.state.requantize(abs_sums=sums)
 
     t_opt = timed(opt)

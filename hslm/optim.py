@@ -35,8 +35,8 @@ def bias_corrections(step: int):
 
 
 @njit(cache=True, nogil=True)
-def adamw_step(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, norms, abs_sums, t0,
-               t1):
+def adamw_step(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, norms, abs_sums,
+               moment_sums, t0, t1):
     """One AdamW update in place, tensor by tensor.
 
     Each tensor's gradient is clipped to L2 norm 1 on its own (g * (1 / norm)
@@ -45,7 +45,10 @@ def adamw_step(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, norms
     w *= 1 - lr wd; w -= (lr / (1 - b1^t)) * m / (sqrt(v) / sqrt(1 - b2^t) + eps).
     bc1, bc2 are the bias corrections 1 - beta^t (bias_corrections).
     abs_sums[t] gets sum |w| of the updated tensor in element order, the sum that
-    requantisation's alpha = mean|W| needs (fused here: one pass less over theta).
+    requantisation's alpha = mean|W| needs (fused here: one pass less over theta), and
+    moment_sums[t] = sum |m| + sum v: with norms and abs_sums, finite exactly when every
+    gradient, parameter and moment of the tensor is (or, rarely, when a sum of finite
+    values overflows), so the run's finiteness check needs no pass of its own.
     Updates tensors t0..t1-1: tensors are independent, so threads may split them."""
     step_size = lr / bc1
     sbc2 = math.sqrt(bc2)
@@ -59,12 +62,17 @@ def adamw_step(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, norms
         clip = 1.0 / norm if norm > CLIP_NORM else 1.0
         wd = 1.0 - lr * weight_decay if decay[t] else 1.0
         s = 0.0
+        sm = 0.0
         for e in range(a, b):
             g = grad[e] * clip
-            m[e] = BETA1 * m[e] + (1.0 - BETA1) * g
-            v[e] = BETA2 * v[e] + (1.0 - BETA2) * (g * g)
+            me = BETA1 * m[e] + (1.0 - BETA1) * g
+            ve = BETA2 * v[e] + (1.0 - BETA2) * (g * g)
+            m[e] = me
+            v[e] = ve
             w = theta[e] * wd
-            w = w - step_size * (m[e] / (math.sqrt(v[e]) / sbc2 + ADAM_EPS))
+            w = w - step_size * (me / (math.sqrt(ve) / sbc2 + ADAM_EPS))
             theta[e] = w
             s += abs(w)
+            sm += abs(me) + ve
         abs_sums[t] = s
+        moment_sums[t] = sm

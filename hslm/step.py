@@ -265,4 +265,4 @@ def warm_up(runner: "StepRunner", run) -> None:
         runner.warming_up = False
     z = np.zeros(2)
     adamw_step(z, z.copy(), z.copy(), z.copy(), np.array([0, 2]), np.array([True]), 0.1, 0.001,
-               0.0, 0.0, np.zeros(1), np.zeros(1), 0, 1)
+               0.0, 0.0, np.zeros(1), np.zeros(1), np.zeros(1), 0, 1)

@@ -114,6 +114,7 @@ class Run:
         self.decay = ternary_mask(cfg)
         self.norms = np.zeros(len(cfg.tensors()))
         self.abs_sums = np.zeros(len(cfg.tensors()))  # sum |W| per tensor, for alpha
+        self.moment_sums = np.zeros(len(cfg.tensors()))  # sum |m| + v: the finiteness check
 
     @classmethod
     def fresh(cls, cfg: Config, hyper: Hyper, corpus: Corpus, plain=True) -> "Run":
@@ -152,7 +153,10 @@ class Run:
         if not np.isfinite(loss):
             raise HslmError(f"{where}: the training loss is {loss}; stopping without saving "
                             "(the last checkpoint written stays as it was)")
-        names = None
+        if (np.isfinite(self.norms).all() and np.isfinite(self.abs_sums).all()
+                and np.isfinite(self.moment_sums).all()):
+            return  # the optimiser's per-tensor sums are finite: so is every element
+        names = None  # a sum is not: find the element (or find that a finite sum overflowed)
         for what, arr in (("gradient", self.grad), ("parameter", self.state.theta),
                           ("Adam first moment", self.m), ("Adam second moment", self.v)):
             if np.isfinite(arr).all():
@@ -182,7 +186,8 @@ class Run:
         def update(part):  # tensors are independent: threads take contiguous runs of them
             t0, t1 = part
             adamw_step(self.state.theta, self.grad, self.m, self.v, self.state.offs, self.decay,
-                       bc1, bc2, lr, h.weight_decay, self.norms, self.abs_sums, t0, t1)
+                       bc1, bc2, lr, h.weight_decay, self.norms, self.abs_sums,
+                       self.moment_sums, t0, t1)
             self.state.requantize(t0, t1, self.abs_sums)  # alpha from the update's sums
 
         runner.map_parts(update, tensor_parts(self.cfg, runner.threads))

@@ -19,11 +19,12 @@ def test_adamw_matches_torch():
     opt = torch.optim.AdamW(groups, lr=0.01, betas=(0.9, 0.999), eps=1e-8)
     norms = np.zeros(3)
     sums = np.zeros(3)
+    moments = np.zeros(3)
     for step in range(1, 6):
         lr = learning_rate(step, 0.01, 2, 5)
         g = rng.normal(size=offs[-1]) * (0.1 if step % 2 else 3.0)  # clipped on even steps
         adamw_step(theta, g, m, v, offs, decay, *bias_corrections(step), lr, 0.01, norms,
-                   sums, 0, 3)
+                   sums, moments, 0, 3)
         for i, t in enumerate(ts):
             gi = torch.tensor(g[offs[i]:offs[i + 1]].copy())
             norm = gi.norm()
