@@ -188,6 +188,36 @@ def profile_layerwise(cfg, hyper, corpus, steps=3):
     return [(name, 1e3 * t) for name, t in rows]
 
 
+def phase_work(cfg, hyper):
+    """What each profiled phase must do per step: {phase: (amount, unit)}. The matrix
+    phases in FLOPs (2 per multiply-add; the forward over all positions, the backward and
+    the weight gradients over the scored ones), the optimiser in bytes moved (AdamW reads
+    the gradient twice and theta, m, v once, writes theta, m, v; requantisation reads
+    theta and writes two float32 panel layouts of the ternary matrices)."""
+    d, F, V, nb = cfg.width, cfg.mlp, cfg.vocab, cfg.blocks
+    macs = nb * (4 * d * d + 2 * d * F) + d * V
+    tokens = hyper.batch * cfg.window
+    scored = hyper.batch * hyper.loss_positions
+    P = cfg.n_params
+    ternary = sum(int(np.prod(s)) for _, s, kind in cfg.tensors() if kind == "ternary")
+    return {"forward": (2.0 * macs * tokens, "FLOP"),
+            "backward through the layers' inputs": (2.0 * macs * scored, "FLOP"),
+            "weight gradients (all windows, once per step)": (2.0 * macs * scored, "FLOP"),
+            "optimiser + requantise": (8.0 * 8 * P + 8 * P + 2 * 4 * ternary, "B")}
+
+
+def memory_bandwidth_gbs() -> float:
+    """One core's copy bandwidth (read + write bytes per second, best of 5, 64 MB)."""
+    a = np.ones(8 << 20)
+    b = np.empty_like(a)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        np.copyto(b, a)
+        best = min(best, time.perf_counter() - t)
+    return 2 * a.nbytes / best / 1e9
+
+
 def flops_per_token(cfg: Config, k: int) -> float:
     return cfg.flops_per_token(k / cfg.window)
 
@@ -254,6 +284,8 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
         if profile and name == models[0]:
             hyper = Hyper(batch=batches[0], loss_positions=k, seed=1729)
             entry["profile_ms"] = profile_layerwise(cfg, hyper, corpus)
+            entry["phase_work"] = phase_work(cfg, hyper)
+            report["copy_bandwidth_gbs"] = memory_bandwidth_gbs()
         report["models"].append(entry)
     return report
 
@@ -301,10 +333,21 @@ def format_report(report):
             out.append("PyTorch baseline: torch not installed (pip install torch==2.13.0)")
         if e.get("profile_ms"):
             total = sum(ms for _, ms in e["profile_ms"])
+            bw = report.get("copy_bandwidth_gbs")
             out.append(f"speed-3 step profile, one thread ({total:.1f} ms per step of "
-                       f"{rows[0]['batch']} windows):")
+                       f"{rows[0]['batch']} windows); each phase against what it can reach: "
+                       f"the f64 FMA peak ({peak:.1f} GFLOP/s) for the matrix phases, this "
+                       f"core's copy bandwidth ({bw:.1f} GB/s) for the optimiser:")
             for name, ms in e["profile_ms"]:
-                out.append(f"  {name:46s} {ms:8.1f} ms {100 * ms / total:5.1f}%")
+                line = f"  {name:46s} {ms:8.1f} ms {100 * ms / total:5.1f}%"
+                work = e.get("phase_work", {}).get(name)
+                if work and ms > 0:
+                    amount, unit = work
+                    rate = amount / (ms / 1e3) / 1e9
+                    ceiling = peak if unit == "FLOP" else bw
+                    label = "GFLOP/s" if unit == "FLOP" else "GB/s"
+                    line += f"  {rate:6.1f} {label:7s} {100 * rate / ceiling:5.1f}% of its ceiling"
+                out.append(line)
     return out
 
 
