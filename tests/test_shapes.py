@@ -11,7 +11,8 @@ import json
 import numpy as np
 import pytest
 
-from hslm.config import Config, TENSORS_PER_BLOCK
+from hslm.config import Config
+from hslm.layers import wout_index
 from hslm.oracle_torch import oracle_window
 from hslm.panel_kernels import PANEL, ROWS
 from hslm.speeds import SPEEDS
@@ -79,7 +80,7 @@ def test_negative_control_on_an_awkward_shape(name):
     k = cfg.window
     ref = window_result(0, cfg, tb, ms, tokens, k)[:4]
     loss, logits, grad, dx0, worker = window_result(3, cfg, tb, ms, tokens, k)
-    t = 1 + cfg.blocks * TENSORS_PER_BLOCK
+    t = wout_index(cfg.dims())
     offs = cfg.offsets()
     bad = grad.copy()
     bad[offs[t]:offs[t + 1]] = reordered_wout_gradient(cfg, worker, k)

@@ -7,8 +7,8 @@ comparison sees a single reordered sum.
 import numpy as np
 import pytest
 
-from hslm.config import TENSORS_PER_BLOCK
 from hslm.kernels import weight_grad_rows
+from hslm.layers import wout_index
 from hslm.speeds import SPEEDS
 
 from helpers import assert_bits_equal, setup, window_result
@@ -70,7 +70,7 @@ def test_negative_control_reordered_sum_fails_the_gradient_test(name):
     res = window_result(3, cfg, tb, ms, tokens, k)
     loss, logits, grad, dx0, worker = res
     assert_same_window(res, ref, "speed 3")  # the unmodified kernel passes
-    t = 1 + cfg.blocks * TENSORS_PER_BLOCK
+    t = wout_index(cfg.dims())
     offs = cfg.offsets()
     bad = grad.copy()
     bad[offs[t]:offs[t + 1]] = reordered_wout_gradient(cfg, worker, k)
