@@ -16,7 +16,7 @@ from .config import Config
 from .optim import adamw_step, bias_corrections
 from .rng import Stream
 from .speeds import DEFAULT_SPEED, SPEEDS
-from .step import StepRunner
+from .step import StepRunner, warm_up
 from .train import Run
 
 
@@ -46,20 +46,12 @@ def machine_peak_gflops_per_core():
                                    f"flops/cycle ({lanes}-wide, 2 FMA pipes)")
 
 
-def checkpoint_digest(run: Run) -> str:
-    """sha256 of the .bin and .state bytes the run would write now."""
+def checkpoint_digest(run: Run):
+    """(sha256, size) of the .bin and .state bytes the run would write now."""
     p = ckpt.params_blob(run.cfg, run.state.theta, run.step, run.corpus.tokenizer)
     s = ckpt.state_blob(run.cfg, run.m, run.v, run.step, ckpt.params_sha256_of(p),
                         {"rng": run.rng.state_json()})
-    return hashlib.sha256(p + s).hexdigest()
-
-
-def checkpoint_bytes(run: Run) -> int:
-    """Bytes of the .bin and .state the run would write now."""
-    p = ckpt.params_blob(run.cfg, run.state.theta, run.step, run.corpus.tokenizer)
-    s = ckpt.state_blob(run.cfg, run.m, run.v, run.step, ckpt.params_sha256_of(p),
-                        {"rng": run.rng.state_json()})
-    return len(p) + len(s)
+    return hashlib.sha256(p + s).hexdigest(), len(p) + len(s)
 
 
 def bench_speed(cfg, hyper, corpus, speed, threads, steps, warm=True):
@@ -71,13 +63,8 @@ def bench_speed(cfg, hyper, corpus, speed, threads, steps, warm=True):
     run = Run.fresh(cfg, hyper, corpus, plain=SPEEDS[speed].plain_layouts)
     runner = StepRunner(cfg, speed, threads)
     try:
-        if warm:  # compile / load the kernels and touch every buffer, outside the timing
-            model = run.state.kernel_model()  # and without changing the run's state
-            w = corpus.draw_windows(Stream.seeded("bench", 0), hyper.batch, cfg.window)
-            runner.gradient(model, run.tables.vsa, w, hyper.loss_positions, run.grad)
-            z = np.zeros(2)  # and the optimiser's kernel, on throwaway arrays
-            adamw_step(z, z.copy(), z.copy(), z.copy(), np.array([0, 2]), np.array([True]), 0.1,
-                       0.001, 0.0, 0.0, np.zeros(1), np.zeros(1), np.zeros(1), 0, 1)
+        if warm:  # compile / load the kernels outside the timing, changing nothing
+            warm_up(runner, run)
         losses = [run.train_step(runner)]  # one untimed step: first-touch of every buffer
         memory = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
@@ -89,10 +76,10 @@ def bench_speed(cfg, hyper, corpus, speed, threads, steps, warm=True):
         runner.close()
         if tracemalloc.is_tracing():
             tracemalloc.stop()
+    digest, size = checkpoint_digest(run)
     return dict(speed=speed, threads=threads, batch=hyper.batch, seconds=dt,
                 tok_s=steps * hyper.batch * cfg.window / dt, losses=losses,
-                digest=checkpoint_digest(run), memory_bytes=memory,
-                checkpoint_bytes=checkpoint_bytes(run))
+                digest=digest, memory_bytes=memory, checkpoint_bytes=size)
 
 
 def torch_baseline(cfg, hyper, corpus, dtype_name, steps):

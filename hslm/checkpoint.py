@@ -52,7 +52,7 @@ import numpy as np
 from .config import Config
 from .errors import HslmError, read_bytes
 from .validate import (MAX_JSON, Invalid, check_fits, check_rng_state, config_from_json, exact_keys,
-                       hyper_from_json, is_hex64, n_params, parse_json)
+                       hyper_from_json, is_hex64, parse_json)
 
 FORMAT = "hslm"
 FORMAT_VERSION = "2"
@@ -277,9 +277,9 @@ def _check_meta(meta, path, header, data_len):
 
 
 def _check_tensors(header, kind, cfg, data_len):
-    """Names, order, dtypes, shapes and offsets exactly as the config implies; judged
-    by formula first, so a config implying absurd sizes costs nothing."""
-    P = n_params(cfg)
+    """Names, order, dtypes, shapes and offsets exactly as the config implies; the data
+    size is judged first (the config's own bounds keep every size sane)."""
+    P = cfg.n_params
     expect_len = 8 * P * (1 if kind == "params" else 2)
     if data_len != expect_len:
         raise Invalid(f"the data section is {data_len:,} bytes; config {cfg.to_json()} "

@@ -71,20 +71,14 @@ class Stream:
 
     @classmethod
     def from_state_json(cls, s: str) -> "Stream":
-        """A stream from state_json's text; anything else is an HslmError."""
+        """A stream from state_json's text (checked by validate.check_rng_state); anything
+        else is an HslmError."""
+        from .validate import Invalid, check_rng_state
         try:
-            st = json.loads(s)
-            ok = (isinstance(st, dict) and st.get("bit_generator") == "PCG64"
-                  and isinstance(st.get("state"), dict)
-                  and set(st["state"]) == {"state", "inc"}
-                  and all(type(v) is int and 0 <= v < 2 ** 128 for v in st["state"].values())
-                  and st["state"]["inc"] % 2 == 1
-                  and st.get("has_uint32") in (0, 1)
-                  and type(st.get("uinteger")) is int and 0 <= st["uinteger"] < 2 ** 32)
-            if not ok:
-                raise ValueError
-            bg = np.random.PCG64()
-            bg.state = st
-        except (ValueError, TypeError, KeyError, RecursionError):
-            raise HslmError("the random generator state in the checkpoint is not valid") from None
+            st = check_rng_state(s)
+        except Invalid as e:
+            raise HslmError(f"the random generator state in the checkpoint is not valid: {e}") \
+                from None
+        bg = np.random.PCG64()
+        bg.state = st
         return cls(bg)

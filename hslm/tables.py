@@ -23,12 +23,14 @@ def _positional(d: int, L: int) -> np.ndarray:
     ctx = precise.CTX
     out = np.empty((L, d), np.float64)
     three_over_pi = ctx.divide(precise.D(3), precise.PI)
-    for i in range(d):
-        f = ctx.multiply(precise.power(precise.PHI, ctx.divide(precise.D(-2 * (i // 2)),
-                                                               precise.D(d))), three_over_pi)
+    for i in range(0, d, 2):  # columns i and i + 1 share a frequency: one sin_cos for both
+        f = ctx.multiply(precise.power(precise.PHI, ctx.divide(precise.D(-i), precise.D(d))),
+                         three_over_pi)
         for p in range(L):
             s, c = precise.sin_cos(ctx.multiply(precise.D(p), f))
-            out[p, i] = precise.to_f64(s if i % 2 == 0 else c)
+            out[p, i] = precise.to_f64(s)
+            if i + 1 < d:
+                out[p, i + 1] = precise.to_f64(c)
     out.setflags(write=False)
     return out
 

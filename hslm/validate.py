@@ -174,17 +174,11 @@ def config_from_json(text):
     return cfg
 
 
-def n_params(cfg) -> int:
-    """Config.n_params by formula: no per-tensor lists, so absurd configs cost nothing."""
-    V, d, F, nb = cfg.vocab, cfg.width, cfg.mlp, cfg.blocks
-    return V * d + nb * (d + 4 * d * d + 2 * d * F + F + d) + d * V + V
-
-
 # --------------------------------------------------------------------- memory
 def memory_estimate(cfg, batch=0, threads=1, speed=3, training=True) -> int:
     """Bytes the largest buffers of a run (training) or an evaluation need, roughly."""
     V, d, H, F, nb, L = cfg.vocab, cfg.width, cfg.heads, cfg.mlp, cfg.blocks, cfg.window
-    P = n_params(cfg)
+    P = cfg.n_params
     f64 = 8
     total = P * f64  # theta
     total += 2 * P * 4  # the ternary panels (f32)
