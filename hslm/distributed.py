@@ -12,17 +12,28 @@ sum travels from rank to rank in window order, in chunks (a pipeline):
 
     rank 0 adds its windows' sums into G (from zeros), chunk by chunk, and sends
     each chunk to rank 1; rank r receives a chunk, adds its windows' sums into
-    it in window order, sends it on; the last rank broadcasts the finished G.
+    it in window order, sends it on; the last rank holds the finished G.
 
 Each element thus sees exactly the additions of one process, in its order.
 Speed 3 adds the windows' sums straight from their records
 (`gradients_from_records` over the chunk's gradient units and the rank's windows),
 so nothing per window is kept; speeds 0-2 keep each of the rank's windows' sums
 S_w in its own zeroed buffer (0 + S_w == S_w: a sum from +0.0 is never -0.0) and
-add them in window order when the chunk arrives. Communication per step: every
-rank but the last sends 8 n_params bytes (point to point) and the last rank
-broadcasts 8 n_params bytes; window losses are allgathered and averaged in
-window order. Every rank then takes the same optimiser step on the same G.
+add them in window order when the chunk arrives. Window losses are allgathered
+and averaged in window order.
+
+The optimiser step is split, not repeated: rank r owns a run of tensors (about
+1/P of the parameters). The last rank sends each finished chunk's pieces straight
+to their owners as the pipeline goes; each rank takes the AdamW step of its own
+tensors (per element, so the bytes are one process's), the ranks allgather the
+updated parameters and the per-tensor sums (norms, sum |W|, moment sums), and every
+rank requantises the whole model itself (cheaper than moving the trits). Adam's
+moments stay with their owners; rank 0 gathers them only to write a `.state`.
+
+Communication per step, n = n_params: every rank but the last sends 8n bytes
+(the running sums, point to point); the last rank sends 8n (P-1)/P (the finished
+pieces); the allgather moves 8n/P from each rank to every other one; plus a few
+bytes (losses, per-tensor sums, a stop flag).
 
 Rank 0 alone writes (checkpoints, tokenizer.json, the token cache, metrics) and
 prints. The ranks agree after every step whether to stop (SIGINT/SIGTERM on any
@@ -171,7 +182,7 @@ class World:
         else:
             fold = self._layerwise(runner, model, vsa_table, mine, k, scale, G, losses)
             chunks = [(e0, e1, (u0, u1)) for e0, e1, u0, u1 in self._chunks(runner)]
-        self.fold_in_order(G, chunks, fold if nb else None)
+        self.fold_in_order(G, chunks, fold if nb else None, self._ownership(runner.cfg))
         return self.ordered_mean(losses)
 
     def _chunks(self, runner):
@@ -238,25 +249,88 @@ class World:
             runner._map(run_units, N)
         return fold
 
-    def fold_in_order(self, G, chunks, fold):
+    def _ownership(self, cfg):
+        """[(e0, e1)]: the elements of the tensors each rank updates (self.owned[r] =
+        its run of tensors, about a P-th of the parameters)."""
+        from .step import tensor_parts
+        if getattr(self, "_owned_for", None) != cfg:
+            offs = cfg.offsets()
+            self.owned = tensor_parts(cfg, self.size)
+            self.owned_elements = [(int(offs[a]), int(offs[b])) for a, b in self.owned]
+            self._owned_for = cfg
+        return self.owned_elements
+
+    def fold_in_order(self, G, chunks, fold, owned):
         """The pipeline: for each chunk [e0, e1) in order, receive the running sum from
         the rank before (rank 0 starts from G's zeros), add this rank's windows
-        (fold(arg), None when it has none), send it to the next rank; then the last
-        rank broadcasts G."""
+        (fold(arg), None when it has none), send it to the next rank. The last rank
+        holds the finished sums: it sends each piece straight to the rank that owns
+        it (`owned`), chunk by chunk, so G is the batch's gradient on every rank's own
+        elements (and the last rank's whole G)."""
         r, P, comm = self.rank, self.size, self.comm
+        last = r == P - 1
+
+        def pieces(e0, e1):  # [(owner, a, b)]: the parts of [e0, e1) other ranks own
+            return [(o, max(e0, a), min(e1, b)) for o, (a, b) in enumerate(owned[:-1])
+                    if max(e0, a) < min(e1, b)]
+
         pending = []
         for e0, e1, arg in chunks:
             if r > 0:
                 comm.Recv(G[e0:e1], source=r - 1, tag=TAG)
             if fold is not None:
                 fold(arg)
-            if r < P - 1:
+            if not last:
                 pending.append(comm.Isend(G[e0:e1], dest=r + 1, tag=TAG))
                 self.sent += 8 * (e1 - e0)
-        self.MPI.Request.Waitall(pending)
-        comm.Bcast(G, root=P - 1)
-        if r == P - 1:
-            self.sent += G.nbytes
+            else:
+                for o, a, b in pieces(e0, e1):
+                    pending.append(comm.Isend(G[a:b], dest=o, tag=TAG + 1))
+                    self.sent += 8 * (b - a)
+        self.MPI.Request.Waitall(pending)  # G may be written again only after this
+        if not last:  # the finished sums of this rank's own elements
+            mine = [(a, b) for e0, e1, _ in chunks for o, a, b in pieces(e0, e1) if o == r]
+            self.MPI.Request.Waitall([comm.Irecv(G[a:b], source=P - 1, tag=TAG + 1)
+                                      for a, b in mine])
+
+    def optimizer_step(self, run, runner, adam, requantize):
+        """The AdamW step split between ranks: each updates the tensors it owns (where
+        its G is the batch's gradient), then every rank gathers the others' updated
+        parameters and per-tensor sums and requantises the whole model itself
+        (cheaper than moving the trits). Each element's update is one process's, so
+        are the bytes; rank 0 gathers the moments only when it saves."""
+        from .step import tensor_parts
+        t0, t1 = self.owned[self.rank]
+        runner.map_parts(adam, [p for p in tensor_parts(run.cfg, runner.threads, t0, t1)
+                                if p[0] < p[1]])
+        counts = [b - a for a, b in self.owned_elements]
+        displs = [a for a, _ in self.owned_elements]
+        self.comm.Allgatherv(self.MPI.IN_PLACE,
+                             [run.state.theta, counts, displs, self.MPI.DOUBLE])
+        self.sent += 8 * counts[self.rank] * (self.size - 1)
+        sums = np.stack([run.norms, run.abs_sums, run.moment_sums])
+        for (u0, u1), part in zip(self.owned, self.comm.allgather(sums[:, t0:t1])):
+            sums[:, u0:u1] = part
+        run.norms[:], run.abs_sums[:], run.moment_sums[:] = sums
+        runner.map_parts(requantize, tensor_parts(run.cfg, runner.threads))
+
+    def gather_moments(self, m, v):
+        """Rank 0 receives every rank's own part of the Adam moments (before a save)."""
+        counts = [b - a for a, b in self.owned_elements]
+        displs = [a for a, _ in self.owned_elements]
+        a, b = self.owned_elements[self.rank]
+        for arr in (m, v):
+            if self.rank == 0:
+                self.comm.Gatherv(self.MPI.IN_PLACE, [arr, counts, displs, self.MPI.DOUBLE],
+                                  root=0)
+            else:
+                self.comm.Gatherv(arr[a:b], None, root=0)
+
+    def first_findings(self, firsts):
+        """Per quantity, the first tensor any rank found (ranks own runs in order)."""
+        every = self.comm.allgather(firsts)
+        return [min((f[i] for f in every if f[i] is not None), default=None)
+                for i in range(len(firsts))]
 
     def ordered_mean(self, losses):
         from .step import ordered_mean
@@ -286,15 +360,17 @@ class World:
                                 f"sha256 {every[0][:16]}..., rank(s) {odd} differ); stopping "
                                 "without saving")
 
-    def after_step(self, run, signum, steps, save_every):
-        """Agree whether any rank was asked to stop (the largest signal number wins),
-        and compare the parameters now and then. Returns the agreed signal or None."""
-        agreed = self.comm.allreduce(int(signum or 0), op=self.MPI.MAX)
+    def after_step(self, run, signum, steps, save_every, failed):
+        """Agree whether any rank was asked to stop (the largest signal number wins) or
+        failed to write its metrics, and compare the parameters now and then."""
+        flags = np.array([int(signum or 0), int(failed)], np.int64)
+        self.comm.Allreduce(self.MPI.IN_PLACE, flags, op=self.MPI.MAX)
+        agreed = int(flags[0])
         s = run.step
         if (agreed or s % CHECK_EVERY == 0 or s >= steps
                 or (save_every and s % save_every == 0)):
             self.digest_check(run.state.theta, s)
-        return agreed or None
+        return agreed or None, bool(flags[1])
 
     def start(self):
         """Before the first step: did every rank get ready? If one failed, the
@@ -331,16 +407,25 @@ class World:
         if self.rank == 0:
             per = ", ".join(f"{b / 1e6:.2f}" for b in every)
             echo(f"MPI: {self.size} ranks; MB sent per step by rank 0..{self.size - 1}: {per} "
-                 f"(running sums to the next rank; the last rank broadcasts the gradient)")
+                 "(running sums to the next rank, finished sums to their owners, updated "
+                 "parameters to all)")
 
 
 class _Shared(str):
     """The message of an AllRanksError."""
 
 
-def after_step(run, signum, steps, save_every):
-    """The step loop's hook: in one process, the signal as it is."""
-    return signum if _world is None else _world.after_step(run, signum, steps, save_every)
+def after_step(run, signum, steps, save_every, failed=False):
+    """The step loop's hook: (the signal to stop on or None, whether a rank could not
+    write its metrics). In one process, as they are."""
+    if _world is None:
+        return signum, failed
+    return _world.after_step(run, signum, steps, save_every, failed)
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether flag is true on any rank (in one process: flag)."""
+    return flag if _world is None else bool(_world.comm.allreduce(int(flag), op=_world.MPI.MAX))
 
 
 def start():

@@ -64,6 +64,14 @@ def split_by_cost(cost, n):
     return [(cuts[r], max(cuts[r], cuts[r + 1])) for r in range(n)]
 
 
+def tensor_parts(cfg, n, t0=0, t1=None):
+    """Tensors t0..t1-1 in n contiguous runs of about equal sizes: [(lo, hi)] (the
+    optimiser's elementwise work, split between threads or MPI ranks)."""
+    sizes = np.diff(cfg.offsets()).astype(np.float64)
+    t1 = len(sizes) if t1 is None else t1
+    return [(t0 + a, t0 + b) for a, b in split_by_cost(sizes[t0:t1], n)]
+
+
 class Worker:
     """Scratch for one thread: everything a window writes besides the step's gradient."""
 

@@ -20,7 +20,7 @@ from .optim import adamw_step, bias_corrections, learning_rate
 from .params import ModelState, init_params, ternary_mask
 from .rng import Stream
 from .speeds import SPEEDS
-from .step import StepRunner, kernels_cached, warm_up
+from .step import StepRunner, kernels_cached, tensor_parts, warm_up
 from .tables import Tables
 from .validate import check_fits, check_hyper, memory_estimate
 
@@ -147,27 +147,37 @@ class Run:
                    st.tensor("adam.v").copy(), st.step, Stream.from_state_json(st.meta["rng"]), plain)
 
     def check_finite(self, loss):
-        """HslmError naming the step and the first non-finite quantity: the loss, a
-        gradient, a parameter or an Adam moment (nothing is saved after one)."""
+        """An error naming the step and the first non-finite quantity: the loss, a
+        gradient, a parameter or an Adam moment (nothing is saved after one). Under MPI
+        every rank reaches the same verdict (the sums are gathered), rank 0 reports."""
         where = f"step {self.step}"
         if not np.isfinite(loss):
-            raise HslmError(f"{where}: the training loss is {loss}; stopping without saving "
-                            "(the last checkpoint written stays as it was)")
+            raise distributed.AllRanksError(f"{where}: the training loss is {loss}; stopping "
+                                            "without saving (the last checkpoint written "
+                                            "stays as it was)")
         if (np.isfinite(self.norms).all() and np.isfinite(self.abs_sums).all()
                 and np.isfinite(self.moment_sums).all()):
             return  # the optimiser's per-tensor sums are finite: so is every element
-        names = None  # a sum is not: find the element (or find that a finite sum overflowed)
-        for what, arr in (("gradient", self.grad), ("parameter", self.state.theta),
-                          ("Adam first moment", self.m), ("Adam second moment", self.v)):
-            if np.isfinite(arr).all():
-                continue
-            names = names or [n for n, _, _ in self.cfg.tensors()]
-            offs = self.state.offs
-            t = next(i for i in range(len(names))
-                     if not np.isfinite(arr[offs[i]:offs[i + 1]]).all())
-            raise HslmError(f"{where}: the {what} of tensor {names[t]} is not finite (NaN or "
-                            "infinite); stopping without saving (the last checkpoint written "
-                            "stays as it was); a smaller --lr or --weight-decay may help")
+        # A sum is not: find the first quantity and tensor holding a non-finite element
+        # (or find that a finite sum overflowed). Under MPI each rank looks at the
+        # tensors it updated (there its gradient and moments are the run's) and the
+        # ranks agree on the first finding.
+        world = distributed.current()
+        t0, t1 = (0, len(self.norms)) if world is None else world.owned[world.rank]
+        offs = self.state.offs
+        quantities = (("gradient", self.grad), ("parameter", self.state.theta),
+                      ("Adam first moment", self.m), ("Adam second moment", self.v))
+        firsts = [next((t for t in range(t0, t1) if not np.isfinite(arr[offs[t]:offs[t + 1]]).all()),
+                       None) for _, arr in quantities]
+        if world is not None:
+            firsts = world.first_findings(firsts)
+        for (what, _), t in zip(quantities, firsts):
+            if t is not None:
+                name = self.cfg.tensors()[t][0]
+                raise distributed.AllRanksError(
+                    f"{where}: the {what} of tensor {name} is not finite (NaN or infinite); "
+                    "stopping without saving (the last checkpoint written stays as it was); "
+                    "a smaller --lr or --weight-decay may help")
 
     # ------------------------------------------------------------- stepping
     def lr_at(self, step):
@@ -183,14 +193,20 @@ class Run:
         lr = self.lr_at(self.step)
         bc1, bc2 = bias_corrections(self.step)
 
-        def update(part):  # tensors are independent: threads take contiguous runs of them
-            t0, t1 = part
+        def adam(part):  # tensors are independent: threads take contiguous runs of them
             adamw_step(self.state.theta, self.grad, self.m, self.v, self.state.offs, self.decay,
                        bc1, bc2, lr, h.weight_decay, self.norms, self.abs_sums,
-                       self.moment_sums, t0, t1)
-            self.state.requantize(t0, t1, self.abs_sums)  # alpha from the update's sums
+                       self.moment_sums, part[0], part[1])
 
-        runner.map_parts(update, tensor_parts(self.cfg, runner.threads))
+        def requantize(part):  # alpha from the update's sums
+            self.state.requantize(part[0], part[1], self.abs_sums)
+
+        world = distributed.current()
+        if world is None:
+            runner.map_parts(lambda part: (adam(part), requantize(part)),
+                             tensor_parts(self.cfg, runner.threads))
+        else:  # MPI: each rank updates its own tensors, then all gather them
+            world.optimizer_step(self, runner, adam, requantize)
         return loss
 
     def validation_loss(self, runner: StepRunner) -> float:
@@ -200,6 +216,13 @@ class Run:
 
     # ---------------------------------------------------------- checkpoints
     def save(self, out: Path):
+        base = out / f"ckpt_{self.step}"
+        paths = base.with_suffix(".bin"), base.with_suffix(".state")
+        world = distributed.current()
+        if world is not None:  # MPI: every rank calls save; rank 0 alone writes
+            world.gather_moments(self.m, self.v)  # it needs every rank's moments
+            if world.rank != 0:
+                return paths
         pblob = ckpt.params_blob(self.cfg, self.state.theta, self.step, self.corpus.tokenizer)
         extra = {
             "rng": self.rng.state_json(),
@@ -212,12 +235,9 @@ class Run:
         }
         sblob = ckpt.state_blob(self.cfg, self.m, self.v, self.step,
                                 ckpt.params_sha256_of(pblob), extra)
-        base = out / f"ckpt_{self.step}"
-        if not distributed.is_writer():  # MPI: rank 0 alone writes
-            return base.with_suffix(".bin"), base.with_suffix(".state")
-        ckpt.write_atomic(base.with_suffix(".bin"), pblob)
-        ckpt.write_atomic(base.with_suffix(".state"), sblob)
-        return base.with_suffix(".bin"), base.with_suffix(".state")
+        ckpt.write_atomic(paths[0], pblob)
+        ckpt.write_atomic(paths[1], sblob)
+        return paths
 
     def ternary_zero_share(self) -> float:
         """Share of zeros over all ternary matrices (|W| <= alpha / 2)."""
@@ -229,12 +249,6 @@ class Run:
             zeros += int(np.count_nonzero(np.abs(seg) <= half))
             total += seg.size
         return zeros / total
-
-
-def tensor_parts(cfg: Config, n: int):
-    """n contiguous runs of tensors with about equal sizes."""
-    from .step import split_by_cost
-    return split_by_cost(np.diff(cfg.offsets()).astype(np.float64), n)
 
 
 def load_corpus(data, cfg: Config, expect_sha256=None, tokenizer=None, cache_dir=None) -> Corpus:
@@ -466,54 +480,70 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
     if compiling:
         progress.message(f"compiled in {time.perf_counter() - t0:.0f} s")
 
+    metrics_error = None
+
+    def write_metrics(**record):
+        """Rank 0 writes (MPI); a failure stops the run after the ranks agree on it."""
+        nonlocal metrics_error
+        try:
+            metrics.write(**record)
+        except MetricsError as e:
+            metrics_error = metrics_error or e
+
+    def stop_for_metrics(saved):
+        raise distributed.AllRanksError(
+            f"{metrics_error or 'rank 0 could not write --metrics'}; stopped after step "
+            f"{run.step} and saved {saved} (resume with: {o.resume_command(saved)})")
+
     def evaluate():
         v = run.validation_loss(runner)
         if not math.isfinite(v):
-            raise HslmError(f"step {run.step}: the validation loss is {v} (the parameters are "
-                            "finite but the model overflows; is --lr too high?); not saved")
-        metrics.write(kind="eval", step=run.step, valid_loss=v, perplexity=math.exp(v))
+            raise distributed.AllRanksError(
+                f"step {run.step}: the validation loss is {v} (the parameters are finite but "
+                "the model overflows; is --lr too high?); not saved")
+        write_metrics(kind="eval", step=run.step, valid_loss=v, perplexity=math.exp(v))
         return v
 
     try:
-        try:
-            while run.step < o.steps:
-                t0 = time.perf_counter()
-                loss = run.train_step(runner)
-                dt = time.perf_counter() - t0
-                run.check_finite(loss)
-                first = loss if first is None else first
-                last = loss
-                tok_s = h.batch * cfg.window / dt
-                progress.step(run.step, loss, run.lr_at(run.step), tok_s)
-                if metrics.f is not None:
-                    metrics.write(kind="train", step=run.step, loss=loss, lr=run.lr_at(run.step),
-                                  grad_norm=float(np.sqrt(np.sum(run.norms ** 2))), tok_s=tok_s,
-                                  ternary_zero_share=run.ternary_zero_share())
-                # MPI: the ranks agree on a stop and compare parameters (hslm/distributed.py)
-                stop.signum = distributed.after_step(run, stop.signum, o.steps, o.save_every)
-                if stop.signum is not None:
-                    b, s = run.save(out)
-                    progress.message(f"{signal.Signals(stop.signum).name}: stopped after step "
-                                     f"{run.step}; saved {b} and {s}")
-                    progress.message(f"resume with: {o.resume_command(s)}")
-                    sys.exit(128 + stop.signum)
-                if o.eval_every and run.step % o.eval_every == 0 and run.step < o.steps:
-                    v = evaluate()
-                    progress.message(f"step {run.step}: valid {v:.4f} (perplexity "
-                                     f"{math.exp(v):.1f})")
-                if o.save_every and run.step % o.save_every == 0 and run.step < o.steps:
-                    run.save(out)
-            progress.close()
-            # evaluate before saving: a model whose validation loss is not finite is not saved
-            valid = evaluate()
-            b, s = run.save(out)
-            if not o.quiet:
-                echo(f"saved {b} and {s}")
-            distributed.summary(echo)  # MPI: bytes sent per rank per step
-        except MetricsError as e:  # the run itself is fine: keep it, then stop
-            b, s = run.save(out)
-            raise HslmError(f"{e}; stopped after step {run.step} and saved {s} (resume with: "
-                            f"{o.resume_command(s)})") from None
+        while run.step < o.steps:
+            t0 = time.perf_counter()
+            loss = run.train_step(runner)
+            dt = time.perf_counter() - t0
+            run.check_finite(loss)
+            first = loss if first is None else first
+            last = loss
+            tok_s = h.batch * cfg.window / dt
+            progress.step(run.step, loss, run.lr_at(run.step), tok_s)
+            if metrics.f is not None:
+                write_metrics(kind="train", step=run.step, loss=loss, lr=run.lr_at(run.step),
+                              grad_norm=float(np.sqrt(np.sum(run.norms ** 2))), tok_s=tok_s,
+                              ternary_zero_share=run.ternary_zero_share())
+            # MPI: the ranks agree on a stop and compare parameters (hslm/distributed.py)
+            stop.signum, failed = distributed.after_step(run, stop.signum, o.steps,
+                                                         o.save_every, metrics_error is not None)
+            if failed:  # the run itself is fine: keep it, then stop
+                stop_for_metrics(run.save(out)[1])
+            if stop.signum is not None:
+                b, s = run.save(out)
+                progress.message(f"{signal.Signals(stop.signum).name}: stopped after step "
+                                 f"{run.step}; saved {b} and {s}")
+                progress.message(f"resume with: {o.resume_command(s)}")
+                sys.exit(128 + stop.signum)
+            if o.eval_every and run.step % o.eval_every == 0 and run.step < o.steps:
+                v = evaluate()
+                progress.message(f"step {run.step}: valid {v:.4f} (perplexity "
+                                 f"{math.exp(v):.1f})")
+            if o.save_every and run.step % o.save_every == 0 and run.step < o.steps:
+                run.save(out)
+        progress.close()
+        # evaluate before saving: a model whose validation loss is not finite is not saved
+        valid = evaluate()
+        b, s = run.save(out)
+        if distributed.any_rank(metrics_error is not None):
+            stop_for_metrics(s)
+        if not o.quiet:
+            echo(f"saved {b} and {s}")
+        distributed.summary(echo)  # MPI: bytes sent per rank per step
     finally:
         progress.close()
         runner.close()

@@ -227,3 +227,32 @@ def test_sigterm_saves_one_checkpoint_and_stops_every_rank(tmp_path):
     assert len(ckpts) == 2, ckpts
     assert "SIGTERM: stopped after step" in stdout + err
     assert err.count("SIGTERM: finishing the current step") == 1
+
+
+@needs_mpi
+def test_a_diverging_run_is_reported_once_as_in_one_process(tmp_path):
+    """The finiteness check looks at each rank's own tensors; the ranks agree, rank 0
+    reports the same line one process prints, and nothing non-finite is saved."""
+    args = [*TINY, "--batch", 4, "--steps", 6, "--save-every", 1, "--lr", "1e30", "--warmup", 0]
+    code1, _, err1 = hslm("train", *args, "--out", tmp_path / "one")
+    code2, _, err2 = hslm("train", *args, "--out", tmp_path / "mpi", ranks=2)
+    one = [ln for ln in err1.splitlines() if ln.startswith("error:")]
+    two = [ln for ln in err2.splitlines() if ln.startswith("error:")]
+    assert code1 == code2 == 2 and len(one) == 1 and one == two, (err1, err2)
+    assert "not finite" in one[0] or "nan" in one[0]
+    assert (sorted(p.name for p in (tmp_path / "one").glob("ckpt_*"))
+            == sorted(p.name for p in (tmp_path / "mpi").glob("ckpt_*")))
+
+
+@needs_mpi
+def test_metrics_failure_saves_on_every_rank_and_stops(tmp_path):
+    """Rank 0 alone writes metrics; its failure is agreed after the step, then every
+    rank takes part in the save (rank 0 gathers the moments) and the run stops."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    code, _, err = hslm("train", *TINY, "--batch", 4, "--steps", 3, "--metrics", "/dev/full",
+                        "--out", tmp_path / "m", ranks=2, timeout=60)
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "cannot write --metrics" in errors[0], err
+    train(tmp_path / "ref", "--batch", 4, "--steps", 1)
+    same_bytes(tmp_path / "ref", tmp_path / "m", 1)
