@@ -85,14 +85,14 @@ _compile_with_slp(ternary_panel_matmul,
 _compile_with_slp(panel_matmul_add, "(float64[:, ::1], float64[:, :, ::1], int64, float64[:, ::1])")
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def ternary_panels(P, poffs, alpha, t, a, b, X, Y):
     """Y [n, b] = alpha[t] * (X [n, a] . T_t), T_t read from its column panels in P."""
     npan = (b + PANEL - 1) // PANEL
     ternary_panel_matmul(X, P[poffs[t]:poffs[t + 1]].reshape((npan, a, PANEL)), b, alpha[t], Y)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def weight_grad_rows(X, i0, i1, DY, G, XT, PD):
     """G[i0:i1] += (X^T . DY)[i0:i1]: G [a, b], X [n, a], DY [n, b]; each element
     summed over the positions r = 0, 1, ... in increasing order from 0.0.
@@ -120,7 +120,7 @@ def weight_grad_rows(X, i0, i1, DY, G, XT, PD):
     panel_matmul_add(xt, pd, b, G[i0:i1])
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def column_sum_rows(DY, g):
     """g [b] += sum_r DY[r, j] (bias gradients), r increasing from 0.0."""
     n, b = DY.shape

@@ -123,7 +123,7 @@ def alloc_scratch(dims: Dims):
 
 
 # ------------------------------------------------------------------ views
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def tensor_index(dims, b, which):
     """Index of tensor `which` (config.GAMMA ... BDOWN) of block b in the flat layout;
     which = -1 with b = blocks is Wout, which = -2 is bout, b = -1 is E."""
@@ -134,23 +134,23 @@ def tensor_index(dims, b, which):
     return 1 + b * TENSORS_PER_BLOCK + which
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def wout_index(dims):
     return tensor_index(dims, dims.blocks, -1)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def view1(a, offs, t):
     return a[offs[t]:offs[t + 1]]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def view2(a, offs, t, rows, cols):
     return a[offs[t]:offs[t] + rows * cols].reshape((rows, cols))
 
 
 # ---------------------------------------------------------- ternary matmuls
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def matvec_dot(x, T, alpha, y):
     """y [n] = alpha * (x [m] . T [m, n]): dot-product form, the definition."""
     m, n = T.shape
@@ -161,7 +161,7 @@ def matvec_dot(x, T, alpha, y):
         y[j] = alpha * acc
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def matvec_t_dot(dy, T, alpha, dx):
     """dx [m] = alpha * (T [m, n] . dy [n]): the input gradient, the definition."""
     m, n = T.shape
@@ -172,7 +172,7 @@ def matvec_t_dot(dy, T, alpha, dx):
         dx[i] = alpha * acc
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def ternary_forward(model, t, m, n, X, Y, kernel):
     """Y [rows, n] = X [rows, m] . (alpha_t T_t), T_t [m, n] ternary."""
     if kernel == KERNEL_PANELS:
@@ -185,7 +185,7 @@ def ternary_forward(model, t, m, n, X, Y, kernel):
             matvec_dot(X[r], T, model.alpha[t], Y[r])
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def ternary_input_grad(model, t, m, n, DY, DX, kernel):
     """DX [rows, m] = DY [rows, n] . (alpha_t T_t)^T."""
     if kernel == KERNEL_PANELS:
@@ -199,7 +199,7 @@ def ternary_input_grad(model, t, m, n, DY, DX, kernel):
 
 
 # --------------------------------------------------------------- embedding
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def embed_forward(model, A, w, tokens, p0, p1):
     """x_0[p] = E[t_p] + P[p] for p in p0..p1-1.   E [V, d], P [L, d] -> x[w, 0] [L, d]."""
     D = model.dims
@@ -214,7 +214,7 @@ def embed_forward(model, A, w, tokens, p0, p1):
 
 
 # ----------------------------------------------------- RMSNorm and the gain
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def rms_forward(x, xr):
     """xr = x / sqrt(mean(x^2) + 1e-6); returns the factor r."""
     n = x.shape[0]
@@ -227,7 +227,7 @@ def rms_forward(x, xr):
     return r
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def rms_backward(x, r, dxr, dx):
     """dx = dxr * r - x * (sum_i dxr_i x_i) r^3 / n."""
     n = x.shape[0]
@@ -239,7 +239,7 @@ def rms_backward(x, r, dxr, dx):
         dx[i] = dxr[i] * r - x[i] * coef
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def norm_gain_forward(model, A, w, b, p0, p1):
     """n = rms(x_b) * gamma_b for rows p0..p1-1.   x [L, d] -> rms [L], x_normed, n [L, d]."""
     D = model.dims
@@ -252,7 +252,7 @@ def norm_gain_forward(model, A, w, b, p0, p1):
             n[i] = xr[i] * gamma[i]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def norm_gain_backward(model, A, R, w, b, s, r0, r1, DQ, DK, DV, DX):
     """dn = ((dq Wq^T) + dk Wk^T) + dv Wv^T [rows, d] (given as DQ, DK, DV) -> the gain's
     rows d_gain = dn * x_normed, and DX = dloss/dx_b through the norm (rows r0..r1-1).
@@ -271,7 +271,7 @@ def norm_gain_backward(model, A, R, w, b, s, r0, r1, DQ, DK, DV, DX):
 
 
 # ------------------------------------------------------------------ rotary
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def rotary_forward(v, cos, sin, p, H, dh):
     """Rotate pairs (c, c + dh//2) of each head by p * phi^(-2c/dh), in place. [d]"""
     half = dh // 2
@@ -287,7 +287,7 @@ def rotary_forward(v, cos, sin, p, H, dh):
             v[i1] = a * sn + b * cs
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def rotary_backward(dv, cos, sin, p, H, dh):
     """Gradient through rotary_forward, in place. [d]"""
     half = dh // 2
@@ -304,7 +304,7 @@ def rotary_backward(dv, cos, sin, p, H, dh):
 
 
 # ------------------------------------------------------ causal attention
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def attention_position(q, K, Vc, p, H, dh, scale, Ap, o):
     """Causal attention of position p over rows 0..p.
     q [d], K/Vc [>= p+1, d] -> Ap [H, >= p+1] (probabilities), o [d]."""
@@ -333,7 +333,7 @@ def attention_position(q, K, Vc, p, H, dh, scale, Ap, o):
             o[c0 + e] = acc
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def attention_position_backward(q, K, Vc, Ap, p, H, dh, scale, do, dq, dk, dv):
     """Gradient of position p's attention through its own q, k_p and v_p only:
     earlier keys and values are constants of position p's backward (docs/model.md, 7)."""
@@ -362,7 +362,7 @@ def attention_position_backward(q, K, Vc, Ap, p, H, dh, scale, do, dq, dk, dv):
             dv[c0 + e] = Ap[h, p] * do[c0 + e]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def qkv_attention_forward(model, A, w, b, p0, p1, s, kernel):
     """k, v = rot(n Wk), n Wv for rows p0..p1-1 (they join the cache); for rows
     max(p0, s).. also q = rot(n Wq) and the attention output o.
@@ -384,7 +384,7 @@ def qkv_attention_forward(model, A, w, b, p0, p1, s, kernel):
                            A.attn[w, b, p], A.attn_out[w, b, p])
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def qkv_attention_backward(model, A, R, S, w, b, s, r0, r1, kernel):
     """d_h [rows, d] -> do = d_h Wo^T -> dq, dk, dv (recorded, rotary undone) ->
     dn's three parts in S.tmp1, S.tmp2 and S.d_n (rows r0..r1-1)."""
@@ -409,7 +409,7 @@ def qkv_attention_backward(model, A, R, S, w, b, s, r0, r1, kernel):
 
 
 # ------------------------------------------ output projection and residual
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def attn_residual_forward(model, A, w, b, p0, p1, kernel):
     """h = x + o Wo for rows p0..p1-1.   attn_out [L, d] -> h [L, d]."""
     D = model.dims
@@ -425,7 +425,7 @@ def attn_residual_forward(model, A, w, b, p0, p1, kernel):
 
 
 # ------------------------------------------------------------------- MLP
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def mlp_forward(model, A, w, b, vsa, p0, p1, kernel):
     """u = h Wup + bup, relu = max(u, 0), x' = (h + (relu Wdown + bdown)) + vsa_b
     for rows p0..p1-1.   h [L, d] -> u, relu [L, F] -> x_{b+1} (or x_final) [L, d]."""
@@ -451,7 +451,7 @@ def mlp_forward(model, A, w, b, vsa, p0, p1, kernel):
             xo[i] = (h[i] + (xo[i] + bdown[i])) + vsa[b, p, i]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def mlp_backward(model, A, R, S, w, b, s, r0, r1, kernel):
     """d_block_out [rows, d] -> d_u = (dx' Wdown^T) * (u > 0) [rows, F] ->
     d_h = dx' + d_u Wup^T [rows, d] (rows r0..r1-1)."""
@@ -473,7 +473,7 @@ def mlp_backward(model, A, R, S, w, b, s, r0, r1, kernel):
 
 
 # ------------------------------------------------------------------ blocks
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def block_forward(model, A, w, vsa, b, p0, p1, s, kernel):
     """Block b for rows p0..p1-1: x_b [L, d] -> x_{b+1} (or x_final) [L, d].
     Rows below s make only their keys and values (later rows attend to them)."""
@@ -485,7 +485,7 @@ def block_forward(model, A, w, vsa, b, p0, p1, s, kernel):
         mlp_forward(model, A, w, b, vsa, q0, p1, kernel)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def block_backward(model, A, R, S, w, b, s, r0, r1, kernel):
     """Block b's backward for record rows r0..r1-1: d_block_out[b] -> d_block_out[b - 1]
     (or d_x0 for block 0), recording each layer's output gradient on the way."""
@@ -501,7 +501,7 @@ def block_backward(model, A, R, S, w, b, s, r0, r1, kernel):
 
 
 # -------------------------------------------------------------------- head
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def head_forward(model, A, w, p0, p1, kernel):
     """z = c (rms(x_final) Wout) + bout for rows p0..p1-1.   x_final [L, d] -> logits [L, V]."""
     D = model.dims
@@ -518,7 +518,7 @@ def head_forward(model, A, w, p0, p1, kernel):
             z[j] = c * z[j] + bout[j]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def head_backward(model, A, R, S, w, s, r0, r1, kernel):
     """d_logits [rows, V] -> d_head = c dz -> dloss/dx_final = rms'(d_head Wout^T)
     into d_block_out[nb - 1] [rows, d] (rows r0..r1-1)."""
@@ -536,7 +536,7 @@ def head_backward(model, A, R, S, w, s, r0, r1, kernel):
 
 
 # -------------------------------------------------------------------- loss
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def loss_forward_backward(z, target, scale, dz):
     """Label-smoothed cross-entropy of one scored position; dz = dloss/dz * scale.
     z [V] -> loss; dz [V]."""
@@ -563,7 +563,7 @@ def loss_forward_backward(z, target, scale, dz):
     return loss
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def loss_rows(model, A, R, w, tokens, s, r0, r1, scale):
     """The scored rows' losses and d_logits (rows r0..r1-1); returns their sum."""
     total = 0.0
@@ -579,7 +579,7 @@ COLUMN_SUM = 1   # g_t += sum of DY's rows (biases, the gain)
 EMBED_ROWS = 2   # E[t_p] += DY row of position p (the embedding)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def weight_grad_operands(model, A, R, w, t, s, k):
     """What tensor t's gradient is made of, for window w's k scored rows:
     (kind, X [k, m], DY [k, n], m, n). The one place that pairs each activation with

@@ -60,13 +60,13 @@ ROUND_SHIFT = 6755399441055744.0  # 1.5 * 2^52: x + it rounds x to an integer in
 ROUND_SHIFT_BITS = np.uint64(0x4338000000000000)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, inline="always", error_model="numpy")
 def _pow2(k):
     """2^k for -1022 <= k <= 1023, exactly, from its bit pattern."""
     return np.uint64((k + 1023) << 52).view(np.float64)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, inline="always", error_model="numpy")
 def _exponent_and_fraction(x):
     """For a positive normal x: (e, m) with x = m 2^e and m in [1, 2), exactly."""
     bits = np.float64(x).view(np.uint64)
@@ -75,7 +75,7 @@ def _exponent_and_fraction(x):
     return e, m.view(np.float64)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, inline="always", error_model="numpy")
 def exp(x):
     """e^x within 1 ulp, from basic operations only (fdlibm's method; the only branches
     are the two clamps, which compile to selects)."""
@@ -100,7 +100,7 @@ def exp(x):
     return (y * _pow2(k1)) * _pow2(k - k1)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def log(x):
     """Natural logarithm within 1 ulp, from basic operations only (fdlibm's method)."""
     if x != x:
@@ -130,14 +130,14 @@ def log(x):
     return (((s * (hfsq + r) + dk * LN2_LO) - hfsq) + f) + dk * LN2_HI
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def exp_array(xs, out):
     for i in range(xs.shape[0]):
         out[i] = exp(xs[i])
     return out
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def log_array(xs, out):
     for i in range(xs.shape[0]):
         out[i] = log(xs[i])

@@ -12,6 +12,7 @@ from . import precise
 
 BETA1, BETA2, ADAM_EPS = 0.9, 0.999, 1e-8
 CLIP_NORM = 1.0
+BLOCK = 512  # elements updated (vectorised) before their sums are taken (in order)
 
 
 def learning_rate(step: int, peak: float, warmup: int, decay_steps: int) -> float:
@@ -34,7 +35,7 @@ def bias_corrections(step: int):
                  for beta in (BETA1, BETA2))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def adamw_step(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, norms, abs_sums,
                moment_sums, t0, t1):
     """One AdamW update in place, tensor by tensor.
@@ -49,7 +50,9 @@ def adamw_step(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, norms
     moment_sums[t] = sum |m| + sum v: with norms and abs_sums, finite exactly when every
     gradient, parameter and moment of the tensor is (or, rarely, when a sum of finite
     values overflows), so the run's finiteness check needs no pass of its own.
-    Updates tensors t0..t1-1: tensors are independent, so threads may split them."""
+    Updates tensors t0..t1-1: tensors are independent, so threads may split them.
+    error_model="numpy" (as on every kernel): a division is a plain IEEE division,
+    with no Python zero check in the loop, so the update vectorises (same bits)."""
     step_size = lr / bc1
     sbc2 = math.sqrt(bc2)
     for t in range(t0, t1):
@@ -63,16 +66,19 @@ def adamw_step(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, norms
         wd = 1.0 - lr * weight_decay if decay[t] else 1.0
         s = 0.0
         sm = 0.0
-        for e in range(a, b):
-            g = grad[e] * clip
-            me = BETA1 * m[e] + (1.0 - BETA1) * g
-            ve = BETA2 * v[e] + (1.0 - BETA2) * (g * g)
-            m[e] = me
-            v[e] = ve
-            w = theta[e] * wd
-            w = w - step_size * (me / (math.sqrt(ve) / sbc2 + ADAM_EPS))
-            theta[e] = w
-            s += abs(w)
-            sm += abs(me) + ve
+        for e0 in range(a, b, BLOCK):
+            n = min(BLOCK, b - e0)
+            gb, mb, vb, wb = grad[e0:e0 + n], m[e0:e0 + n], v[e0:e0 + n], theta[e0:e0 + n]
+            for i in range(n):  # elementwise over slice views: this loop vectorises
+                g = gb[i] * clip
+                me = BETA1 * mb[i] + (1.0 - BETA1) * g
+                ve = BETA2 * vb[i] + (1.0 - BETA2) * (g * g)
+                mb[i] = me
+                vb[i] = ve
+                w = wb[i] * wd
+                wb[i] = w - step_size * (me / (math.sqrt(ve) / sbc2 + ADAM_EPS))
+            for i in range(n):  # the sums in element order, on the block while it is in L1
+                s += abs(wb[i])
+                sm += abs(mb[i]) + vb[i]
         abs_sums[t] = s
         moment_sums[t] = sm

@@ -11,7 +11,7 @@ ROWS = 3
 PANEL = 24
 
 
-@njit(cache=True, nogil=True, fastmath={"contract"})
+@njit(cache=True, nogil=True, error_model="numpy", fastmath={"contract"})
 def ternary_panel_matmul(X, P, b, alpha, Y):
     """Y [n, b] = alpha * (X [n, a] . T), T ternary [a, b] in panels P (float32:
     -1, 0 and +1 convert to float64 exactly).
@@ -429,7 +429,7 @@ def ternary_panel_matmul(X, P, b, alpha, Y):
             r += 1
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def panel_matmul_add(X, P, b, G):
     """G [n, b] += X [n, a] . D, D [a, b] in panels P: the weight gradient, X the
     layer input transposed (gradient rows x positions), D the output gradient

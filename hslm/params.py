@@ -33,7 +33,7 @@ def ternary_mask(cfg: Config) -> np.ndarray:
     return np.array([kind == "ternary" for _, _, kind in cfg.tensors()])
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def quantize_into(theta, offs, rows, cols, is_ternary, alpha, plain, Tf, Tb, pf_offs, Pf,
                   pb_offs, Pb, panel, abs_sums, sums_given, t0, t1):
     """alpha = mean|W| (1 if <= 1e-6); T = sign(W) where |W| > alpha/2 (spec section 3),

@@ -119,7 +119,7 @@ class Worker:
                                      KERNEL_PANELS)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def add_in_order(G, bufs, n, lo, hi):
     """G[lo:hi] += bufs[0], then bufs[1], ... bufs[n-1]: window order."""
     for w in range(n):

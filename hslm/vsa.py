@@ -14,7 +14,7 @@ from .config import PHI
 GATE = 1.0 / PHI  # 0.6180339887...
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def vsa_window(table, tokens, n_blocks, width, out):
     """table [V, D] int8, tokens [>= L] -> out [nb, L, d] f64 (L = out.shape[1])."""
     L = out.shape[1]

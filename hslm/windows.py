@@ -28,7 +28,7 @@ from .vsa import vsa_window
 
 
 # ------------------------------------------------------------ per position
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def position_forward(model, A, w, tokens, vsa, p, kv_only_last, with_head, kernel):
     """Position p's column: embedding, every block (its keys and values join the
     cache), and with_head the logits."""
@@ -41,7 +41,7 @@ def position_forward(model, A, w, tokens, vsa, p, kv_only_last, with_head, kerne
         head_forward(model, A, w, p, p + 1, kernel)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def stream_weight_grads(model, A, R, w, tokens, s, k, r, acc):
     """Add scored row r's products into the window accumulator acc (every tensor)."""
     offs = model.offs
@@ -67,7 +67,7 @@ def stream_weight_grads(model, A, R, w, tokens, s, k, r, acc):
                 E[tok, i] += DY[r, i]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def window_per_position(model, tokens, vsa, k, scale, A, R, S, acc, out, recompute_prefix,
                         kv_only_unscored, kernel):
     """Speeds 0-2: one position at a time. acc is the window's accumulator (zeroed
@@ -102,7 +102,7 @@ def window_per_position(model, tokens, vsa, k, scale, A, R, S, acc, out, recompu
 
 
 # --------------------------------------------------------------- layerwise
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def windows_layerwise(model, vsa_table, windows, vsa, k, scale, A, R, S, first, step, losses,
                       kernel):
     """Speed 3 for windows first, first + step, ... of a batch (one thread's share):
@@ -130,7 +130,7 @@ def windows_layerwise(model, vsa_table, windows, vsa, k, scale, A, R, S, first, 
             block_backward(model, A, R, S, w, b, s, 0, k, kernel)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG):
     """Speed 3's weight-gradient phase for a batch of windows.
 
@@ -174,7 +174,7 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG):
 
 
 # ------------------------------------------------------------ forward only
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def window_loss_layerwise(model, tokens, vsa, k, A, S, kernel):
     """Forward only (evaluation, sampling): window 0 of A, layer by layer, the last k
     positions to the logits; returns their mean loss."""

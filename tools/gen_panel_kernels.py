@@ -28,7 +28,7 @@ PANEL = {panel}
 
 def kernel(name, flags, doc, store):
     """store(row_expr, col_expr, acc) -> the statement that writes one finished sum."""
-    L = [f"@njit(cache=True, nogil=True{flags})", f"def {name}:", f'    """{doc}"""',
+    L = [f"@njit(cache=True, nogil=True, error_model=\"numpy\"{flags})", f"def {name}:", f'    """{doc}"""',
          "    n, a = X.shape", "    npan = P.shape[0]",
          "    for q in range(npan):  # a panel is reused by every row while it is in cache",
          f"        j = q * {PANEL}", "        pan = P[q]", "        r = 0",
