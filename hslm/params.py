@@ -71,24 +71,30 @@ def quantize_into(theta, offs, rows, cols, is_ternary, alpha, plain, Tf, Tb, pf_
                     for i in range(i0, i1):
                         Tb[o + j * m + i] = Tf[o + i * n + j]
         # Pf[q, i, c] = T[i, q panel + c] and Pb[q, j, c] = T[q panel + c, j], both from
-        # one pass over theta: a row of T is made in a flat run (it vectorises), then
-        # copied into both; a panel of Pb (rows q panel ...) stays in cache while its rows
-        # are written. The zero padding past the last column is never written.
+        # one pass over theta, a panel of rows at a time: their trits are made row by
+        # row into `block` (vectorised), each row copied into its Pf panels (contiguous
+        # runs), then the block is written out as one Pb panel, `panel` trits per column
+        # in a contiguous run (the block's columns are read from cache). The zero padding
+        # past the last column is never written.
         pf, pb = pf_offs[t], pb_offs[t]
-        row = np.empty(n)
-        for i in range(m):
+        block = np.empty((panel, n), np.float32)
+        for i0 in range(0, m, panel):
+            rows_here = min(panel, m - i0)
+            for c in range(rows_here):
+                i = i0 + c
+                src, row = theta[o + i * n:o + (i + 1) * n], block[c]
+                for j in range(n):
+                    w = src[j]
+                    row[j] = 1.0 if w > half else (-1.0 if w < -half else 0.0)
+                for q in range((n + panel - 1) // panel):
+                    j0 = q * panel
+                    dst = pf + (q * m + i) * panel
+                    for cc in range(min(panel, n - j0)):
+                        Pf[dst + cc] = row[j0 + cc]
+            dst = pb + (i0 // panel) * n * panel
             for j in range(n):
-                w = theta[o + i * n + j]
-                row[j] = 1.0 if w > half else (-1.0 if w < -half else 0.0)
-            for q in range((n + panel - 1) // panel):
-                j0 = q * panel
-                dst = pf + (q * m + i) * panel
-                for c in range(min(panel, n - j0)):
-                    Pf[dst + c] = row[j0 + c]
-            q, c = i // panel, i % panel
-            dst = pb + q * n * panel + c
-            for j in range(n):
-                Pb[dst + j * panel] = row[j]
+                for c in range(rows_here):
+                    Pb[dst + j * panel + c] = block[c, j]
 
 
 def panel_offsets(rows, cols, is_ternary, panel):
