@@ -153,6 +153,7 @@ class World:
         self.steps = 0           # gradients computed (the warm-up's included: it sends too)
         self.train_steps = 0     # training steps (for the test hook)
         self.batch = -1          # the sizes the buffers below were made for
+        self.records_batch = -1
         hook = os.environ.get("HSLM_MPI_TEST_FAIL", "")  # "RANK:STEP" (tests): raise there
         self.fail_at = tuple(int(x) for x in hook.split(":")) if hook else None
         if self.rank != 0:  # rank 0 alone prints: the others' stdout goes nowhere
@@ -163,6 +164,7 @@ class World:
         """runner.gradient over MPI: G (all ranks) = the batch's gradient, summed
         in window order exactly as one process sums it; returns the mean loss."""
         from .speeds import PER_POSITION
+        from .step import gradient_units
         self.steps += 1
         if not getattr(runner, "warming_up", False):  # step.warm_up's call is not a step
             self.train_steps += 1
@@ -175,14 +177,27 @@ class World:
         nb = hi - lo
         scale = 1.0 / (k * B)
         losses = np.zeros(nb)
-        G[:] = 0.0
+        self.finish_sends()  # the last step's sends read from G
+        if runner.speed.loop != PER_POSITION and self.records_pay(runner.cfg, B):
+            # a rank's work is then the weight gradients of its tensors (every window)
+            # and their AdamW step: about 50 multiply-adds' time per element updated
+            units, cost = gradient_units(runner.cfg)
+            work = np.diff(runner.cfg.offsets()) * 50.0
+            np.add.at(work, units[:, 0], cost * B * k)
+            a, b = self._ownership(runner.cfg, work)[self.rank]
+            G[a:b] = 0.0  # the elements this rank sums (the others are never read)
+            self._by_records(runner, model, vsa_table, windows, k, scale, G, lo, hi)
+            return self.ordered_mean(self.losses[lo:hi])
+        owned = self._ownership(runner.cfg)
+        if self.rank == 0:  # the running sums start from zeros; later ranks receive them
+            G[:] = 0.0
         if runner.speed.loop == PER_POSITION:
             fold = self._per_position(runner, model, vsa_table, mine, k, scale, G, losses)
             chunks = [(e0, e1, (e0, e1)) for e0, e1, _, _ in self._chunks(runner)]
         else:
             fold = self._layerwise(runner, model, vsa_table, mine, k, scale, G, losses)
             chunks = [(e0, e1, (u0, u1)) for e0, e1, u0, u1 in self._chunks(runner)]
-        self.fold_in_order(G, chunks, fold if nb else None, self._ownership(runner.cfg))
+        self.fold_in_order(G, chunks, fold if nb else None, owned)
         return self.ordered_mean(losses)
 
     def _chunks(self, runner):
@@ -249,16 +264,81 @@ class World:
             runner._map(run_units, N)
         return fold
 
-    def _ownership(self, cfg):
+    def _ownership(self, cfg, weights=None):
         """[(e0, e1)]: the elements of the tensors each rank updates (self.owned[r] =
-        its run of tensors, about a P-th of the parameters)."""
-        from .step import tensor_parts
-        if getattr(self, "_owned_for", None) != cfg:
+        its run of tensors). By default each owns about a P-th of the parameters;
+        `weights` (per tensor) balances other work instead. Moments live with their
+        owners, so one run keeps one ownership (its batch does not change)."""
+        from .step import split_by_cost
+        key = (cfg, None if weights is None else tuple(weights))
+        if getattr(self, "_owned_for", None) != key:
             offs = cfg.offsets()
-            self.owned = tensor_parts(cfg, self.size)
+            w = np.diff(offs).astype(np.float64) if weights is None else np.asarray(weights)
+            self.owned = split_by_cost(w, self.size)
             self.owned_elements = [(int(offs[a]), int(offs[b])) for a, b in self.owned]
-            self._owned_for = cfg
+            self._owned_for = key
         return self.owned_elements
+
+    def records_pay(self, cfg, B):
+        """Whether to move the windows' records rather than running sums: each rank
+        receives (B - B/P) windows' records, against about 16 n_params bytes for the
+        running sums and finished pieces (and no pipeline to wait on)."""
+        from .layers import WEIGHT_GRAD_ACTS, WEIGHT_GRAD_RECORDS, ACT_FIELDS, RECORD_FIELDS
+        if os.environ.get("HSLM_MPI_REDUCTION") in ("records", "running sums"):  # tests
+            return os.environ["HSLM_MPI_REDUCTION"] == "records"
+        dims = cfg.dims()
+        shapes = dict(ACT_FIELDS + RECORD_FIELDS)
+        per_window = sum(int(np.prod(shapes[f](dims)))
+                         for f in WEIGHT_GRAD_ACTS + WEIGHT_GRAD_RECORDS)
+        return 8 * per_window * (B - B // self.size) <= 16 * cfg.n_params
+
+    def _by_records(self, runner, model, vsa_table, windows, k, scale, G, lo, hi):
+        """Speed 3 by records: each rank runs its windows, the ranks allgather what the
+        weight gradients read of every window (hslm.layers.WEIGHT_GRAD_*), and each
+        rank sums every window, in window order, into the gradient units of the
+        tensors it owns: G is final there, with no pipeline to wait on."""
+        from .layers import (WEIGHT_GRAD_ACTS, WEIGHT_GRAD_RECORDS, Acts, Record, alloc_acts,
+                             alloc_record)
+        from .step import gradient_units, split_by_cost
+        from .windows import gradients_from_records, windows_layerwise
+        cfg, N = runner.cfg, runner.threads
+        B = windows.shape[0]
+        if self.records_batch != B:
+            self.acts_b, self.rec_b = alloc_acts(cfg.dims(), B), alloc_record(cfg.dims(), B)
+            self.vsa_b = np.zeros((B, cfg.blocks, cfg.window, cfg.width))
+            self.losses = np.zeros(B)
+            self.records_batch = B
+        A, R, nb = self.acts_b, self.rec_b, hi - lo
+        mine = (windows[lo:hi], self.vsa_b[lo:hi], Acts(*[f[lo:hi] for f in A]),
+                Record(*[f[lo:hi] for f in R]), self.losses[lo:hi])
+
+        def run_windows(j):
+            w, vsa, a, r, losses = mine
+            windows_layerwise(model, vsa_table, w, vsa, k, scale, a, r, runner.workers[j].scr,
+                              j, N, losses, runner.speed.kernel)
+
+        if nb:
+            runner._map(run_windows, min(N, nb))
+        spans = ranges(B, self.size)
+        for f in ([getattr(A, n) for n in WEIGHT_GRAD_ACTS]
+                  + [getattr(R, n) for n in WEIGHT_GRAD_RECORDS]):
+            per = f[0].size
+            self.comm.Allgatherv(self.MPI.IN_PLACE, [f, [(b - a) * per for a, b in spans],
+                                                     [a * per for a, _ in spans],
+                                                     self.MPI.DOUBLE])
+            self.sent += 8 * nb * per * (self.size - 1)
+        units, cost = runner.units, gradient_units(cfg)[1]
+        t0, t1 = self.owned[self.rank]
+        u0 = int(np.searchsorted(units[:, 0], t0))
+        u1 = int(np.searchsorted(units[:, 0], t1))
+        parts = [(u0 + a, u0 + b) for a, b in split_by_cost(cost[u0:u1], N)]
+
+        def run_units(j):
+            scr = runner.workers[j].scr
+            gradients_from_records(model, A, R, windows, k, units, parts[j][0], parts[j][1], G,
+                                   scr.xt, scr.dy_panels)
+
+        runner._map(run_units, N)
 
     def fold_in_order(self, G, chunks, fold, owned):
         """The pipeline: for each chunk [e0, e1) in order, receive the running sum from
@@ -287,11 +367,24 @@ class World:
                 for o, a, b in pieces(e0, e1):
                     pending.append(comm.Isend(G[a:b], dest=o, tag=TAG + 1))
                     self.sent += 8 * (b - a)
-        self.MPI.Request.Waitall(pending)  # G may be written again only after this
         if not last:  # the finished sums of this rank's own elements
-            mine = [(a, b) for e0, e1, _ in chunks for o, a, b in pieces(e0, e1) if o == r]
-            self.MPI.Request.Waitall([comm.Irecv(G[a:b], source=P - 1, tag=TAG + 1)
-                                      for a, b in mine])
+            # A send from G[a:b] must be complete before G[a:b] receives; the other sends
+            # may finish while the optimiser runs (the receiver pulls them: MPICH moves a
+            # large message without the sender's help) and are waited for after it.
+            a, b = owned[r]
+            mine = {i for i, (e0, e1, _) in enumerate(chunks) if e0 < b and a < e1}
+            self.MPI.Request.Waitall([pending[i] for i in sorted(mine)])
+            self.unfinished = [q for i, q in enumerate(pending) if i not in mine]
+            pieces_mine = [(x, y) for e0, e1, _ in chunks for o, x, y in pieces(e0, e1) if o == r]
+            self.MPI.Request.Waitall([comm.Irecv(G[x:y], source=P - 1, tag=TAG + 1)
+                                      for x, y in pieces_mine])
+        else:
+            self.unfinished = pending
+
+    def finish_sends(self):
+        """Wait for this step's sends from G (before G is written again)."""
+        self.MPI.Request.Waitall(getattr(self, "unfinished", []))
+        self.unfinished = []
 
     def optimizer_step(self, run, runner, adam, requantize):
         """The AdamW step split between ranks: each updates the tensors it owns (where
@@ -303,6 +396,7 @@ class World:
         t0, t1 = self.owned[self.rank]
         runner.map_parts(adam, [p for p in tensor_parts(run.cfg, runner.threads, t0, t1)
                                 if p[0] < p[1]])
+        self.finish_sends()
         counts = [b - a for a, b in self.owned_elements]
         displs = [a for a, _ in self.owned_elements]
         self.comm.Allgatherv(self.MPI.IN_PLACE,

@@ -99,6 +99,11 @@ SCRATCH_FIELDS = (
     ("xt", lambda D: (max(D.vocab, D.mlp, D.width) * D.window,)),
     ("dy_panels", lambda D: ((max(D.vocab, D.mlp, D.width) + PANEL) * D.window,)),
 )
+# The fields weight_grad_operands reads: all a weight gradient needs of a window (MPI
+# sends them between ranks, hslm/distributed.py).
+WEIGHT_GRAD_ACTS = ("n", "attn_out", "h", "relu", "x_final_normed")
+WEIGHT_GRAD_RECORDS = ("d_logits", "d_head", "d_block_out", "d_u", "d_h", "d_q", "d_k", "d_v",
+                       "d_gain", "d_x0")
 Acts = namedtuple("Acts", [f for f, _ in ACT_FIELDS])
 Record = namedtuple("Record", [f for f, _ in RECORD_FIELDS])
 Scratch = namedtuple("Scratch", [f for f, _ in SCRATCH_FIELDS])

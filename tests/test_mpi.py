@@ -46,9 +46,9 @@ def hslm(*args, ranks=None, extra_env=None, timeout=120):
     return p.returncode, p.stdout, p.stderr
 
 
-def train(out, *args, ranks=None, threads=1):
+def train(out, *args, ranks=None, threads=1, extra_env=None):
     code, stdout, err = hslm("train", *TINY, "--out", out, "--threads", threads, *args,
-                             ranks=ranks)
+                             ranks=ranks, extra_env=extra_env)
     assert code == 0, err
     return stdout
 
@@ -141,11 +141,15 @@ def refs(tmp_path_factory):
 
 
 @needs_mpi
-@pytest.mark.parametrize("speed,batch,ranks", [(3, 4, 2), (2, 4, 3), (3, 5, 2), (2, 5, 3),
-                                               (3, 2, 3), (3, 5, 3)])
-def test_mpi_checkpoints_equal_one_process(refs, tmp_path, speed, batch, ranks):
+@pytest.mark.parametrize("speed,batch,ranks,reduction", [
+    (3, 4, 2, "records"), (3, 4, 2, "running sums"), (2, 4, 3, None), (3, 5, 2, "records"),
+    (2, 5, 3, None), (3, 2, 3, "running sums"), (3, 5, 3, "records"), (3, 5, 3, "running sums")])
+def test_mpi_checkpoints_equal_one_process(refs, tmp_path, speed, batch, ranks, reduction):
+    """Speed 3 either moves the windows' records or passes running sums (the run
+    chooses by volume; HSLM_MPI_REDUCTION forces one); speeds 0-2 pass running sums."""
     d = tmp_path / "mpi"
-    stdout = train(d, "--batch", batch, "--steps", 4, "--speed", speed, ranks=ranks)
+    stdout = train(d, "--batch", batch, "--steps", 4, "--speed", speed, ranks=ranks,
+                   extra_env={"HSLM_MPI_REDUCTION": reduction} if reduction else None)
     same_bytes(refs[batch], d, 4)
     assert "MB sent per step" in stdout
     assert sorted(p.name for p in d.glob("ckpt_*")) == ["ckpt_4.bin", "ckpt_4.state"]
