@@ -15,10 +15,28 @@ Only one contraction is allowed, in the ternary kernels, where it is exact.
 """
 from __future__ import annotations
 
+import os
+
 import numba.core.config as numba_config
 from numba import njit
 
-from .panel_kernels import PANEL, panel_matmul_add, ternary_panel_matmul
+from . import panel_kernels
+from .panel_kernels import WGRAD_PANEL, panel_matmul_add
+
+
+def wide_vectors(features=None) -> bool:
+    """Whether Numba compiles for 512-bit vectors (AVX-512 with 256-bit not preferred,
+    as hslm/__init__.py sets up): 32 registers of 8 doubles."""
+    f = os.environ.get("NUMBA_CPU_FEATURES", "") if features is None else features
+    return "+avx512f" in f.split(",") and "-prefer-256-bit" in f.split(",")
+
+
+# The ternary kernels' tile, for this machine's registers (tools/gen_panel_kernels.py);
+# the tile never changes a bit, only speed. TERNARY_PANEL is the panel width of the
+# ternary matrices' layouts (hslm.params).
+TERNARY_ROWS, TERNARY_PANEL = panel_kernels.TERNARY_TILES[0 if wide_vectors() else 1]
+ternary_panel_matmul = getattr(panel_kernels,
+                               f"ternary_panel_matmul_{TERNARY_ROWS}x{TERNARY_PANEL}")
 
 COL_TILE = 256  # columns per tile: a pass's 4 matrix-row slices (8 KB) stay in L1
 
@@ -88,8 +106,9 @@ _compile_with_slp(panel_matmul_add, "(float64[:, ::1], float64[:, :, ::1], int64
 @njit(cache=True, nogil=True, error_model="numpy")
 def ternary_panels(P, poffs, alpha, t, a, b, X, Y):
     """Y [n, b] = alpha[t] * (X [n, a] . T_t), T_t read from its column panels in P."""
-    npan = (b + PANEL - 1) // PANEL
-    ternary_panel_matmul(X, P[poffs[t]:poffs[t + 1]].reshape((npan, a, PANEL)), b, alpha[t], Y)
+    npan = (b + TERNARY_PANEL - 1) // TERNARY_PANEL
+    ternary_panel_matmul(X, P[poffs[t]:poffs[t + 1]].reshape((npan, a, TERNARY_PANEL)), b,
+                         alpha[t], Y)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -101,7 +120,7 @@ def weight_grad_rows(X, i0, i1, DY, G, XT, PD):
     it, then added into G: each element is the same chain of additions as the
     per-position streaming (windows.stream_weight_grads), and G gets the window's
     sum added once.
-    XT (>= (i1 - i0) n) and PD (>= n b + PANEL n) are flat scratch for X's columns
+    XT (>= (i1 - i0) n) and PD (>= n b + WGRAD_PANEL n) are flat scratch for X's columns
     transposed and DY in column panels."""
     n = X.shape[0]
     b = DY.shape[1]
@@ -110,12 +129,12 @@ def weight_grad_rows(X, i0, i1, DY, G, XT, PD):
     for r in range(n):
         for i in range(m):
             xt[i, r] = X[r, i0 + i]
-    npan = (b + PANEL - 1) // PANEL
-    pd = PD[:npan * n * PANEL].reshape((npan, n, PANEL))
+    npan = (b + WGRAD_PANEL - 1) // WGRAD_PANEL
+    pd = PD[:npan * n * WGRAD_PANEL].reshape((npan, n, WGRAD_PANEL))
     for q in range(npan):
         for r in range(n):
-            for c in range(PANEL):
-                j = q * PANEL + c
+            for c in range(WGRAD_PANEL):
+                j = q * WGRAD_PANEL + c
                 pd[q, r, c] = DY[r, j] if j < b else 0.0
     panel_matmul_add(xt, pd, b, G[i0:i1])
 

@@ -38,7 +38,7 @@ from numba import njit
 from .config import (BDOWN, BUP, GAMMA, TENSORS_PER_BLOCK, WDOWN, WK, WO, WQ, WUP, WV, Dims)
 from .kernels import ternary_matmul_rows, ternary_panels
 from .mathfn import exp, log
-from .panel_kernels import PANEL
+from .panel_kernels import WGRAD_PANEL
 from .speeds import KERNEL_PANELS, KERNEL_ROWS
 
 RMS_EPS = 1e-6
@@ -97,7 +97,7 @@ SCRATCH_FIELDS = (
     ("loss_grad", lambda D: (D.window, D.vocab)),          # dz of forward-only evaluation
     # weight-gradient scratch: a layer input transposed, an output gradient in panels
     ("xt", lambda D: (max(D.vocab, D.mlp, D.width) * D.window,)),
-    ("dy_panels", lambda D: ((max(D.vocab, D.mlp, D.width) + PANEL) * D.window,)),
+    ("dy_panels", lambda D: ((max(D.vocab, D.mlp, D.width) + WGRAD_PANEL) * D.window,)),
 )
 # The fields weight_grad_operands reads: all a weight gradient needs of a window (MPI
 # sends them between ranks, hslm/distributed.py).

@@ -6,7 +6,7 @@ from numba import njit
 
 from .config import Config
 from .layers import Model
-from .panel_kernels import PANEL
+from .kernels import TERNARY_PANEL
 from .rng import Stream
 from .tables import Tables
 
@@ -120,8 +120,8 @@ class ModelState:
         self.Tb = np.zeros_like(theta) if plain else np.zeros(0)
         self.alpha = np.ones(len(shapes))
         # speed 3's layouts: Tf and Tb again, in column panels (hslm.panel_kernels)
-        self.pf_offs = panel_offsets(self.rows, self.cols, self.is_ternary, PANEL)
-        self.pb_offs = panel_offsets(self.cols, self.rows, self.is_ternary, PANEL)
+        self.pf_offs = panel_offsets(self.rows, self.cols, self.is_ternary, TERNARY_PANEL)
+        self.pb_offs = panel_offsets(self.cols, self.rows, self.is_ternary, TERNARY_PANEL)
         # float32 holds -1, 0, +1 exactly and halves the memory the kernels stream
         self.Pf = np.zeros(self.pf_offs[-1], np.float32)
         self.Pb = np.zeros(self.pb_offs[-1], np.float32)
@@ -133,7 +133,7 @@ class ModelState:
         t1 = len(self.rows) if t1 is None else t1
         quantize_into(self.theta, self.offs, self.rows, self.cols, self.is_ternary, self.alpha,
                       self.plain, self.Tf, self.Tb, self.pf_offs, self.Pf, self.pb_offs, self.Pb,
-                      PANEL, self.alpha if abs_sums is None else abs_sums,
+                      TERNARY_PANEL, self.alpha if abs_sums is None else abs_sums,
                       abs_sums is not None, t0, t1)
 
     def kernel_model(self) -> Model:

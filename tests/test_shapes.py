@@ -14,7 +14,8 @@ import pytest
 from hslm.config import Config
 from hslm.layers import wout_index
 from hslm.oracle_torch import oracle_window
-from hslm.panel_kernels import PANEL, ROWS
+from hslm import panel_kernels
+from hslm.panel_kernels import TERNARY_TILES, WGRAD_PANEL, WGRAD_ROWS
 from hslm.speeds import SPEEDS
 from hslm.params import ModelState, init_params
 from hslm.tables import Tables
@@ -41,11 +42,40 @@ SHAPES = {
 
 
 def test_the_shapes_reach_the_kernels_edges():
-    for cfg in SHAPES.values():
-        assert any(n % PANEL for n in (cfg.width, cfg.mlp, cfg.vocab))
-    assert any(c.window % ROWS for c in SHAPES.values())
+    """For every tile (hslm.kernels picks the ternary one by machine)."""
+    for rows, panel in TERNARY_TILES + ((WGRAD_ROWS, WGRAD_PANEL),):
+        for cfg in SHAPES.values():
+            assert any(n % panel for n in (cfg.width, cfg.mlp, cfg.vocab))
+        assert any(c.window % rows for c in SHAPES.values())
+        assert any(c.width < panel for c in SHAPES.values())
     assert any(c.head_width % 2 for c in SHAPES.values())
-    assert any(c.width < PANEL for c in SHAPES.values())
+
+
+@pytest.mark.parametrize("n,a,b", [(27, 243, 729), (7, 33, 101), (2, 10, 9), (13, 50, 17)])
+def test_every_ternary_tile_gives_the_plain_sums_bit_for_bit(n, a, b):
+    """Each machine runs one tile; all must give the bits of the plain loop (each sum
+    over i in order from 0.0), whatever rows and columns are left over."""
+    rng = np.random.default_rng(n * a + b)
+    X = rng.standard_normal((n, a))
+    T = rng.integers(-1, 2, (a, b)).astype(np.float64)
+    plain = np.zeros((n, b))
+    for i in range(a):  # y = ((0 + x0 t0) + x1 t1) + ...: row by row, in order
+        plain += X[:, i:i + 1] * T[i]
+    plain *= 0.37
+    for rows, panel in TERNARY_TILES:
+        npan = -(-b // panel)
+        P = np.zeros((npan, a, panel), np.float32)
+        for q in range(npan):
+            cols = T[:, q * panel:(q + 1) * panel]
+            P[q, :, :cols.shape[1]] = cols
+        Y = np.zeros((n, b))
+        getattr(panel_kernels, f"ternary_panel_matmul_{rows}x{panel}")(X, P, b, 0.37, Y)
+        assert Y.tobytes() == plain.tobytes(), f"tile {rows}x{panel}"
+    # negative control: the same sums taken in another order differ in some bits
+    other = np.zeros((n, b))
+    for i in reversed(range(a)):
+        other += X[:, i:i + 1] * T[i]
+    assert a < 3 or (other * 0.37).tobytes() != plain.tobytes()
 
 
 _cache = {}
