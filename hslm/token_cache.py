@@ -184,13 +184,17 @@ TEXT_SHA_MEMO_VERSION = "hslm-text-sha256/1"
 TEXT_SHA_MEMO_ENTRIES = 16   # texts remembered per folder, the most recent first
 
 
+def _is_sha256(s) -> bool:
+    return isinstance(s, str) and len(s) == 64 and all(c in "0123456789abcdef" for c in s)
+
+
 def _memo_entries(folder: Path):
     try:
         obj = json.loads((Path(folder) / TEXT_SHA_MEMO).read_text(encoding="utf-8"))
         if obj.get("version") != TEXT_SHA_MEMO_VERSION or not isinstance(obj["entries"], list):
             return []
-        return [e for e in obj["entries"] if isinstance(e, dict) and isinstance(e.get("sha256"), str)
-                and len(e["sha256"]) == 64 and isinstance(e.get("files"), list)]
+        return [e for e in obj["entries"] if isinstance(e, dict) and _is_sha256(e.get("sha256"))
+                and isinstance(e.get("files"), list)]
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return []
 

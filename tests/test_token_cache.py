@@ -256,3 +256,13 @@ def test_a_text_changed_just_now_is_not_remembered(tmp_path):
     (tmp_path / "c" / token_cache.TEXT_SHA_MEMO).write_text("{not json")   # damaged: ignored
     assert Corpus.load(f, 300, 27, cache_dir=tmp_path / "c").text_sha256 \
         == hashlib.sha256(TEXT.encode()).hexdigest()
+
+
+def test_a_remembered_text_sha256_that_is_not_one_is_ignored(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text(TEXT, encoding="utf-8")
+    key = textsource.TextSource(f).stat_key()
+    token_cache.remember_text_sha256(tmp_path / "c", key, "zz" * 32)   # not hex
+    assert token_cache.recall_text_sha256(tmp_path / "c", key) is None
+    c = Corpus.load(f, 300, 27, cache_dir=tmp_path / "c")
+    assert c.text_sha256 == hashlib.sha256(TEXT.encode()).hexdigest()
