@@ -13,24 +13,35 @@ the stream for every merge:
   token starts at s + len(tok[s]), the previous one at s - len(tok[s - 1]): no
   linked list is needed, 2 bytes per corpus byte.
 * every adjacent pair has its exact count (a dense vocab x vocab table) and a list
-  of the start positions where it was created (one pool of uint32 positions, a
-  segment per pair). All occurrences of a pair (x, y) are created at once: at the
-  start for two bytes, else by the merge that creates max(x, y); later merges only
-  remove occurrences. So a segment is sorted and never grows; an entry that no
-  longer holds its pair is recognised (ids written at a position only increase, so
-  tok[p] == x means p is still the start of that x) and skipped. When the pool is
-  full, its segments are compacted, keeping only live entries.
+  of the start positions where it was created (one byte pool, a segment per pair).
+  All occurrences of a pair (x, y) are created at once: at the start for two bytes,
+  else by the merge that creates max(x, y); later merges only remove occurrences. So
+  a segment is sorted and never grows: it is stored as the gaps between its
+  positions (the first from 0), each a varint (7 bits a byte), about 1.4 bytes an
+  entry on text where a uint32 took 4. An entry that no longer holds its pair is
+  recognised (ids written at a position only increase, so tok[p] == x means p is
+  still the start of that x) and skipped. A list rewritten with some of its entries
+  (the merged pair's list becomes the list of replaced starts; compaction drops dead
+  entries) never needs more bytes than it had, so both happen in place. When the
+  pool is full its segments are compacted: a segment more than half dead (its
+  pair's count against its entries) is filtered, reading tok; the others are moved
+  as they are, which is far cheaper and, measured on text, keeps the pool as small.
+  When compaction frees too little, the pool grows by a quarter.
+* the neighbours' count changes of a merge are summed per neighbour id in two small
+  tables and applied after its pass: four scattered updates per occurrence of a
+  vocab^2 table were most of the time of the large first merges.
 * the best pair comes from a max-heap of (count, -pair) with lazy deletion: after
   each merge every pair whose count changed is pushed with its new count; an entry
   whose count is no longer current is dropped when it surfaces.
 
-Memory: 2 bytes (tok) + 4 x 1.25 bytes (pool) per corpus byte, plus tables of
-vocab^2 entries. Encoding with given merges uses the same kernel (merges forced in
-their order), which is exactly applying each merge in one pass, in order.
+Memory: 2 bytes (tok) + about 1.4 x 1.25 bytes (pool) per corpus byte on text, plus
+tables of vocab^2 entries. Encoding with given merges uses the same kernel (merges
+forced in their order), which is exactly applying each merge in one pass, in order.
 
 The kernel runs without the GIL and watches ctl[0]: a caller that sets it to 1
 gets the kernel back within a fraction of a second (the result is then unusable).
-ctl[1] reports merges done, ctl[2] the phase (0 indexing, 1 merging, 2 output).
+ctl[1] reports merges done, ctl[2] the phase (0 indexing, 1 merging, 2 output), ctl[3]
+the compactions of the position lists so far.
 """
 from __future__ import annotations
 
@@ -41,6 +52,7 @@ N_SPECIAL = 4
 BYTE0 = N_SPECIAL
 FIRST_MERGE = N_SPECIAL + 256
 STOP_EVERY = 1 << 20   # positions between two looks at the stop flag
+DEAD_SHARE_FILTERED = 2   # compaction filters a list when over 1/2 of it is dead
 
 
 @njit(cache=True, nogil=True)
@@ -97,21 +109,61 @@ def _count_change(counts, stamp, touched, nt, m, q, delta):
     return nt
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _varint_len(g):
+    """Bytes of g as a varint (7 bits a byte, low bits first, high bit = more follow)."""
+    b = 1
+    while g >= 128:
+        g >>= 7
+        b += 1
+    return b
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _put(pool, w, g):
+    """Writes g as a varint at pool[w]; returns the position after it."""
+    while g >= 128:
+        pool[w] = np.uint8((g & 127) | 128)
+        g >>= 7
+        w += 1
+    pool[w] = np.uint8(g)
+    return w + 1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _get(pool, r):
+    """The varint at pool[r] and the position after it."""
+    g = np.int64(0)
+    sh = 0
+    while True:
+        c = np.int64(pool[r])
+        r += 1
+        g |= (c & 127) << sh
+        if c < 128:
+            return g, r
+        sh += 7
+
+
 @njit(cache=True, nogil=True)
-def _compact(tok, n, V, L, counts, pool, seg_start, seg_len, keep_p, keep_k, ctl):
-    """Moves every segment's live entries to the front of the pool, in place; the
-    segment keep_p is kept verbatim (its first keep_k entries). Returns the new end."""
+def _compact(tok, n, V, L, counts, pool, seg_start, seg_len, seg_n, keep_p, keep_len, ctl):
+    """Moves every live segment to the front of the pool, in place, in the order they
+    lie; the segment keep_p is kept verbatim (its first keep_len bytes). A segment
+    at most half dead (its pair's count against its entries) is copied as it is,
+    without reading tok; the others are decoded, filtered and encoded again, which
+    never needs more bytes (the gap to the next kept entry is the sum of the gaps it
+    replaces). Returns the new end."""
     VV = V * V
     live = np.zeros(VV, np.bool_)
     m = 0
     for p in range(VV):
         if p == keep_p:
-            seg_len[p] = keep_k
+            seg_len[p] = keep_len
         if seg_len[p] > 0 and (counts[p] > 0 or p == keep_p):
             live[p] = True
             m += 1
         elif p != keep_p:
             seg_len[p] = 0
+            seg_n[p] = 0
     ids = np.empty(m, np.int64)
     starts = np.empty(m, np.int64)
     j = 0
@@ -125,24 +177,30 @@ def _compact(tok, n, V, L, counts, pool, seg_start, seg_len, keep_p, keep_k, ctl
     seen = 0
     for oi in range(m):
         p = ids[order[oi]]
-        s0 = seg_start[p]
-        ln = seg_len[p]
+        r = seg_start[p]
+        e = r + seg_len[p]
         seg_start[p] = w
-        if p == keep_p:
-            for j in range(ln):
-                pool[w] = pool[s0 + j]
-                w += 1
+        if p == keep_p or (seg_n[p] - counts[p]) * DEAD_SHARE_FILTERED < seg_n[p]:
+            for j in range(e - r):           # forwards: w <= r
+                pool[w + j] = pool[r + j]
+            w += e - r
         else:
             x = p // V
             y = p - x * V
             lx = L[x]
-            for j in range(ln):
-                e = pool[s0 + j]
-                if tok[e] == x and e + lx < n and tok[e + lx] == y:
-                    pool[w] = e
-                    w += 1
+            pos = np.int64(0)
+            kept = np.int64(0)
+            k = 0
+            while r < e:
+                g, r = _get(pool, r)
+                pos += g
+                if tok[pos] == x and pos + lx < n and tok[pos + lx] == y:
+                    w = _put(pool, w, pos - kept)
+                    kept = pos
+                    k += 1
+            seg_n[p] = k
         seg_len[p] = w - seg_start[p]
-        seen += ln
+        seen += seg_len[p]
         if seen >= STOP_EVERY:
             seen = 0
             if ctl[0] != 0:
@@ -151,38 +209,58 @@ def _compact(tok, n, V, L, counts, pool, seg_start, seg_len, keep_p, keep_k, ctl
 
 
 @njit(cache=True, nogil=True)
-def bpe_kernel(tok, V, merges, n_merges, learn, slack, ctl):
+def _list_sizes(tok, V, ctl):
+    """Each adjacent pair's count and the bytes of its position list (varint gaps), from
+    one pass over tok; (None-like empty arrays) when stopped through ctl[0]."""
+    n = tok.shape[0]
+    VV = V * V
+    counts = np.zeros(VV, np.int64)
+    nbytes = np.zeros(VV, np.int64)
+    last = np.zeros(VV, np.int64)       # the last position counted, per pair
+    ctl[2] = 0
+    for i in range(n - 1):
+        p = np.int64(tok[i]) * V + tok[i + 1]
+        counts[p] += 1
+        nbytes[p] += _varint_len(i - last[p])
+        last[p] = i
+        if (i & (STOP_EVERY - 1)) == 0 and ctl[0] != 0:
+            break
+    return counts, nbytes
+
+
+@njit(cache=True, nogil=True)
+def bpe_kernel(tok, V, merges, n_merges, learn, counts, seg_len, pool, ctl):
     """Learns (learn=True: fills merges[:, :]) or applies (merges given) up to n_merges
-    merges on tok in place; afterwards tok[:n_tokens] is the token stream.
-    Returns (merges done, n_tokens); (-1, -1) when stopped through ctl[0]."""
+    merges on tok in place; afterwards tok[:n_tokens] is the token stream. counts and
+    seg_len come from _list_sizes; pool (uint8) holds at least their sum.
+    Returns (merges done, n_tokens, peak pool bytes); (-1, -1, 0) when stopped through
+    ctl[0]."""
     n = tok.shape[0]
     if n == 0:
-        return 0, 0
+        return 0, 0, 0
     VV = V * V
     L = np.zeros(V, np.int64)
     for i in range(BYTE0, BYTE0 + 256):
         L[i] = 1
-    counts = np.zeros(VV, np.int64)
     seg_start = np.zeros(VV, np.int64)
-    seg_len = np.zeros(VV, np.int64)
-    ctl[2] = 0
-    for i in range(n - 1):
-        counts[np.int64(tok[i]) * V + tok[i + 1]] += 1
-        if (i & (STOP_EVERY - 1)) == 0 and ctl[0] != 0:
-            return -1, -1
-    cap = n + np.int64(n * slack) + 16
-    pool = np.empty(cap, np.uint32)   # callers keep n below 2**32
+    seg_n = np.zeros(VV, np.int64)      # entries, dead ones included
+    last = np.zeros(VV, np.int64)       # the last position listed, while lists are written
     off = 0
     for p in range(VV):
         seg_start[p] = off
-        off += counts[p]
+        off += seg_len[p]
+        seg_len[p] = 0
+        seg_n[p] = counts[p]
+    cap = pool.shape[0]
     for i in range(n - 1):
         p = np.int64(tok[i]) * V + tok[i + 1]
-        pool[seg_start[p] + seg_len[p]] = i
-        seg_len[p] += 1
+        seg_len[p] = _put(pool, seg_start[p] + seg_len[p], i - last[p]) - seg_start[p]
+        last[p] = i
         if (i & (STOP_EVERY - 1)) == 0 and ctl[0] != 0:
-            return -1, -1
+            return -1, -1, 0
+    last = np.zeros(0, np.int64)
     end = off
+    peak = cap
     # heap of candidate pairs (learning only)
     hcap = (min(VV, n) + n_merges * (4 * V + 4) + 16) if learn else 1
     hc = np.empty(hcap, np.int64)
@@ -194,13 +272,17 @@ def bpe_kernel(tok, V, merges, n_merges, learn, slack, ctl):
                 hsize = _heap_push(hc, hp, hsize, counts[p], p)
     stamp = np.full(VV, -1, np.int64)
     touched = np.empty(4 * V + 8, np.int64)
-    keycnt = np.zeros(2 * V, np.int64)
+    left = np.zeros(V, np.int64)    # per merge: occurrences with x before them, y after
+    right = np.zeros(V, np.int64)
+    keybytes = np.zeros(2 * V, np.int64)
+    keyn = np.zeros(2 * V, np.int64)
+    keylast = np.zeros(2 * V, np.int64)
     ntok = n
     ctl[2] = 1
     m = 0
     while m < n_merges:
         if ctl[0] != 0:
-            return -1, -1
+            return -1, -1, 0
         if learn:
             found = False
             p = 0
@@ -227,23 +309,25 @@ def bpe_kernel(tok, V, merges, n_merges, learn, slack, ctl):
         LN = La + Lb
         L[N] = LN
         s0 = seg_start[p]
+        r = s0
+        e = s0 + seg_len[p]
+        w = s0          # the segment of (a, b) is rewritten with the replaced starts
+        s = np.int64(0)
+        wrote = np.int64(0)
         k = 0
         nt = 0
-        for j in range(seg_len[p]):
-            s = pool[s0 + j]
+        while r < e:
+            g, r = _get(pool, r)
+            s += g
             if tok[s] != a:
                 continue
             if s + La >= n or tok[s + La] != b:
                 continue
-            r = s + LN
-            if s > 0:  # (x, a) becomes (x, N)
-                x = np.int64(tok[s - 1])
-                nt = _count_change(counts, stamp, touched, nt, m, x * V + a, -1)
-                nt = _count_change(counts, stamp, touched, nt, m, x * V + N, 1)
-            if r < n:  # (b, y) becomes (N, y)
-                y = np.int64(tok[r])
-                nt = _count_change(counts, stamp, touched, nt, m, b * V + y, -1)
-                nt = _count_change(counts, stamp, touched, nt, m, N * V + y, 1)
+            q = s + LN
+            if s > 0:  # (x, a) becomes (x, N): counted by x, applied after the loop
+                left[tok[s - 1]] += 1
+            if q < n:  # (b, y) becomes (N, y)
+                right[tok[q]] += 1
             counts[p] -= 1
             if La > 1:
                 tok[s + La - 1] = 0
@@ -251,46 +335,89 @@ def bpe_kernel(tok, V, merges, n_merges, learn, slack, ctl):
                 tok[s + La] = 0
             tok[s] = N
             tok[s + LN - 1] = N
-            pool[s0 + k] = s   # the segment of (a, b) now lists the replaced starts
+            w = _put(pool, w, s - wrote)
+            wrote = s
             k += 1
         ntok -= k
-        # the new pairs' occurrences, counted by key: x for (x, N), V + y for (N, y)
-        keycnt[:] = 0
+        # the neighbours' count changes, summed per neighbour in two small tables rather
+        # than four scattered updates per occurrence (the sums are the same)
+        for x in range(V):
+            if left[x] != 0:
+                nt = _count_change(counts, stamp, touched, nt, m, x * V + a, -left[x])
+                nt = _count_change(counts, stamp, touched, nt, m, x * V + N, left[x])
+                left[x] = 0
+            if right[x] != 0:
+                nt = _count_change(counts, stamp, touched, nt, m, b * V + x, -right[x])
+                nt = _count_change(counts, stamp, touched, nt, m, N * V + x, right[x])
+                right[x] = 0
+        kept_len = w - s0
+        # the new pairs' lists, by key: x for (x, N), V + y for (N, y); their sizes first
+        keybytes[:] = 0
+        keyn[:] = 0
+        keylast[:] = 0
         total = 0
+        r = s0
+        s = np.int64(0)
         for j in range(k):
-            s = pool[s0 + j]
-            if s + LN < n:
-                keycnt[V + tok[s + LN]] += 1
-                total += 1
+            g, r = _get(pool, r)
+            s += g
             if s > 0:
-                x = tok[s - 1]
+                x = np.int64(tok[s - 1])
                 if x != N:
-                    keycnt[x] += 1
-                    total += 1
-        if end + total > cap:
-            end = _compact(tok, n, V, L, counts, pool, seg_start, seg_len, p, k, ctl)
-            if ctl[0] != 0:
-                return -1, -1
-            s0 = seg_start[p]
+                    ps = s - L[x]
+                    keybytes[x] += _varint_len(ps - keylast[x])
+                    keylast[x] = ps
+                    keyn[x] += 1
+            if s + LN < n:
+                key = V + tok[s + LN]
+                keybytes[key] += _varint_len(s - keylast[key])
+                keylast[key] = s
+                keyn[key] += 1
         for key in range(2 * V):
-            if keycnt[key] > 0:
+            total += keybytes[key]
+        if end + total > cap:
+            ctl[3] += 1
+            end = _compact(tok, n, V, L, counts, pool, seg_start, seg_len, seg_n, p, kept_len,
+                           ctl)
+            if ctl[0] != 0:
+                return -1, -1, 0
+            s0 = seg_start[p]
+            if end + total > cap - cap // 16:   # still (almost) full: grow by a quarter
+                ncap = max(cap + cap // 4, end + total + cap // 8)
+                bigger = np.empty(ncap, np.uint8)
+                bigger[:end] = pool[:end]
+                pool = bigger
+                cap = ncap
+                peak = max(peak, cap)
+        for key in range(2 * V):
+            if keyn[key] > 0:
                 q = key * V + N if key < V else N * V + (key - V)
                 seg_start[q] = end
                 seg_len[q] = 0
-                end += keycnt[key]
+                seg_n[q] = keyn[key]
+                end += keybytes[key]
+            keylast[key] = 0
+        r = s0
+        s = np.int64(0)
         for j in range(k):
-            s = pool[s0 + j]
+            g, r = _get(pool, r)
+            s += g
             if s > 0:
                 x = np.int64(tok[s - 1])
                 if x != N:
                     q = x * V + N
-                    pool[seg_start[q] + seg_len[q]] = s - L[x]
-                    seg_len[q] += 1
+                    ps = s - L[x]
+                    seg_len[q] = _put(pool, seg_start[q] + seg_len[q], ps - keylast[x]) \
+                        - seg_start[q]
+                    keylast[x] = ps
             if s + LN < n:
-                q = N * V + tok[s + LN]
-                pool[seg_start[q] + seg_len[q]] = s
-                seg_len[q] += 1
+                y = np.int64(tok[s + LN])
+                q = N * V + y
+                seg_len[q] = _put(pool, seg_start[q] + seg_len[q], s - keylast[V + y]) \
+                    - seg_start[q]
+                keylast[V + y] = s
         seg_len[p] = 0
+        seg_n[p] = 0
         if learn:
             for j in range(nt):
                 q = touched[j]
@@ -307,26 +434,32 @@ def bpe_kernel(tok, V, merges, n_merges, learn, slack, ctl):
         tok[w] = t
         w += 1
         i += L[t]
-    return m, w
+    return m, w, peak
+
+
+POOL_BYTES_PER_BYTE = 2.0   # position lists with their room, per corpus byte (see run)
 
 
 def memory_needed(vocab: int, n_bytes: int, learn: bool = True) -> int:
-    """Bytes bpe_kernel touches for a text of n_bytes: four vocab^2 int64 tables (pair
-    counts, position-list starts and lengths, merge stamps), the position lists (uint32
-    plus 25% room), the ids, and the heap's first fill (its worst-case reserve is
-    allocated but never touched)."""
+    """Bytes bpe_kernel touches for a text of n_bytes: five vocab^2 int64 tables (pair
+    counts, list starts, lengths and entries, merge stamps; a sixth while indexing), the
+    position lists (varint gaps: about 1.4 bytes an entry on text, plus 25% room; a text
+    of random bytes needs more and the pool grows), the ids, and the heap's first fill
+    (its worst-case reserve is allocated but never touched)."""
     ids = n_bytes * np.dtype(ids_dtype(vocab)).itemsize
     heap = 16 * min(vocab * vocab, n_bytes) if learn else 0
-    return 32 * vocab * vocab + 5 * n_bytes + ids + heap
+    return 48 * vocab * vocab + int(POOL_BYTES_PER_BYTE * n_bytes) + ids + heap
 
 
 def ids_dtype(vocab: int):
     return np.uint16 if vocab <= 65535 else np.uint32
 
 
-def run(tok: np.ndarray, vocab: int, merges=None, slack=0.25, ctl=None):
+def run(tok: np.ndarray, vocab: int, merges=None, slack=0.25, ctl=None, info=None):
     """learn (merges None: returns (merges int64 [m, 2], n_tokens)) or apply merges
-    (returns (merges, n_tokens)); tok (ids_dtype) is changed in place."""
+    (returns (merges, n_tokens)); tok (ids_dtype) is changed in place. slack: the
+    position lists' room, as a share of their first size. info (a dict), if given,
+    gets "pool_bytes": the largest the position lists' pool was."""
     if tok.shape[0] >= 2 ** 32 - 1:
         raise ValueError("texts of 4 GiB or more are not supported")
     ctl = np.zeros(4, np.int64) if ctl is None else ctl
@@ -337,7 +470,18 @@ def run(tok: np.ndarray, vocab: int, merges=None, slack=0.25, ctl=None):
     else:
         buf = np.ascontiguousarray(merges, dtype=np.int64).reshape(-1, 2)
         n_merges = buf.shape[0]
-    m, w = bpe_kernel(tok, vocab, buf, n_merges, learn, slack, ctl)
+    counts, seg_len = _list_sizes(tok, vocab, ctl)
+    if ctl[0] != 0:
+        raise KeyboardInterrupt
+    first = int(seg_len.sum())
+    # allocated by numpy, which asks for transparent huge pages on large arrays: the
+    # kernel's scattered writes into the lists then miss the TLB far less
+    pool = np.empty(first + int(first * slack) + 16, np.uint8)
+    m, w, pool_bytes = bpe_kernel(tok, vocab, buf, n_merges, learn, counts, seg_len, pool,
+                                  ctl)
+    del pool
     if m < 0:
         raise KeyboardInterrupt
+    if info is not None:
+        info["pool_bytes"] = int(pool_bytes)
     return (buf[:m] if learn else buf), w

@@ -12,6 +12,8 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import os
+import time
 import zlib
 from pathlib import Path
 
@@ -189,6 +191,31 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
     return tokenizer, arr
 
 
+REHASH_ENV = "HSLM_REHASH"   # set to 1: hash the text in full, whatever is remembered
+SETTLE_NS = 2_000_000_000    # a file changed this recently is not trusted by its stat
+
+
+def hash_text(src: TextSource, cache_dir=None) -> str:
+    """The text's sha256: remembered in the cache folder by its files' stat key when
+    they are unchanged since it was computed, else read in full (and remembered when
+    every file had been left alone for SETTLE_NS before the hashing began: a file
+    written again within the same timestamp tick could otherwise keep its key, the
+    "racy" case git's index guards against in the same way)."""
+    key = src.stat_key() if cache_dir is not None else None
+    if key is not None and os.environ.get(REHASH_ENV, "") in ("", "0"):
+        sha = token_cache.recall_text_sha256(cache_dir, key)
+        if sha is not None:
+            return sha
+    started = time.time_ns()
+    ph = Phase("hashing the text", src.size, show=src.size >= SHOW_FROM)
+    sha = src.scan(ph)
+    ph.close()
+    if (key is not None and distributed.is_writer() and src.stat_key() == key
+            and all(max(f[2], f[3]) < started - SETTLE_NS for f in key)):
+        token_cache.remember_text_sha256(cache_dir, key, sha)
+    return sha
+
+
 class Corpus:
     """A text's tokens, split: the last 10% of the token stream is validation."""
 
@@ -199,9 +226,7 @@ class Corpus:
         if src.size == 0:
             raise HslmError(f"the corpus is empty ({source})")
         self.source = source
-        ph = Phase("hashing the text", src.size, show=src.size >= SHOW_FROM)
-        self.text_sha256 = src.scan(ph)
-        ph.close()
+        self.text_sha256 = hash_text(src, cache_dir)
         if expect_sha256 is not None and self.text_sha256 != expect_sha256:
             raise HslmError(f"the training text ({source}) differs from the one the checkpoint "
                             "was trained on; pass the same --data")

@@ -66,6 +66,22 @@ class TextSource:
         self.label = label or (str(paths[0]) if len(paths) == 1 else
                                f"{len(self.files)} files ({', '.join(map(str, paths))})")
 
+    def stat_key(self):
+        """Per file, in order: [path, size, mtime_ns, ctime_ns, inode, device], what a
+        remembered sha256 of the text is keyed by (as git's index and make judge a file
+        unchanged); None for a text held in memory."""
+        if self.blob is not None:
+            return None
+        key = []
+        for f in self.files:
+            try:
+                st = f.stat()
+            except OSError as e:
+                raise HslmError(f"cannot read data file {f}: {e.strerror}") from None
+            key.append([str(f.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+                        st.st_ino, st.st_dev])
+        return key
+
     def _open(self, f):
         try:
             return open(f, "rb")

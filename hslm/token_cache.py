@@ -3,31 +3,37 @@
 `tokens-<text sha256[:16]>-<tokenizer identity[:16]>.tok`: a 128-byte header then
 the token ids (little-endian uint16, or uint32 for vocabularies above 65,535):
 
-    0   8  magic b"HSLMTOK1"
+    0   8  magic b"HSLMTOK2"
     8   8  item size in bytes (2 or 4), little-endian
     16  8  number of tokens
     24 32  sha256 of the text (raw)
     56 32  tokenizer identity (raw)
-    88 32  sha256 of the token bytes that follow
+    88 32  checksum of the token bytes that follow (`checksum`, four little-endian u64)
     120 8  zero
 
 Written atomically (temporary file, fsync, rename); a file whose header or checksum
-does not match is ignored (and replaced). `bpe-<text sha256[:16]>-<vocab>.json`
+does not match is ignored (and replaced), and so is a file of an older format
+(HSLMTOK1 carried a sha256 of the tokens). The checksum is not cryptographic: it
+guards against damage (a flipped bit, a truncated or half-written file), not
+against someone forging a file, and it runs near memory bandwidth where sha256 took
+most of a cached start on a large corpus. `bpe-<text sha256[:16]>-<vocab>.json`
 remembers the tokenizer learned from a text, so a new run on the same text and
-vocabulary skips learning it.
+vocabulary skips learning it. `text-sha256.json` remembers the text's sha256 keyed
+by its files' stat (see `recall_text_sha256`).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 
 import numpy as np
+from numba import njit
 
 from .checkpoint import write_atomic
+from .errors import HslmError
 
-MAGIC = b"HSLMTOK1"
+MAGIC = b"HSLMTOK2"
 HEADER = 128
 ENV = "HSLM_CACHE_DIR"
 
@@ -46,13 +52,66 @@ def tokenizer_path(folder: Path, text_sha256: str, vocab: int) -> Path:
     return Path(folder) / f"bpe-{text_sha256[:16]}-{vocab}.json"
 
 
-def _sha_of(arr: np.ndarray) -> bytes:
-    h = hashlib.sha256()
-    flat = arr.reshape(-1)
-    step = (16 << 20) // max(flat.itemsize, 1)
-    for o in range(0, flat.shape[0], step):
-        h.update(memoryview(np.ascontiguousarray(flat[o:o + step])).cast("B"))
-    return h.digest()
+# xxHash64's primes; each lane is an xxHash64-style accumulator (multiply, rotate,
+# multiply), eight of them side by side so the multiplies overlap.
+_P1 = np.uint64(0x9E3779B185EBCA87)
+_P2 = np.uint64(0xC2B2AE3D27D4EB4F)
+_P3 = np.uint64(0x165667B19E3779F9)
+_LANES = 8
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _round(acc, word):
+    acc = acc + word * _P2
+    acc = (acc << np.uint64(31)) | (acc >> np.uint64(33))
+    return acc * _P1
+
+
+@njit(cache=True, nogil=True)
+def _lanes(words, acc):
+    """Folds words (uint64, a multiple of 8 long) into the eight lanes acc, in place."""
+    a0, a1, a2, a3 = acc[0], acc[1], acc[2], acc[3]
+    a4, a5, a6, a7 = acc[4], acc[5], acc[6], acc[7]
+    for i in range(0, words.shape[0], _LANES):
+        a0 = _round(a0, words[i])
+        a1 = _round(a1, words[i + 1])
+        a2 = _round(a2, words[i + 2])
+        a3 = _round(a3, words[i + 3])
+        a4 = _round(a4, words[i + 4])
+        a5 = _round(a5, words[i + 5])
+        a6 = _round(a6, words[i + 6])
+        a7 = _round(a7, words[i + 7])
+    acc[0], acc[1], acc[2], acc[3] = a0, a1, a2, a3
+    acc[4], acc[5], acc[6], acc[7] = a4, a5, a6, a7
+
+
+def _mix(x: int) -> int:
+    """xxHash64's final avalanche, on a Python int."""
+    m = (1 << 64) - 1
+    x ^= x >> 33
+    x = (x * int(_P2)) & m
+    x ^= x >> 29
+    x = (x * int(_P3)) & m
+    return x ^ (x >> 32)
+
+
+def checksum(arr: np.ndarray) -> bytes:
+    """32 bytes from the bytes of a contiguous array: eight 64-bit lanes over its
+    64-byte blocks (the tail zero-padded to a block), folded in pairs with the length."""
+    raw = arr.reshape(-1).view(np.uint8)
+    n = raw.shape[0]
+    acc = np.array([int(_P1) * (i + 1) & ((1 << 64) - 1) for i in range(_LANES)], np.uint64)
+    body = n // 64 * 64
+    if body:
+        _lanes(raw[:body].view(np.uint64), acc)
+    tail = np.zeros(64, np.uint8)
+    tail[:n - body] = raw[body:]
+    _lanes(tail.view(np.uint64), acc)
+    out = b""
+    for i in range(0, _LANES, 2):
+        out += _mix(int(acc[i]) ^ ((int(acc[i + 1]) * int(_P3) + n) & ((1 << 64) - 1))
+                    ).to_bytes(8, "little")
+    return out
 
 
 def _write(path: Path, parts):
@@ -64,7 +123,7 @@ def write_tokens(path: Path, tokens: np.ndarray, text_sha256: str, identity: str
     tokens = np.ascontiguousarray(tokens, dtype=dt)
     header = (MAGIC + int(dt.itemsize).to_bytes(8, "little")
               + int(tokens.shape[0]).to_bytes(8, "little") + bytes.fromhex(text_sha256)
-              + bytes.fromhex(identity) + _sha_of(tokens))
+              + bytes.fromhex(identity) + checksum(tokens))
     header += b"\0" * (HEADER - len(header))
     _write(path, [header, memoryview(tokens).cast("B")])
 
@@ -91,7 +150,7 @@ def open_tokens(path: Path, text_sha256: str, identity: str):
         return np.zeros(0, "<u2" if item == 2 else "<u4")
     arr = np.memmap(path, dtype="<u2" if item == 2 else "<u4", mode="r", offset=HEADER,
                     shape=(n,))
-    if _sha_of(arr) != h[88:120]:
+    if checksum(arr) != h[88:120]:
         return None
     return arr
 
@@ -118,3 +177,46 @@ def read_tokenizer(path: Path, text_sha256: str):
         return json.dumps(obj["tokenizer"], separators=(",", ":")), obj["identity"]
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None
+
+
+TEXT_SHA_MEMO = "text-sha256.json"
+TEXT_SHA_MEMO_VERSION = "hslm-text-sha256/1"
+TEXT_SHA_MEMO_ENTRIES = 16   # texts remembered per folder, the most recent first
+
+
+def _is_sha256(s) -> bool:
+    return isinstance(s, str) and len(s) == 64 and all(c in "0123456789abcdef" for c in s)
+
+
+def _memo_entries(folder: Path):
+    try:
+        obj = json.loads((Path(folder) / TEXT_SHA_MEMO).read_text(encoding="utf-8"))
+        if obj.get("version") != TEXT_SHA_MEMO_VERSION or not isinstance(obj["entries"], list):
+            return []
+        return [e for e in obj["entries"] if isinstance(e, dict) and _is_sha256(e.get("sha256"))
+                and isinstance(e.get("files"), list)]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return []
+
+
+def recall_text_sha256(folder: Path, key):
+    """The sha256 remembered for a text whose files' stat key (TextSource.stat_key) is
+    exactly `key`, or None. Trusting it skips reading the text: a file rewritten with
+    the same size while keeping its mtime, ctime, inode and device (forged timestamps)
+    would go unnoticed; $HSLM_REHASH=1 (or deleting the file) forces a full hash."""
+    for e in _memo_entries(folder):
+        if e["files"] == key:
+            return e["sha256"]
+    return None
+
+
+def remember_text_sha256(folder: Path, key, sha256: str):
+    """Remember the text's sha256 under its stat key (a failure to write is ignored: the
+    memo is only an optimisation)."""
+    entries = [e for e in _memo_entries(folder) if e["files"] != key]
+    entries = [{"files": key, "sha256": sha256}] + entries[:TEXT_SHA_MEMO_ENTRIES - 1]
+    obj = {"version": TEXT_SHA_MEMO_VERSION, "entries": entries}
+    try:
+        _write(Path(folder) / TEXT_SHA_MEMO, [json.dumps(obj, separators=(",", ":")).encode("utf-8")])
+    except HslmError:
+        pass

@@ -149,3 +149,36 @@ def _ref_learn_compiled(seq, vocab, n_merges, merges):
             m += 1
         return m, n
     return learn(seq, vocab, n_merges, merges)
+
+
+@pytest.mark.parametrize("slack", [0.0, 0.25])
+def test_long_texts_with_multi_byte_gaps_give_the_reference_merges(slack):
+    """Positions past 2**21 (4-byte varints), rare pairs with long gaps, and a pool
+    that must grow (slack 0, random bytes) against the compiled reference."""
+    rng = np.random.default_rng(14)
+    text = builtin_text().encode("utf-8")[:1_500_000]
+    noise = rng.integers(0, 256, 700_000, dtype=np.uint8).tobytes()
+    data = text[:900_000] + noise + text[900_000:] + b"\x00\x01" * 3 + b"zq" * 2
+    seq = np.frombuffer(data, np.uint8).astype(np.int64) + 4
+    merges = np.zeros((40, 2), np.int64)
+    m, n = _ref_learn_compiled(seq, 300, 40, merges)
+    info = {}
+    tok = np.frombuffer(data, np.uint8).astype(np.uint16) + 4
+    nm, w = bpe.run(tok, 300, slack=slack, info=info)
+    assert m == 40 and np.array_equal(merges, nm)
+    assert np.array_equal(seq[:n], tok[:w])
+    assert info["pool_bytes"] > 0
+
+
+def test_the_position_lists_fit_their_memory_estimate_on_text():
+    """The pool of position lists stays within bpe.POOL_BYTES_PER_BYTE per text byte on
+    text (the README's 4 bytes a corpus byte: 2 for the ids, under 2 for the lists),
+    and memory_needed covers ids and lists."""
+    data = builtin_text().encode("utf-8")
+    n = len(data)
+    for vocab in (300, 729):
+        info = {}
+        tok = np.frombuffer(data, np.uint8).astype(np.uint16) + 4
+        bpe.run(tok, vocab, info=info)
+        assert info["pool_bytes"] <= bpe.POOL_BYTES_PER_BYTE * n, (vocab, info, n)
+        assert bpe.memory_needed(vocab, n) >= 2 * n + info["pool_bytes"]

@@ -29,7 +29,8 @@ def test_cached_tokens_are_the_same_and_are_used(tmp_path, monkeypatch):
     assert np.array_equal(plain.train, cached.train) and np.array_equal(plain.valid, cached.valid)
     assert plain.tokenizer.identity == cached.tokenizer.identity
     assert plain.text_sha256 == hashlib.sha256(TEXT.encode()).hexdigest()
-    files = sorted(p.name for p in (tmp_path / "c").iterdir())
+    files = sorted(p.name for p in (tmp_path / "c").iterdir()
+                   if p.name != token_cache.TEXT_SHA_MEMO)   # remembered once the file settles
     assert files == [f"bpe-{plain.text_sha256[:16]}-300.json",
                      f"tokens-{plain.text_sha256[:16]}-{plain.tokenizer.identity[:16]}.tok"]
 
@@ -177,3 +178,91 @@ def test_a_tokenizer_too_large_to_learn_is_refused_in_one_line(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert p.stderr.startswith("error: ") and "tokenizer of vocabulary 200,000" in p.stderr
+
+
+def test_a_flipped_byte_or_an_old_format_token_file_is_rewritten(tmp_path):
+    (tmp_path / "t.txt").write_text(TEXT, encoding="utf-8")
+    good = Corpus.load(tmp_path / "t.txt", 300, 27, cache_dir=tmp_path)
+    path = token_cache.tokens_path(tmp_path, good.text_sha256, good.tokenizer.identity)
+    original = path.read_bytes()
+    del good
+    sha = hashlib.sha256(TEXT.encode()).hexdigest()
+    identity = original[56:88].hex()
+    assert token_cache.open_tokens(path, sha, identity) is not None
+    for where in [token_cache.HEADER, (token_cache.HEADER + len(original)) // 2, len(original) - 1]:
+        for bit in (1, 0x80):
+            raw = bytearray(original)
+            raw[where] ^= bit
+            path.write_bytes(bytes(raw))
+            assert token_cache.open_tokens(path, sha, identity) is None, (where, bit)
+            Corpus.load(tmp_path / "t.txt", 300, 27, cache_dir=tmp_path)
+            assert path.read_bytes() == original   # written again, whole
+    old = bytearray(original)
+    old[:8] = b"HSLMTOK1"                          # the previous format: ignored, rewritten
+    path.write_bytes(bytes(old))
+    assert token_cache.open_tokens(path, sha, identity) is None
+    Corpus.load(tmp_path / "t.txt", 300, 27, cache_dir=tmp_path)
+    assert path.read_bytes() == original
+
+
+def test_the_checksum_sees_every_byte_and_the_length():
+    base = np.arange(1000, dtype=np.uint16)
+    seen = {token_cache.checksum(base)}
+    for n in (999, 998, 996, 960):                   # tails of every length, zeros appended
+        seen.add(token_cache.checksum(base[:n]))
+    seen.add(token_cache.checksum(np.concatenate([base, np.zeros(4, np.uint16)])))
+    for i in (0, 7, 31, 32, 500, 999):
+        flipped = base.copy()
+        flipped[i] ^= 1 << (i % 16)
+        seen.add(token_cache.checksum(flipped))
+    assert len(seen) == 12 and all(len(c) == 32 for c in seen)
+
+
+def test_the_text_sha256_is_remembered_by_stat_and_rehashed_when_it_changes(tmp_path,
+                                                                             monkeypatch):
+    from hslm import data
+    monkeypatch.setattr(data, "SETTLE_NS", 0)   # files just written count as settled
+    monkeypatch.delenv(data.REHASH_ENV, raising=False)
+    f = tmp_path / "t.txt"
+    f.write_text(TEXT, encoding="utf-8")
+    first = Corpus.load(f, 300, 27, cache_dir=tmp_path / "c")
+    assert (tmp_path / "c" / token_cache.TEXT_SHA_MEMO).exists()
+    scans = []
+    real_scan = textsource.TextSource.scan
+    monkeypatch.setattr(textsource.TextSource, "scan",
+                        lambda self, progress=None: scans.append(1) or real_scan(self, progress))
+    again = Corpus.load(f, 300, 27, cache_dir=tmp_path / "c")
+    assert scans == [] and again.text_sha256 == first.text_sha256
+    monkeypatch.setenv(data.REHASH_ENV, "1")                  # forced: hashed in full
+    assert Corpus.load(f, 300, 27, cache_dir=tmp_path / "c").text_sha256 == first.text_sha256
+    assert scans == [1]
+    monkeypatch.delenv(data.REHASH_ENV)
+    changed = TEXT.replace("return", "RETURN")                 # the same size, other bytes
+    assert len(changed.encode()) == len(TEXT.encode())
+    st = f.stat()
+    f.write_text(changed, encoding="utf-8")
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    third = Corpus.load(f, 300, 27, cache_dir=tmp_path / "c")
+    assert scans == [1, 1] and third.text_sha256 == hashlib.sha256(changed.encode()).hexdigest()
+    with pytest.raises(HslmError, match="differs from the one the checkpoint"):
+        Corpus.load(f, 300, 27, cache_dir=tmp_path / "c", expect_sha256=first.text_sha256)
+
+
+def test_a_text_changed_just_now_is_not_remembered(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text(TEXT, encoding="utf-8")       # mtime now: within SETTLE_NS of the hashing
+    Corpus.load(f, 300, 27, cache_dir=tmp_path / "c")
+    assert not (tmp_path / "c" / token_cache.TEXT_SHA_MEMO).exists()
+    (tmp_path / "c" / token_cache.TEXT_SHA_MEMO).write_text("{not json")   # damaged: ignored
+    assert Corpus.load(f, 300, 27, cache_dir=tmp_path / "c").text_sha256 \
+        == hashlib.sha256(TEXT.encode()).hexdigest()
+
+
+def test_a_remembered_text_sha256_that_is_not_one_is_ignored(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text(TEXT, encoding="utf-8")
+    key = textsource.TextSource(f).stat_key()
+    token_cache.remember_text_sha256(tmp_path / "c", key, "zz" * 32)   # not hex
+    assert token_cache.recall_text_sha256(tmp_path / "c", key) is None
+    c = Corpus.load(f, 300, 27, cache_dir=tmp_path / "c")
+    assert c.text_sha256 == hashlib.sha256(TEXT.encode()).hexdigest()
