@@ -35,10 +35,11 @@ def ternary_mask(cfg: Config) -> np.ndarray:
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def quantize_into(theta, offs, rows, cols, is_ternary, alpha, plain, Tf, Tb, pf_offs, Pf,
-                  pb_offs, Pb, panel, abs_sums, sums_given, t0, t1):
+                  pb_offs, Pb, panel, abs_sums, sums_given, zeros, t0, t1):
     """alpha = mean|W| (1 if <= 1e-6); T = sign(W) where |W| > alpha/2 (spec section 3),
     for tensors t0..t1-1, written in the layouts the kernels read. With sums_given,
     abs_sums[t] already holds sum |W| in element order (adamw_step makes it).
+    zeros[t] gets the tensor's count of zero trits (the run's metrics report the share).
 
     * always the column panels of T (Pf) and of its transpose (Pb), for the
       register-tiled kernels: P[q, i, c] = M[i, q * panel + c], zero past the last column;
@@ -78,6 +79,7 @@ def quantize_into(theta, offs, rows, cols, is_ternary, alpha, plain, Tf, Tb, pf_
         # past the last column is never written.
         pf, pb = pf_offs[t], pb_offs[t]
         block = np.empty((panel, n), np.float32)
+        nz = 0
         for i0 in range(0, m, panel):
             rows_here = min(panel, m - i0)
             for c in range(rows_here):
@@ -86,6 +88,8 @@ def quantize_into(theta, offs, rows, cols, is_ternary, alpha, plain, Tf, Tb, pf_
                 for j in range(n):
                     w = src[j]
                     row[j] = 1.0 if w > half else (-1.0 if w < -half else 0.0)
+                for j in range(n):
+                    nz += 1 if row[j] == 0.0 else 0
                 for q in range((n + panel - 1) // panel):
                     j0 = q * panel
                     dst = pf + (q * m + i) * panel
@@ -95,6 +99,7 @@ def quantize_into(theta, offs, rows, cols, is_ternary, alpha, plain, Tf, Tb, pf_
             for j in range(n):
                 for c in range(rows_here):
                     Pb[dst + j * panel + c] = block[c, j]
+        zeros[t] = nz
 
 
 def panel_offsets(rows, cols, is_ternary, panel):
@@ -119,6 +124,7 @@ class ModelState:
         self.Tf = np.zeros_like(theta) if plain else np.zeros(0)
         self.Tb = np.zeros_like(theta) if plain else np.zeros(0)
         self.alpha = np.ones(len(shapes))
+        self.zeros = np.zeros(len(shapes), np.int64)  # zero trits per ternary tensor
         # speed 3's layouts: Tf and Tb again, in column panels (hslm.panel_kernels)
         self.pf_offs = panel_offsets(self.rows, self.cols, self.is_ternary, TERNARY_PANEL)
         self.pb_offs = panel_offsets(self.cols, self.rows, self.is_ternary, TERNARY_PANEL)
@@ -134,7 +140,7 @@ class ModelState:
         quantize_into(self.theta, self.offs, self.rows, self.cols, self.is_ternary, self.alpha,
                       self.plain, self.Tf, self.Tb, self.pf_offs, self.Pf, self.pb_offs, self.Pb,
                       TERNARY_PANEL, self.alpha if abs_sums is None else abs_sums,
-                      abs_sums is not None, t0, t1)
+                      abs_sums is not None, self.zeros, t0, t1)
 
     def kernel_model(self) -> Model:
         c, tb = self.cfg, self.tables

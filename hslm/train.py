@@ -240,15 +240,10 @@ class Run:
         return paths
 
     def ternary_zero_share(self) -> float:
-        """Share of zeros over all ternary matrices (|W| <= alpha / 2)."""
-        offs = self.state.offs
-        zeros = total = 0
-        for t in np.flatnonzero(self.state.is_ternary):
-            seg = self.state.theta[offs[t]:offs[t + 1]]
-            half = self.state.alpha[t] / 2.0
-            zeros += int(np.count_nonzero(np.abs(seg) <= half))
-            total += seg.size
-        return zeros / total
+        """Share of zeros over all ternary matrices (|W| <= alpha / 2), counted when
+        they were requantised."""
+        st = self.state
+        return int(st.zeros[st.is_ternary].sum()) / int((st.rows * st.cols)[st.is_ternary].sum())
 
 
 def load_corpus(data, cfg: Config, expect_sha256=None, tokenizer=None, cache_dir=None) -> Corpus:

@@ -92,3 +92,19 @@ def test_training_matches_an_independent_torch_training_loop():
         assert abs(ours - loss.item()) <= 1e-12 * abs(ours)
         np.testing.assert_allclose(run.state.theta, theirs, rtol=0, atol=1e-12)
     runner.close()
+
+
+def test_requantise_counts_the_zero_trits_it_makes():
+    """The zero share the metrics report is requantisation's by-product: it must be
+    the count of |W| <= alpha / 2 over the ternary matrices."""
+    from hslm.config import PRESETS
+    from hslm.params import ModelState, init_params
+    from hslm.tables import Tables
+    cfg = PRESETS["hslm-tiny"]
+    st = ModelState(cfg, init_params(cfg, 1), Tables(cfg), plain=False)
+    st.theta *= np.random.default_rng(0).uniform(0.5, 1.5, st.theta.shape)
+    st.requantize()
+    for t in np.flatnonzero(st.is_ternary):
+        seg = st.theta[st.offs[t]:st.offs[t + 1]]
+        assert st.zeros[t] == np.count_nonzero(np.abs(seg) <= st.alpha[t] / 2)
+    assert 0 < st.zeros.sum() < st.theta.size
