@@ -22,18 +22,27 @@ S_w in its own zeroed buffer (0 + S_w == S_w: a sum from +0.0 is never -0.0) and
 add them in window order when the chunk arrives. Window losses are allgathered
 and averaged in window order.
 
+For small batches at speed 3 a second way moves fewer bytes (records_pay
+decides; both give the same bits): each rank runs its windows, the ranks allgather
+what the weight gradients read of every window (layers.WEIGHT_GRAD_ACTS and
+WEIGHT_GRAD_RECORDS), and each rank adds every window, in window order, into the
+gradient units of the tensors it owns. No pipeline to wait on, and the weight
+gradients keep the whole batch's inner loop.
+
 The optimiser step is split, not repeated: rank r owns a run of tensors (about
-1/P of the parameters). The last rank sends each finished chunk's pieces straight
-to their owners as the pipeline goes; each rank takes the AdamW step of its own
+1/P of the parameters, or of the weight-gradient and AdamW work when records
+move). With running sums, the last rank sends each finished chunk's pieces
+straight to their owners as the pipeline goes. Each rank takes the AdamW step of its own
 tensors (per element, so the bytes are one process's), the ranks allgather the
 updated parameters and the per-tensor sums (norms, sum |W|, moment sums), and every
 rank requantises the whole model itself (cheaper than moving the trits). Adam's
 moments stay with their owners; rank 0 gathers them only to write a `.state`.
 
-Communication per step, n = n_params: every rank but the last sends 8n bytes
-(the running sums, point to point); the last rank sends 8n (P-1)/P (the finished
-pieces); the allgather moves 8n/P from each rank to every other one; plus a few
-bytes (losses, per-tensor sums, a stop flag).
+Communication per step, n = n_params: with running sums every rank but the
+last sends 8n bytes (point to point) and the last rank 8n (P-1)/P (the finished
+pieces); with records each rank sends its windows' records to every other rank;
+then the allgather moves each rank's 8n/P parameters to every other one; plus a
+few bytes (losses, per-tensor sums, a stop flag).
 
 Rank 0 alone writes (checkpoints, tokenizer.json, the token cache, metrics) and
 prints. The ranks agree after every step whether to stop (SIGINT/SIGTERM on any
@@ -161,8 +170,9 @@ class World:
 
     # ------------------------------------------------------------ a step
     def gradient(self, runner, model, vsa_table, windows, k, G):
-        """runner.gradient over MPI: G (all ranks) = the batch's gradient, summed
-        in window order exactly as one process sums it; returns the mean loss."""
+        """runner.gradient over MPI: G = the batch's gradient, summed in window order
+        exactly as one process sums it, on the elements this rank owns (the last
+        rank of a running-sum pipeline holds all of it); returns the mean loss."""
         from .speeds import PER_POSITION
         from .step import gradient_units
         self.steps += 1
