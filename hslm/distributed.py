@@ -70,6 +70,7 @@ LAUNCH_VARIABLES = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK",
 CHECK_EVERY = 16            # steps between parameter digest comparisons (and at every save)
 CHUNK_ELEMENTS = 1 << 17    # about 1 MB of gradient per message of the pipeline
 TAG = 13
+REDUCTIONS = ("records", "running sums")
 
 _world = None
 
@@ -158,7 +159,8 @@ class World:
         self.comm, self.MPI = comm, MPI
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.started = False     # after the first step begins, an error aborts every rank
-        self.sent = 0            # bytes this rank sent (point to point and broadcast root)
+        self.sent = 0            # bytes this rank sent (its part of every message)
+        self.reductions = set()  # the reductions this run's steps took (records, running sums)
         self.steps = 0           # gradients computed (the warm-up's included: it sends too)
         self.train_steps = 0     # training steps (for the test hook)
         self.batch = -1          # the sizes the buffers below were made for
@@ -197,7 +199,9 @@ class World:
             a, b = self._ownership(runner.cfg, work)[self.rank]
             G[a:b] = 0.0  # the elements this rank sums (the others are never read)
             self._by_records(runner, model, vsa_table, windows, k, scale, G, lo, hi)
+            self._took("records", runner)
             return self.ordered_mean(self.losses[lo:hi])
+        self._took("running sums", runner)
         owned = self._ownership(runner.cfg)
         if self.rank == 0:  # the running sums start from zeros; later ranks receive them
             G[:] = 0.0
@@ -209,6 +213,10 @@ class World:
             chunks = [(e0, e1, (u0, u1)) for e0, e1, u0, u1 in self._chunks(runner)]
         self.fold_in_order(G, chunks, fold if nb else None, owned)
         return self.ordered_mean(losses)
+
+    def _took(self, reduction, runner):
+        if not getattr(runner, "warming_up", False):  # the summary reports training steps
+            self.reductions.add(reduction)
 
     def _chunks(self, runner):
         if getattr(runner, "_mpi_chunks", None) is None:
@@ -294,8 +302,12 @@ class World:
         receives (B - B/P) windows' records, against about 16 n_params bytes for the
         running sums and finished pieces (and no pipeline to wait on)."""
         from .layers import WEIGHT_GRAD_ACTS, WEIGHT_GRAD_RECORDS, ACT_FIELDS, RECORD_FIELDS
-        if os.environ.get("HSLM_MPI_REDUCTION") in ("records", "running sums"):  # tests
-            return os.environ["HSLM_MPI_REDUCTION"] == "records"
+        forced = os.environ.get("HSLM_MPI_REDUCTION")  # the tests run both
+        if forced is not None:
+            if forced not in REDUCTIONS:
+                raise AllRanksError(f"HSLM_MPI_REDUCTION must be one of {', '.join(REDUCTIONS)}, "
+                                    f"got {forced!r}")
+            return forced == "records"
         dims = cfg.dims()
         shapes = dict(ACT_FIELDS + RECORD_FIELDS)
         per_window = sum(int(np.prod(shapes[f](dims)))
@@ -510,9 +522,11 @@ class World:
         every = self.comm.allgather(self.sent / max(self.steps, 1))
         if self.rank == 0:
             per = ", ".join(f"{b / 1e6:.2f}" for b in every)
+            how = {"records": "each rank's windows' records to all",
+                   "running sums": "running sums to the next rank, finished sums to their owners"}
+            ways = "; ".join(how[r] for r in REDUCTIONS if r in self.reductions)
             echo(f"MPI: {self.size} ranks; MB sent per step by rank 0..{self.size - 1}: {per} "
-                 "(running sums to the next rank, finished sums to their owners, updated "
-                 "parameters to all)")
+                 f"({ways}; updated parameters to all)")
 
 
 class _Shared(str):

@@ -51,8 +51,9 @@ def adamw_step(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, norms
     gradient, parameter and moment of the tensor is (or, rarely, when a sum of finite
     values overflows), so the run's finiteness check needs no pass of its own.
     Updates tensors t0..t1-1: tensors are independent, so threads may split them.
-    error_model="numpy" (as on every kernel): a division is a plain IEEE division,
-    with no Python zero check in the loop, so the update vectorises (same bits)."""
+    error_model="numpy" (as on every float kernel of the step): a division is a plain
+    IEEE division, with no Python zero check in the loop, so the update vectorises
+    (same bits)."""
     step_size = lr / bc1
     sbc2 = math.sqrt(bc2)
     for t in range(t0, t1):

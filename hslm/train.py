@@ -115,6 +115,9 @@ class Run:
         self.norms = np.zeros(len(cfg.tensors()))
         self.abs_sums = np.zeros(len(cfg.tensors()))  # sum |W| per tensor, for alpha
         self.moment_sums = np.zeros(len(cfg.tensors()))  # sum |m| + v: the finiteness check
+        # MPI: the world of the runner that took the steps (None in one process, and in
+        # a bench, whose runners have none): where each rank owns part of the state
+        self.world = None
 
     @classmethod
     def fresh(cls, cfg: Config, hyper: Hyper, corpus: Corpus, plain=True) -> "Run":
@@ -162,7 +165,7 @@ class Run:
         # (or find that a finite sum overflowed). Under MPI each rank looks at the
         # tensors it updated (there its gradient and moments are the run's) and the
         # ranks agree on the first finding.
-        world = distributed.current()
+        world = self.world
         t0, t1 = (0, len(self.norms)) if world is None else world.owned[world.rank]
         offs = self.state.offs
         quantities = (("gradient", self.grad), ("parameter", self.state.theta),
@@ -201,7 +204,7 @@ class Run:
         def requantize(part):  # alpha from the update's sums
             self.state.requantize(part[0], part[1], self.abs_sums)
 
-        world = distributed.current()
+        self.world = world = runner.world
         if world is None:
             runner.map_parts(lambda part: (adam(part), requantize(part)),
                              tensor_parts(self.cfg, runner.threads))
@@ -218,11 +221,10 @@ class Run:
     def save(self, out: Path):
         base = out / f"ckpt_{self.step}"
         paths = base.with_suffix(".bin"), base.with_suffix(".state")
-        world = distributed.current()
-        if world is not None:  # MPI: every rank calls save; rank 0 alone writes
-            world.gather_moments(self.m, self.v)  # it needs every rank's moments
-            if world.rank != 0:
-                return paths
+        if self.world is not None:  # MPI: every rank calls save; rank 0 alone writes
+            self.world.gather_moments(self.m, self.v)  # it needs every rank's moments
+        if not distributed.is_writer():
+            return paths
         pblob = ckpt.params_blob(self.cfg, self.state.theta, self.step, self.corpus.tokenizer)
         extra = {
             "rng": self.rng.state_json(),
@@ -526,6 +528,8 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
                 sys.exit(128 + stop.signum)
             if o.eval_every and run.step % o.eval_every == 0 and run.step < o.steps:
                 v = evaluate()
+                if distributed.any_rank(metrics_error is not None):  # stop at this step
+                    stop_for_metrics(run.save(out)[1])
                 progress.message(f"step {run.step}: valid {v:.4f} (perplexity "
                                  f"{math.exp(v):.1f})")
             if o.save_every and run.step % o.save_every == 0 and run.step < o.steps:

@@ -143,7 +143,8 @@ def refs(tmp_path_factory):
 @needs_mpi
 @pytest.mark.parametrize("speed,batch,ranks,reduction", [
     (3, 4, 2, "records"), (3, 4, 2, "running sums"), (2, 4, 3, None), (3, 5, 2, "records"),
-    (2, 5, 3, None), (3, 2, 3, "running sums"), (3, 5, 3, "records"), (3, 5, 3, "running sums")])
+    (2, 5, 3, None), (3, 2, 3, "running sums"), (3, 2, 3, "records"), (3, 5, 3, "records"),
+    (3, 5, 3, "running sums")])
 def test_mpi_checkpoints_equal_one_process(refs, tmp_path, speed, batch, ranks, reduction):
     """Speed 3 either moves the windows' records or passes running sums (the run
     chooses by volume; HSLM_MPI_REDUCTION forces one); speeds 0-2 pass running sums."""
@@ -152,6 +153,10 @@ def test_mpi_checkpoints_equal_one_process(refs, tmp_path, speed, batch, ranks, 
                    extra_env={"HSLM_MPI_REDUCTION": reduction} if reduction else None)
     same_bytes(refs[batch], d, 4)
     assert "MB sent per step" in stdout
+    if reduction:  # the summary names the reduction the steps took
+        other = {"records": "running sums", "running sums": "records"}[reduction]
+        assert ("records to all" in stdout) == (reduction == "records"), stdout
+        assert ("running sums to" in stdout) == (other == "records"), stdout
     assert sorted(p.name for p in d.glob("ckpt_*")) == ["ckpt_4.bin", "ckpt_4.state"]
 
 
@@ -237,13 +242,17 @@ def test_sigterm_saves_one_checkpoint_and_stops_every_rank(tmp_path):
 def test_a_diverging_run_is_reported_once_as_in_one_process(tmp_path):
     """The finiteness check looks at each rank's own tensors; the ranks agree, rank 0
     reports the same line one process prints, and nothing non-finite is saved."""
-    args = [*TINY, "--batch", 4, "--steps", 6, "--save-every", 1, "--lr", "1e30", "--warmup", 0]
+    # a huge weight decay makes a parameter infinite at step 1 while the loss is finite,
+    # so the per-tensor search (each rank its own tensors, then agreed) must name it
+    args = [*TINY, "--batch", 4, "--steps", 3, "--save-every", 1, "--lr", "1e300",
+            "--weight-decay", "1e10", "--warmup", 0]
     code1, _, err1 = hslm("train", *args, "--out", tmp_path / "one")
     code2, _, err2 = hslm("train", *args, "--out", tmp_path / "mpi", ranks=2)
-    one = [ln for ln in err1.splitlines() if ln.startswith("error:")]
-    two = [ln for ln in err2.splitlines() if ln.startswith("error:")]
-    assert code1 == code2 == 2 and len(one) == 1 and one == two, (err1, err2)
-    assert "not finite" in one[0] or "nan" in one[0]
+    code3, _, err3 = hslm("train", *args, "--out", tmp_path / "mpi3", ranks=3)
+    one, two, three = ([ln for ln in e.splitlines() if ln.startswith("error:")]
+                       for e in (err1, err2, err3))
+    assert code1 == code2 == code3 == 2 and len(one) == 1 and one == two == three, (err1, err2)
+    assert "of tensor" in one[0] and "not finite" in one[0], one
     assert (sorted(p.name for p in (tmp_path / "one").glob("ckpt_*"))
             == sorted(p.name for p in (tmp_path / "mpi").glob("ckpt_*")))
 
@@ -260,3 +269,12 @@ def test_metrics_failure_saves_on_every_rank_and_stops(tmp_path):
     assert code == 2 and len(errors) == 1 and "cannot write --metrics" in errors[0], err
     train(tmp_path / "ref", "--batch", 4, "--steps", 1)
     same_bytes(tmp_path / "ref", tmp_path / "m", 1)
+
+
+@needs_mpi
+def test_an_unknown_reduction_is_one_clear_error(tmp_path):
+    code, _, err = hslm("train", *TINY, "--batch", 2, "--steps", 1, "--out", tmp_path, ranks=2,
+                        extra_env={"HSLM_MPI_REDUCTION": "allreduce"})
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "HSLM_MPI_REDUCTION" in errors[0], err
+    assert "Traceback" not in err
