@@ -154,7 +154,7 @@ def profile_layerwise(cfg, hyper, corpus, steps=3):
 
     t_vsa = timed(lambda: [vsa_window(run.tables.vsa, x, cfg.blocks, cfg.width, w.vsa)
                            for x in windows])
-    t_fwd = timed(lambda: [window_loss_layerwise(model, x, w.vsa, k, w.acts, w.scr,
+    t_fwd = timed(lambda: [window_loss_layerwise(model, x, w.vsa, k, w.acts, w.scr, 0,
                                                  KERNEL_PANELS) for x in windows])
     th, m, v = run.state.theta.copy(), run.m.copy(), run.v.copy()
     norms = np.zeros(len(cfg.tensors()))

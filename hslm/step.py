@@ -115,7 +115,7 @@ class Worker:
     def window_loss(self, model, vsa_table, tokens, k):
         """Forward only: the window's mean loss over its last k positions."""
         vsa_window(vsa_table, tokens, model.dims.blocks, model.dims.width, self.vsa)
-        return window_loss_layerwise(model, tokens, self.vsa, k, self.acts, self.scr,
+        return window_loss_layerwise(model, tokens, self.vsa, k, self.acts, self.scr, 0,
                                      KERNEL_PANELS)
 
 
