@@ -80,6 +80,7 @@ def ternary_matmul_rows(X, T, alpha, Y):
 
 
 WGRAD_ROW_BLOCK = 36  # gradient rows per unit of the weight-gradient phase (a multiple of 3 rows)
+WGRAD_WINDOWS = 8     # windows whose output gradients are held in panels at once (scratch)
 
 
 def _compile_with_slp(kernel, signature):
@@ -112,23 +113,12 @@ def ternary_panels(P, poffs, alpha, t, a, b, X, Y):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def weight_grad_rows(X, i0, i1, DY, G, XT, PD):
-    """G[i0:i1] += (X^T . DY)[i0:i1]: G [a, b], X [n, a], DY [n, b]; each element
-    summed over the positions r = 0, 1, ... in increasing order from 0.0.
-
-    A tile of gradient rows is held in registers while every position adds to
-    it, then added into G: each element is the same chain of additions as the
-    per-position streaming (windows.stream_weight_grads), and G gets the window's
-    sum added once.
-    XT (>= (i1 - i0) n) and PD (>= n b + WGRAD_PANEL n) are flat scratch for X's columns
-    transposed and DY in column panels."""
-    n = X.shape[0]
-    b = DY.shape[1]
-    m = i1 - i0
-    xt = XT[:m * n].reshape((m, n))
-    for r in range(n):
-        for i in range(m):
-            xt[i, r] = X[r, i0 + i]
+def output_grad_panels(DY, PD):
+    """DY [n, b] (an output gradient) in column panels of WGRAD_PANEL, zero past
+    column b, into the flat scratch PD (>= n b + WGRAD_PANEL n); returns the
+    [npan, n, WGRAD_PANEL] view. Made once per window and matrix, shared by every
+    unit of gradient rows of that matrix."""
+    n, b = DY.shape
     npan = (b + WGRAD_PANEL - 1) // WGRAD_PANEL
     pd = PD[:npan * n * WGRAD_PANEL].reshape((npan, n, WGRAD_PANEL))
     for q in range(npan):
@@ -136,6 +126,25 @@ def weight_grad_rows(X, i0, i1, DY, G, XT, PD):
             for c in range(WGRAD_PANEL):
                 j = q * WGRAD_PANEL + c
                 pd[q, r, c] = DY[r, j] if j < b else 0.0
+    return pd
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def weight_grad_rows(X, i0, i1, pd, b, G, XT):
+    """G[i0:i1] += (X^T . DY)[i0:i1]: G [a, b], X [n, a], DY [n, b] given in panels
+    (pd, output_grad_panels); each element summed over the positions r = 0, 1, ...
+    in increasing order from 0.0.
+
+    A tile of gradient rows is held in registers while every position adds to
+    it, then added into G: each element is the same chain of additions as the
+    per-position streaming (windows.stream_weight_grads), and G gets the window's
+    sum added once. XT (>= (i1 - i0) n) is flat scratch for X's columns transposed."""
+    n = X.shape[0]
+    m = i1 - i0
+    xt = XT[:m * n].reshape((m, n))
+    for r in range(n):
+        for i in range(m):
+            xt[i, r] = X[r, i0 + i]
     panel_matmul_add(xt, pd, b, G[i0:i1])
 
 

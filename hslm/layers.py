@@ -36,7 +36,7 @@ import numpy as np
 from numba import njit
 
 from .config import (BDOWN, BUP, GAMMA, TENSORS_PER_BLOCK, WDOWN, WK, WO, WQ, WUP, WV, Dims)
-from .kernels import ternary_matmul_rows, ternary_panels
+from .kernels import WGRAD_WINDOWS, ternary_matmul_rows, ternary_panels
 from .mathfn import exp, log
 from .panel_kernels import WGRAD_PANEL
 from .speeds import KERNEL_PANELS, KERNEL_ROWS
@@ -95,9 +95,11 @@ SCRATCH_FIELDS = (
     ("tmp1", lambda D: (D.window, D.width)),
     ("tmp2", lambda D: (D.window, D.width)),
     ("loss_grad", lambda D: (D.window, D.vocab)),          # dz of forward-only evaluation
-    # weight-gradient scratch: a layer input transposed, an output gradient in panels
+    # weight-gradient scratch: a layer input transposed, output gradients in panels
+    # (one row per window of a group, kernels.WGRAD_WINDOWS)
     ("xt", lambda D: (max(D.vocab, D.mlp, D.width) * D.window,)),
-    ("dy_panels", lambda D: ((max(D.vocab, D.mlp, D.width) + WGRAD_PANEL) * D.window,)),
+    ("dy_panels", lambda D: (WGRAD_WINDOWS,
+                             (max(D.vocab, D.mlp, D.width) + WGRAD_PANEL) * D.window)),
 )
 # The fields weight_grad_operands reads: all a weight gradient needs of a window (MPI
 # sends them between ranks, hslm/distributed.py).

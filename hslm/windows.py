@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from numba import njit
 
-from .kernels import column_sum_rows, weight_grad_rows
+from .kernels import column_sum_rows, output_grad_panels, weight_grad_rows
+from .panel_kernels import WGRAD_PANEL
 from .layers import (COLUMN_SUM, MATRIX, block_backward, block_forward,
                      embed_forward, head_backward, head_forward, loss_forward_backward, loss_rows,
                      view1, view2, weight_grad_operands)
@@ -139,38 +140,60 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG):
     window's sum over its scored positions runs in position order from 0.0 (for
     a matrix: a held block of gradient rows, X^T . DY). Units write disjoint
     parts of `out`, so threads may take any units: the bits do not depend on
-    who computes what."""
+    who computes what. A matrix's consecutive units share its output gradients in
+    panels: for each group of windows (as many as WG has rows) the panels are made
+    once, then every unit adds that group's windows, so each element still gets
+    its windows in order."""
     D = model.dims
     offs = model.offs
     s = D.window - k
     B = tokens.shape[0]
-    for u in range(u0, u1):
-        t, r0, r1 = units[u, 0], units[u, 1], units[u, 2]
-        for w in range(B):
-            kind, X, DY, m, n = weight_grad_operands(model, A, R, w, t, s, k)
-            if kind == MATRIX:
-                weight_grad_rows(X, r0, r1, DY, view2(out, offs, t, m, n), XT, WG)
-            elif kind == COLUMN_SUM:
-                column_sum_rows(DY, view1(out, offs, t))
-            else:  # EMBED_ROWS: E[t_p] += dx_0 summed over the window's rows with token t_p
-                E = view2(out, offs, t, m, n)
-                row = WG[:n]
-                tok = tokens[w]
-                for r in range(k):
-                    seen = False
-                    for r2 in range(r):
-                        if tok[s + r2] == tok[s + r]:
-                            seen = True
-                    if seen:
-                        continue
-                    for i in range(n):
-                        row[i] = 0.0
-                    for r2 in range(r, k):
-                        if tok[s + r2] == tok[s + r]:
-                            for i in range(n):
-                                row[i] += DY[r2, i]
-                    for i in range(n):
-                        E[tok[s + r], i] += row[i]
+    u = u0
+    while u < u1:
+        t = units[u, 0]
+        ue = u + 1  # this tensor's units in the range: u .. ue-1
+        while ue < u1 and units[ue, 0] == t:
+            ue += 1
+        if weight_grad_operands(model, A, R, 0, t, s, k)[0] == MATRIX:
+            for w0 in range(0, B, WG.shape[0]):
+                w1 = min(w0 + WG.shape[0], B)
+                for w in range(w0, w1):
+                    _, X, DY, m, n = weight_grad_operands(model, A, R, w, t, s, k)
+                    output_grad_panels(DY, WG[w - w0])
+                for v in range(u, ue):
+                    r0, r1 = units[v, 1], units[v, 2]
+                    for w in range(w0, w1):
+                        _, X, DY, m, n = weight_grad_operands(model, A, R, w, t, s, k)
+                        npan = (n + WGRAD_PANEL - 1) // WGRAD_PANEL
+                        pd = WG[w - w0, :npan * k * WGRAD_PANEL].reshape((npan, k, WGRAD_PANEL))
+                        weight_grad_rows(X, r0, r1, pd, n, view2(out, offs, t, m, n), XT)
+            u = ue
+            continue
+        for v in range(u, ue):
+            for w in range(B):
+                kind, X, DY, m, n = weight_grad_operands(model, A, R, w, t, s, k)
+                if kind == COLUMN_SUM:
+                    column_sum_rows(DY, view1(out, offs, t))
+                else:  # EMBED_ROWS: E[t_p] += dx_0 summed over the window's rows with token t_p
+                    E = view2(out, offs, t, m, n)
+                    row = WG[0, :n]
+                    tok = tokens[w]
+                    for r in range(k):
+                        seen = False
+                        for r2 in range(r):
+                            if tok[s + r2] == tok[s + r]:
+                                seen = True
+                        if seen:
+                            continue
+                        for i in range(n):
+                            row[i] = 0.0
+                        for r2 in range(r, k):
+                            if tok[s + r2] == tok[s + r]:
+                                for i in range(n):
+                                    row[i] += DY[r2, i]
+                        for i in range(n):
+                            E[tok[s + r], i] += row[i]
+        u = ue
 
 
 # ------------------------------------------------------------ forward only

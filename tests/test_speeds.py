@@ -7,7 +7,7 @@ comparison sees a single reordered sum.
 import numpy as np
 import pytest
 
-from hslm.kernels import weight_grad_rows
+from hslm.kernels import output_grad_panels, weight_grad_rows
 from hslm.layers import wout_index
 from hslm.speeds import SPEEDS
 
@@ -58,7 +58,8 @@ def reordered_wout_gradient(cfg, worker, k):
     X = np.ascontiguousarray(worker.acts.x_final_normed[0, L - k:][::-1])
     DY = np.ascontiguousarray(worker.rec.d_head[0, :k][::-1])
     G = np.zeros((d, V))
-    weight_grad_rows(X, 0, d, DY, G, np.zeros(d * k), np.zeros(32 * V))
+    pd = output_grad_panels(DY, np.zeros(k * (V + 32)))
+    weight_grad_rows(X, 0, d, pd, V, G, np.zeros(d * k))
     return G.ravel()
 
 
