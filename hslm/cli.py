@@ -80,6 +80,7 @@ def threads_option(f):
 @click.pass_context
 def train(ctx, **opts):
     """Train a model; writes OUT/ckpt_<step>.bin and OUT/ckpt_<step>.state."""
+    first_run_notice(opts["quiet"])
     from .hyper import HYPER_NAMES
     from .train import TrainOptions, train_run
 
@@ -93,6 +94,22 @@ def train(ctx, **opts):
         metrics=opts["metrics"], log_every=opts["log_every"], quiet=opts["quiet"])
     first, last, valid = train_run(o, echo=click.echo)
     click.echo(f"first {first:.4f}, last {last:.4f}, valid {valid:.4f}")
+
+
+def first_run_notice(quiet):
+    """On a machine's first run, say so before anything compiles: importing the kernels
+    compiles the matrix micro-kernels and the tokenizer compiles on first use, before
+    the step's own kernels. Reads Numba's cache index of one micro-kernel (a private
+    API, imported without compiling); when it cannot tell, it says nothing."""
+    if quiet or not distributed.is_writer():
+        return
+    try:
+        from . import panel_kernels
+        cached = len(panel_kernels.panel_matmul_add._cache._cache_file._load_index()) > 0
+    except Exception:  # noqa: BLE001 (any failure of the private API: no message)
+        return
+    if not cached:
+        click.echo("compiling kernels (first run on this machine: under a minute) ...", err=True)
 
 
 @cli.command()

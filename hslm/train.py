@@ -471,7 +471,7 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
     # compile (first run only) or load the kernels before step 1, so its figure is the step's
     compiling = not kernels_cached(o.speed)
     if compiling:
-        progress.message("compiling kernels (first run only; about a minute) ...")
+        progress.message("compiling the step's kernels (first run only) ...")
     t0 = time.perf_counter()
     warm_up(runner, run)
     if compiling:
