@@ -7,6 +7,7 @@ in hslm.layers; a tile of rows x panel sums is held in registers meanwhile.
 ternary_panel_matmul_RxP: a tile of R rows and panels of P columns (hslm.kernels
 chooses one for the machine); panel_matmul_add: tile WGRAD_ROWS x WGRAD_PANEL.
 """
+import numpy as np
 from numba import njit
 
 TERNARY_TILES = ((9, 16), (3, 12))
@@ -933,6 +934,7 @@ def panel_matmul_add(X, P, b, G):
     (positions x columns). No contraction: these products are not exact."""
     n, a = X.shape
     npan = P.shape[0]
+    part = np.empty((3, 24))
     for q in range(npan):  # a panel is reused by every row while it is in cache
         j = q * 24
         pan = P[q]
@@ -1116,150 +1118,81 @@ def panel_matmul_add(X, P, b, G):
                 G[r + 2, j + 22] += y2_22
                 G[r + 2, j + 23] += y2_23
             else:
-                if j + 0 < b:
-                    G[r + 0, j + 0] += y0_0
-                if j + 1 < b:
-                    G[r + 0, j + 1] += y0_1
-                if j + 2 < b:
-                    G[r + 0, j + 2] += y0_2
-                if j + 3 < b:
-                    G[r + 0, j + 3] += y0_3
-                if j + 4 < b:
-                    G[r + 0, j + 4] += y0_4
-                if j + 5 < b:
-                    G[r + 0, j + 5] += y0_5
-                if j + 6 < b:
-                    G[r + 0, j + 6] += y0_6
-                if j + 7 < b:
-                    G[r + 0, j + 7] += y0_7
-                if j + 8 < b:
-                    G[r + 0, j + 8] += y0_8
-                if j + 9 < b:
-                    G[r + 0, j + 9] += y0_9
-                if j + 10 < b:
-                    G[r + 0, j + 10] += y0_10
-                if j + 11 < b:
-                    G[r + 0, j + 11] += y0_11
-                if j + 12 < b:
-                    G[r + 0, j + 12] += y0_12
-                if j + 13 < b:
-                    G[r + 0, j + 13] += y0_13
-                if j + 14 < b:
-                    G[r + 0, j + 14] += y0_14
-                if j + 15 < b:
-                    G[r + 0, j + 15] += y0_15
-                if j + 16 < b:
-                    G[r + 0, j + 16] += y0_16
-                if j + 17 < b:
-                    G[r + 0, j + 17] += y0_17
-                if j + 18 < b:
-                    G[r + 0, j + 18] += y0_18
-                if j + 19 < b:
-                    G[r + 0, j + 19] += y0_19
-                if j + 20 < b:
-                    G[r + 0, j + 20] += y0_20
-                if j + 21 < b:
-                    G[r + 0, j + 21] += y0_21
-                if j + 22 < b:
-                    G[r + 0, j + 22] += y0_22
-                if j + 23 < b:
-                    G[r + 0, j + 23] += y0_23
-                if j + 0 < b:
-                    G[r + 1, j + 0] += y1_0
-                if j + 1 < b:
-                    G[r + 1, j + 1] += y1_1
-                if j + 2 < b:
-                    G[r + 1, j + 2] += y1_2
-                if j + 3 < b:
-                    G[r + 1, j + 3] += y1_3
-                if j + 4 < b:
-                    G[r + 1, j + 4] += y1_4
-                if j + 5 < b:
-                    G[r + 1, j + 5] += y1_5
-                if j + 6 < b:
-                    G[r + 1, j + 6] += y1_6
-                if j + 7 < b:
-                    G[r + 1, j + 7] += y1_7
-                if j + 8 < b:
-                    G[r + 1, j + 8] += y1_8
-                if j + 9 < b:
-                    G[r + 1, j + 9] += y1_9
-                if j + 10 < b:
-                    G[r + 1, j + 10] += y1_10
-                if j + 11 < b:
-                    G[r + 1, j + 11] += y1_11
-                if j + 12 < b:
-                    G[r + 1, j + 12] += y1_12
-                if j + 13 < b:
-                    G[r + 1, j + 13] += y1_13
-                if j + 14 < b:
-                    G[r + 1, j + 14] += y1_14
-                if j + 15 < b:
-                    G[r + 1, j + 15] += y1_15
-                if j + 16 < b:
-                    G[r + 1, j + 16] += y1_16
-                if j + 17 < b:
-                    G[r + 1, j + 17] += y1_17
-                if j + 18 < b:
-                    G[r + 1, j + 18] += y1_18
-                if j + 19 < b:
-                    G[r + 1, j + 19] += y1_19
-                if j + 20 < b:
-                    G[r + 1, j + 20] += y1_20
-                if j + 21 < b:
-                    G[r + 1, j + 21] += y1_21
-                if j + 22 < b:
-                    G[r + 1, j + 22] += y1_22
-                if j + 23 < b:
-                    G[r + 1, j + 23] += y1_23
-                if j + 0 < b:
-                    G[r + 2, j + 0] += y2_0
-                if j + 1 < b:
-                    G[r + 2, j + 1] += y2_1
-                if j + 2 < b:
-                    G[r + 2, j + 2] += y2_2
-                if j + 3 < b:
-                    G[r + 2, j + 3] += y2_3
-                if j + 4 < b:
-                    G[r + 2, j + 4] += y2_4
-                if j + 5 < b:
-                    G[r + 2, j + 5] += y2_5
-                if j + 6 < b:
-                    G[r + 2, j + 6] += y2_6
-                if j + 7 < b:
-                    G[r + 2, j + 7] += y2_7
-                if j + 8 < b:
-                    G[r + 2, j + 8] += y2_8
-                if j + 9 < b:
-                    G[r + 2, j + 9] += y2_9
-                if j + 10 < b:
-                    G[r + 2, j + 10] += y2_10
-                if j + 11 < b:
-                    G[r + 2, j + 11] += y2_11
-                if j + 12 < b:
-                    G[r + 2, j + 12] += y2_12
-                if j + 13 < b:
-                    G[r + 2, j + 13] += y2_13
-                if j + 14 < b:
-                    G[r + 2, j + 14] += y2_14
-                if j + 15 < b:
-                    G[r + 2, j + 15] += y2_15
-                if j + 16 < b:
-                    G[r + 2, j + 16] += y2_16
-                if j + 17 < b:
-                    G[r + 2, j + 17] += y2_17
-                if j + 18 < b:
-                    G[r + 2, j + 18] += y2_18
-                if j + 19 < b:
-                    G[r + 2, j + 19] += y2_19
-                if j + 20 < b:
-                    G[r + 2, j + 20] += y2_20
-                if j + 21 < b:
-                    G[r + 2, j + 21] += y2_21
-                if j + 22 < b:
-                    G[r + 2, j + 22] += y2_22
-                if j + 23 < b:
-                    G[r + 2, j + 23] += y2_23
+                part[0, 0] = y0_0
+                part[0, 1] = y0_1
+                part[0, 2] = y0_2
+                part[0, 3] = y0_3
+                part[0, 4] = y0_4
+                part[0, 5] = y0_5
+                part[0, 6] = y0_6
+                part[0, 7] = y0_7
+                part[0, 8] = y0_8
+                part[0, 9] = y0_9
+                part[0, 10] = y0_10
+                part[0, 11] = y0_11
+                part[0, 12] = y0_12
+                part[0, 13] = y0_13
+                part[0, 14] = y0_14
+                part[0, 15] = y0_15
+                part[0, 16] = y0_16
+                part[0, 17] = y0_17
+                part[0, 18] = y0_18
+                part[0, 19] = y0_19
+                part[0, 20] = y0_20
+                part[0, 21] = y0_21
+                part[0, 22] = y0_22
+                part[0, 23] = y0_23
+                part[1, 0] = y1_0
+                part[1, 1] = y1_1
+                part[1, 2] = y1_2
+                part[1, 3] = y1_3
+                part[1, 4] = y1_4
+                part[1, 5] = y1_5
+                part[1, 6] = y1_6
+                part[1, 7] = y1_7
+                part[1, 8] = y1_8
+                part[1, 9] = y1_9
+                part[1, 10] = y1_10
+                part[1, 11] = y1_11
+                part[1, 12] = y1_12
+                part[1, 13] = y1_13
+                part[1, 14] = y1_14
+                part[1, 15] = y1_15
+                part[1, 16] = y1_16
+                part[1, 17] = y1_17
+                part[1, 18] = y1_18
+                part[1, 19] = y1_19
+                part[1, 20] = y1_20
+                part[1, 21] = y1_21
+                part[1, 22] = y1_22
+                part[1, 23] = y1_23
+                part[2, 0] = y2_0
+                part[2, 1] = y2_1
+                part[2, 2] = y2_2
+                part[2, 3] = y2_3
+                part[2, 4] = y2_4
+                part[2, 5] = y2_5
+                part[2, 6] = y2_6
+                part[2, 7] = y2_7
+                part[2, 8] = y2_8
+                part[2, 9] = y2_9
+                part[2, 10] = y2_10
+                part[2, 11] = y2_11
+                part[2, 12] = y2_12
+                part[2, 13] = y2_13
+                part[2, 14] = y2_14
+                part[2, 15] = y2_15
+                part[2, 16] = y2_16
+                part[2, 17] = y2_17
+                part[2, 18] = y2_18
+                part[2, 19] = y2_19
+                part[2, 20] = y2_20
+                part[2, 21] = y2_21
+                part[2, 22] = y2_22
+                part[2, 23] = y2_23
+                for rr in range(3):
+                    for c in range(b - j):
+                        G[r + rr, j + c] += part[rr, c]
             r += 3
         while r < n:
             y0_0 = 0.0; y0_1 = 0.0; y0_2 = 0.0; y0_3 = 0.0; y0_4 = 0.0; y0_5 = 0.0; y0_6 = 0.0; y0_7 = 0.0; y0_8 = 0.0; y0_9 = 0.0; y0_10 = 0.0; y0_11 = 0.0; y0_12 = 0.0; y0_13 = 0.0; y0_14 = 0.0; y0_15 = 0.0; y0_16 = 0.0; y0_17 = 0.0; y0_18 = 0.0; y0_19 = 0.0; y0_20 = 0.0; y0_21 = 0.0; y0_22 = 0.0; y0_23 = 0.0
@@ -1290,52 +1223,30 @@ def panel_matmul_add(X, P, b, G):
                 y0_21 = y0_21 + x0 * t[21]
                 y0_22 = y0_22 + x0 * t[22]
                 y0_23 = y0_23 + x0 * t[23]
-            if j + 0 < b:
-                G[r, j + 0] += y0_0
-            if j + 1 < b:
-                G[r, j + 1] += y0_1
-            if j + 2 < b:
-                G[r, j + 2] += y0_2
-            if j + 3 < b:
-                G[r, j + 3] += y0_3
-            if j + 4 < b:
-                G[r, j + 4] += y0_4
-            if j + 5 < b:
-                G[r, j + 5] += y0_5
-            if j + 6 < b:
-                G[r, j + 6] += y0_6
-            if j + 7 < b:
-                G[r, j + 7] += y0_7
-            if j + 8 < b:
-                G[r, j + 8] += y0_8
-            if j + 9 < b:
-                G[r, j + 9] += y0_9
-            if j + 10 < b:
-                G[r, j + 10] += y0_10
-            if j + 11 < b:
-                G[r, j + 11] += y0_11
-            if j + 12 < b:
-                G[r, j + 12] += y0_12
-            if j + 13 < b:
-                G[r, j + 13] += y0_13
-            if j + 14 < b:
-                G[r, j + 14] += y0_14
-            if j + 15 < b:
-                G[r, j + 15] += y0_15
-            if j + 16 < b:
-                G[r, j + 16] += y0_16
-            if j + 17 < b:
-                G[r, j + 17] += y0_17
-            if j + 18 < b:
-                G[r, j + 18] += y0_18
-            if j + 19 < b:
-                G[r, j + 19] += y0_19
-            if j + 20 < b:
-                G[r, j + 20] += y0_20
-            if j + 21 < b:
-                G[r, j + 21] += y0_21
-            if j + 22 < b:
-                G[r, j + 22] += y0_22
-            if j + 23 < b:
-                G[r, j + 23] += y0_23
+            part[0, 0] = y0_0
+            part[0, 1] = y0_1
+            part[0, 2] = y0_2
+            part[0, 3] = y0_3
+            part[0, 4] = y0_4
+            part[0, 5] = y0_5
+            part[0, 6] = y0_6
+            part[0, 7] = y0_7
+            part[0, 8] = y0_8
+            part[0, 9] = y0_9
+            part[0, 10] = y0_10
+            part[0, 11] = y0_11
+            part[0, 12] = y0_12
+            part[0, 13] = y0_13
+            part[0, 14] = y0_14
+            part[0, 15] = y0_15
+            part[0, 16] = y0_16
+            part[0, 17] = y0_17
+            part[0, 18] = y0_18
+            part[0, 19] = y0_19
+            part[0, 20] = y0_20
+            part[0, 21] = y0_21
+            part[0, 22] = y0_22
+            part[0, 23] = y0_23
+            for c in range(min(24, b - j)):
+                G[r, j + c] += part[0, c]
             r += 1

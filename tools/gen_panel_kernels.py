@@ -29,6 +29,7 @@ in hslm.layers; a tile of rows x panel sums is held in registers meanwhile.
 ternary_panel_matmul_RxP: a tile of R rows and panels of P columns (hslm.kernels
 chooses one for the machine); panel_matmul_add: tile WGRAD_ROWS x WGRAD_PANEL.
 """
+import numpy as np
 from numba import njit
 
 TERNARY_TILES = {tiles}
@@ -37,11 +38,18 @@ WGRAD_PANEL = {wpanel}
 '''
 
 
-def kernel(name, flags, doc, store, tile):
-    """store(row_expr, col_expr, acc) -> the statement that writes one finished sum."""
+def kernel(name, flags, doc, out, value, op, tile, buffered):
+    """out: the output array's name; value(acc): the expression a finished sum stores;
+    op: "=" or "+=". A tile past the last column stores each sum behind a branch, or,
+    `buffered`, into `part` first, copying only its columns before b: no branch per
+    accumulator, a smaller function that compiles faster (the weight gradient; the
+    ternary kernels ran a third slower so)."""
     ROWS, PANEL = tile
     L = [f"@njit(cache=True, nogil=True, error_model=\"numpy\"{flags})", f"def {name}:", f'    """{doc}"""',
-         "    n, a = X.shape", "    npan = P.shape[0]",
+         "    n, a = X.shape", "    npan = P.shape[0]"]
+    if buffered:
+        L.append(f"    part = np.empty(({ROWS}, {PANEL}))")
+    L += [
          "    for q in range(npan):  # a panel is reused by every row while it is in cache",
          f"        j = q * {PANEL}", "        pan = P[q]", "        r = 0",
          f"        while r + {ROWS} <= n:"]
@@ -59,12 +67,18 @@ def kernel(name, flags, doc, store, tile):
     L.append(f"            if j + {PANEL} <= b:")
     for rr in range(ROWS):
         for c in range(PANEL):
-            L.append("                " + store(f"r + {rr}", f"j + {c}", f"y{rr}_{c}"))
+            L.append(f"                {out}[r + {rr}, j + {c}] {op} {value(f'y{rr}_{c}')}")
     L.append("            else:")
     for rr in range(ROWS):
         for c in range(PANEL):
-            L.append(f"                if j + {c} < b:")
-            L.append("                    " + store(f"r + {rr}", f"j + {c}", f"y{rr}_{c}"))
+            if buffered:
+                L.append(f"                part[{rr}, {c}] = {value(f'y{rr}_{c}')}")
+            else:
+                L.append(f"                if j + {c} < b:")
+                L.append(f"                    {out}[r + {rr}, j + {c}] {op} {value(f'y{rr}_{c}')}")
+    if buffered:
+        L += [f"                for rr in range({ROWS}):", "                    for c in range(b - j):",
+              f"                        {out}[r + rr, j + c] {op} part[rr, c]"]
     L.append(f"            r += {ROWS}")
     # remaining rows, one at a time
     L += ["        while r < n:"]
@@ -73,8 +87,14 @@ def kernel(name, flags, doc, store, tile):
     for c in range(PANEL):
         L.append(f"                y0_{c} = y0_{c} + x0 * t[{c}]")
     for c in range(PANEL):
-        L.append(f"            if j + {c} < b:")
-        L.append("                " + store("r", f"j + {c}", f"y0_{c}"))
+        if buffered:
+            L.append(f"            part[0, {c}] = {value(f'y0_{c}')}")
+        else:
+            L.append(f"            if j + {c} < b:")
+            L.append(f"                {out}[r, j + {c}] {op} {value(f'y0_{c}')}")
+    if buffered:
+        L += [f"            for c in range(min({PANEL}, b - j)):",
+              f"                {out}[r, j + c] {op} part[0, c]"]
     L.append("            r += 1")
     return "\n".join(L) + "\n"
 
@@ -91,13 +111,13 @@ def render() -> str:
     for rows, panel in TERNARY_TILES:
         out += "\n\n" + kernel(
             f"ternary_panel_matmul_{rows}x{panel}(X, P, b, alpha, Y)", ', fastmath={"contract"}',
-            TERNARY_DOC, lambda r, c, acc: f"Y[{r}, {c}] = alpha * {acc}", (rows, panel))
+            TERNARY_DOC, "Y", lambda acc: f"alpha * {acc}", "=", (rows, panel), False)
     out += "\n\n" + kernel(
         "panel_matmul_add(X, P, b, G)", "",
         "G [n, b] += X [n, a] . D, D [a, b] in panels P: the weight gradient, X the\n"
         "    layer input transposed (gradient rows x positions), D the output gradient\n"
         "    (positions x columns). No contraction: these products are not exact.",
-        lambda r, c, acc: f"G[{r}, {c}] += {acc}", WGRAD_TILE)
+        "G", lambda acc: acc, "+=", WGRAD_TILE, True)
     return out
 
 
