@@ -1247,6 +1247,7 @@ def panel_matmul_add(X, P, b, G):
             part[0, 21] = y0_21
             part[0, 22] = y0_22
             part[0, 23] = y0_23
-            for c in range(min(24, b - j)):
-                G[r, j + c] += part[0, c]
+            for rr in range(1):
+                for c in range(min(24, b - j)):
+                    G[r + rr, j + c] += part[rr, c]
             r += 1

@@ -69,34 +69,34 @@ def kernel(name, flags, doc, out, value, op, tile, buffered):
         for c in range(PANEL):
             L.append(f"                {out}[r + {rr}, j + {c}] {op} {value(f'y{rr}_{c}')}")
     L.append("            else:")
-    for rr in range(ROWS):
-        for c in range(PANEL):
-            if buffered:
-                L.append(f"                part[{rr}, {c}] = {value(f'y{rr}_{c}')}")
-            else:
-                L.append(f"                if j + {c} < b:")
-                L.append(f"                    {out}[r + {rr}, j + {c}] {op} {value(f'y{rr}_{c}')}")
-    if buffered:
-        L += [f"                for rr in range({ROWS}):", "                    for c in range(b - j):",
-              f"                        {out}[r + rr, j + c] {op} part[rr, c]"]
+    L += stores_past_last_column(ROWS, PANEL, "                ", "b - j", out, value, op, buffered)
     L.append(f"            r += {ROWS}")
-    # remaining rows, one at a time
+    # remaining rows, one at a time (every panel, the last one's columns as above)
     L += ["        while r < n:"]
     L.append("            " + "; ".join(f"y0_{c} = 0.0" for c in range(PANEL)))
     L += ["            for i in range(a):", "                t = pan[i]", "                x0 = X[r, i]"]
     for c in range(PANEL):
         L.append(f"                y0_{c} = y0_{c} + x0 * t[{c}]")
-    for c in range(PANEL):
-        if buffered:
-            L.append(f"            part[0, {c}] = {value(f'y0_{c}')}")
-        else:
-            L.append(f"            if j + {c} < b:")
-            L.append(f"                {out}[r, j + {c}] {op} {value(f'y0_{c}')}")
-    if buffered:
-        L += [f"            for c in range(min({PANEL}, b - j)):",
-              f"                {out}[r, j + c] {op} part[0, c]"]
+    L += stores_past_last_column(1, PANEL, "            ", f"min({PANEL}, b - j)", out, value, op,
+                                 buffered)
     L.append("            r += 1")
     return "\n".join(L) + "\n"
+
+
+def stores_past_last_column(rows, panel, pad, columns, out, value, op, buffered):
+    """The lines that store a tile of `rows` rows whose panel may end past column b
+    (`columns` of them are real): each sum behind a branch, or through `part`."""
+    def row(rr):
+        return "r" if rows == 1 else f"r + {rr}"
+
+    if not buffered:
+        return [line for rr in range(rows) for c in range(panel)
+                for line in (f"{pad}if j + {c} < b:",
+                             f"{pad}    {out}[{row(rr)}, j + {c}] {op} {value(f'y{rr}_{c}')}")]
+    return ([f"{pad}part[{rr}, {c}] = {value(f'y{rr}_{c}')}"
+             for rr in range(rows) for c in range(panel)]
+            + [f"{pad}for rr in range({rows}):", f"{pad}    for c in range({columns}):",
+               f"{pad}        {out}[r + rr, j + c] {op} part[rr, c]"])
 
 
 TERNARY_DOC = ("Y [n, b] = alpha * (X [n, a] . T), T ternary [a, b] in panels P (float32:\n"
