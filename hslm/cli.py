@@ -80,7 +80,7 @@ def threads_option(f):
 @click.pass_context
 def train(ctx, **opts):
     """Train a model; writes OUT/ckpt_<step>.bin and OUT/ckpt_<step>.state."""
-    first_run_notice(opts["quiet"])
+    first_run_notice(opts["quiet"], opts["model"], opts["resume"])
     from .hyper import HYPER_NAMES
     from .train import TrainOptions, train_run
 
@@ -96,13 +96,18 @@ def train(ctx, **opts):
     click.echo(f"first {first:.4f}, last {last:.4f}, valid {valid:.4f}")
 
 
-def first_run_notice(quiet):
+def first_run_notice(quiet, model, resume=None):
     """On a machine's first run, say so before anything compiles: importing the kernels
     compiles the matrix micro-kernels and the tokenizer compiles on first use, before
     the step's own kernels. Reads Numba's cache index of one micro-kernel (a private
-    API, imported without compiling); when it cannot tell, it says nothing."""
+    API, imported without compiling); when it cannot tell, it says nothing. A flag
+    error found later still comes after it (a --model or --resume that does not
+    resolve skips it)."""
     if quiet or not distributed.is_writer():
         return
+    from .config import PRESETS  # a --model or --resume that does not resolve: its error
+    if not (Path(resume).is_file() if resume else model in PRESETS or Path(model).is_file()):
+        return                    # comes alone
     try:
         from . import panel_kernels
         cached = len(panel_kernels.panel_matmul_add._cache._cache_file._load_index()) > 0

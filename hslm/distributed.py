@@ -161,6 +161,7 @@ class World:
         self.started = False     # after the first step begins, an error aborts every rank
         self.sent = 0            # bytes this rank sent (its part of every message)
         self.reductions = set()  # the reductions this run's steps took (records, running sums)
+        self.forced_reduction = os.environ.get("HSLM_MPI_REDUCTION")  # checked in start()
         self.steps = 0           # gradients computed (the warm-up's included: it sends too)
         self.train_steps = 0     # training steps (for the test hook)
         self.batch = -1          # the sizes the buffers below were made for
@@ -302,12 +303,8 @@ class World:
         receives (B - B/P) windows' records, against about 16 n_params bytes for the
         running sums and finished pieces (and no pipeline to wait on)."""
         from .layers import WEIGHT_GRAD_ACTS, WEIGHT_GRAD_RECORDS, ACT_FIELDS, RECORD_FIELDS
-        forced = os.environ.get("HSLM_MPI_REDUCTION")  # the tests run both
-        if forced is not None:
-            if forced not in REDUCTIONS:
-                raise AllRanksError(f"HSLM_MPI_REDUCTION must be one of {', '.join(REDUCTIONS)}, "
-                                    f"got {forced!r}")
-            return forced == "records"
+        if self.forced_reduction is not None:  # the tests run both
+            return self.forced_reduction == "records"
         dims = cfg.dims()
         shapes = dict(ACT_FIELDS + RECORD_FIELDS)
         per_window = sum(int(np.prod(shapes[f](dims)))
@@ -493,6 +490,9 @@ class World:
         first failing rank has reported it; the others leave with its exit code."""
         self._agree(None, 0)
         self.started = True
+        if self.forced_reduction not in (None,) + REDUCTIONS:  # every rank: rank 0 reports
+            raise AllRanksError(f"HSLM_MPI_REDUCTION must be one of {', '.join(REDUCTIONS)}, "
+                                f"got {self.forced_reduction!r}")
 
     def _agree(self, msg, code):
         every = self.comm.allgather((msg, code))

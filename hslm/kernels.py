@@ -80,7 +80,6 @@ def ternary_matmul_rows(X, T, alpha, Y):
 
 
 WGRAD_ROW_BLOCK = 36  # gradient rows per unit of the weight-gradient phase (a multiple of 3 rows)
-WGRAD_WINDOWS = 8     # windows whose output gradients are held in panels at once (scratch)
 
 
 def _compile_with_slp(kernel, signature):

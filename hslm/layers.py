@@ -36,9 +36,9 @@ import numpy as np
 from numba import njit
 
 from .config import (BDOWN, BUP, GAMMA, TENSORS_PER_BLOCK, WDOWN, WK, WO, WQ, WUP, WV, Dims)
-from .kernels import WGRAD_WINDOWS, ternary_matmul_rows, ternary_panels
+from .kernels import ternary_matmul_rows, ternary_panels
 from .mathfn import exp, log
-from .panel_kernels import WGRAD_PANEL
+from .panel_kernels import WGRAD_PANEL, WGRAD_WINDOWS
 from .speeds import KERNEL_PANELS, KERNEL_ROWS
 
 RMS_EPS = 1e-6
@@ -96,7 +96,7 @@ SCRATCH_FIELDS = (
     ("tmp2", lambda D: (D.window, D.width)),
     ("loss_grad", lambda D: (D.window, D.vocab)),          # dz of forward-only evaluation
     # weight-gradient scratch: a layer input transposed, output gradients in panels
-    # (one row per window of a group, kernels.WGRAD_WINDOWS)
+    # (one row per window of a group, panel_kernels.WGRAD_WINDOWS)
     ("xt", lambda D: (max(D.vocab, D.mlp, D.width) * D.window,)),
     ("dy_panels", lambda D: (WGRAD_WINDOWS,
                              (max(D.vocab, D.mlp, D.width) + WGRAD_PANEL) * D.window)),

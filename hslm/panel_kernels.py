@@ -13,6 +13,7 @@ from numba import njit
 TERNARY_TILES = ((9, 16), (3, 12))
 WGRAD_ROWS = 3
 WGRAD_PANEL = 24
+WGRAD_WINDOWS = 8  # windows whose output gradients a thread holds in panels at once
 
 
 @njit(cache=True, nogil=True, error_model="numpy", fastmath={"contract"})

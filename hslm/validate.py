@@ -184,8 +184,10 @@ def memory_estimate(cfg, batch=0, threads=1, speed=3, training=True) -> int:
     total += 2 * P * 4  # the ternary panels (f32)
     total += V * cfg.vsa_dim * 9  # the VSA table (drawn as int64, kept as int8)
     per_window = L * (nb * (17 * d + 3 * F + H * L + 1) + 3 * V + 3 * d + 1) * f64
-    # per thread; the weight gradient's output-gradient panels for a group of 8 windows
-    scratch = L * (12 * d + 3 * V + 3 * F + 9 * (max(V, F, d) + 24)) * f64
+    # per thread; the weight gradient's output-gradient panels for a group of windows
+    from .panel_kernels import WGRAD_PANEL, WGRAD_WINDOWS  # noqa: PLC0415 (numba, no compiling)
+    scratch = L * (12 * d + 3 * V + 3 * F
+                   + (1 + WGRAD_WINDOWS) * (max(V, F, d) + WGRAD_PANEL)) * f64
     total += threads * (per_window + scratch)
     if training:
         total += 3 * P * f64  # gradient, Adam m and v

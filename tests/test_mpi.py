@@ -278,3 +278,13 @@ def test_an_unknown_reduction_is_one_clear_error(tmp_path):
     errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert code == 2 and len(errors) == 1 and "HSLM_MPI_REDUCTION" in errors[0], err
     assert "Traceback" not in err
+
+
+@needs_mpi
+@pytest.mark.parametrize("reduction", ["records", "running sums"])
+def test_mpi_batch_beyond_one_group_of_weight_gradient_windows(tmp_path, reduction):
+    """A batch of several WGRAD_WINDOWS groups (19 windows), both reductions, 2 ranks."""
+    train(tmp_path / "one", "--batch", 19, "--steps", 2, "-k", 5)
+    train(tmp_path / "mpi", "--batch", 19, "--steps", 2, "-k", 5, ranks=2,
+          extra_env={"HSLM_MPI_REDUCTION": reduction})
+    same_bytes(tmp_path / "one", tmp_path / "mpi", 2)

@@ -45,6 +45,22 @@ def test_speeds_and_thread_counts_write_identical_checkpoints(tmp_path, capsys):
         assert code == 0 and out.startswith("identical")
 
 
+def test_batches_beyond_one_group_of_weight_gradient_windows(tmp_path, capsys):
+    """Speed 3 adds the windows into the weight gradient in groups of WGRAD_WINDOWS
+    (their output gradients held in panels); a batch of several groups, with scored
+    positions fewer than the window, must give speed 2's bytes at any thread count."""
+    from hslm.panel_kernels import WGRAD_WINDOWS
+    batch = 2 * WGRAD_WINDOWS + 3
+    args = ("--batch", batch, "-k", 5)
+    ref, _ = train(capsys, tmp_path, "s2", "--speed", 2, "--threads", 1, *args, steps=2)
+    for threads in (1, 3):
+        d, _ = train(capsys, tmp_path, f"s3t{threads}", "--speed", 3, "--threads", threads,
+                     *args, steps=2)
+        for ext in ("bin", "state"):
+            assert (ref / f"ckpt_2.{ext}").read_bytes() == (d / f"ckpt_2.{ext}").read_bytes(), \
+                f"{threads} threads: ckpt_2.{ext} differs"
+
+
 def test_resume_is_byte_identical_to_an_uninterrupted_run(tmp_path, capsys):
     full, _ = train(capsys, tmp_path, "full", "--save-every", 2, steps=5)
     part, _ = train(capsys, tmp_path, "part", steps=2)

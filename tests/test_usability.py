@@ -175,18 +175,20 @@ def test_bench_compares_speeds_threads_batches_and_torch_on_small_models(tmp_pat
 def test_a_first_run_says_it_compiles_before_anything_compiles(tmp_path):
     """An empty kernel cache: the notice comes first (importing the kernels would compile
     them); a cache that holds them: no notice; --quiet: none."""
-    code = "from hslm.cli import first_run_notice; import sys; first_run_notice(sys.argv[1] == 'q')"
+    code = ("from hslm.cli import first_run_notice; import sys; "
+            "first_run_notice(sys.argv[1] == 'q', sys.argv[2])")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
-    def notice(cache, quiet=False, warm_first=False):
+    def notice(cache, quiet=False, warm_first=False, model="hslm-3"):
         e = {**env, "NUMBA_CACHE_DIR": str(cache)} if cache else env
         if warm_first:
             subprocess.run([sys.executable, "-c", "import hslm.kernels"], env=e, check=True)
-        p = subprocess.run([sys.executable, "-c", code, "q" if quiet else "-"], env=e,
+        p = subprocess.run([sys.executable, "-c", code, "q" if quiet else "-", model], env=e,
                            capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stderr
         return p.stderr
 
     assert "compiling kernels (first run on this machine" in notice(tmp_path / "empty")
     assert notice(tmp_path / "empty", quiet=True) == ""
+    assert notice(tmp_path / "empty", model="no-such-model") == ""  # its error comes alone
     assert notice(None, warm_first=True) == ""  # the project's own cache, filled first
