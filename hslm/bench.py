@@ -169,9 +169,9 @@ def profile_layerwise(cfg, hyper, corpus, steps=3):
     t_opt = timed(opt)
     rows = [("VSA stream", t_vsa), ("forward", t_fwd),
             ("backward through the layers' inputs", t_win - t_fwd - t_vsa),
-            ("weight gradients (all windows, once per step)", t_wg),
+            ("weight gradients (all windows, once per step; zeroing G)", t_wg),
             ("optimiser + requantise", t_opt)]
-    rows.append(("other (drawing windows, zeroing G, Python)", t_step - sum(t for _, t in rows)))
+    rows.append(("other (drawing windows, Python)", t_step - sum(t for _, t in rows)))
     return [(name, 1e3 * t) for name, t in rows]
 
 

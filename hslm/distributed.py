@@ -132,12 +132,8 @@ def ranges(B: int, P: int):
 def unit_chunks(cfg, units, target=CHUNK_ELEMENTS):
     """[(e0, e1, u0, u1)]: consecutive gradient units grouped into chunks of about
     `target` elements; their element ranges cover the flat gradient in order."""
-    offs = cfg.offsets()
-    shapes = [s for _, s, _ in cfg.tensors()]
-    spans = []
-    for t, r0, r1 in units:
-        cols = int(np.prod(shapes[t][1:])) if len(shapes[t]) > 1 else 1
-        spans.append((int(offs[t] + r0 * cols), int(offs[t] + r1 * cols)))
+    from .step import unit_spans
+    spans = unit_spans(cfg, units)
     chunks, u0 = [], 0
     for u in range(len(spans)):
         if spans[u][1] - spans[u0][0] >= target or u == len(spans) - 1:
@@ -197,8 +193,7 @@ class World:
             units, cost = gradient_units(runner.cfg)
             work = np.diff(runner.cfg.offsets()) * 50.0
             np.add.at(work, units[:, 0], cost * B * k)
-            a, b = self._ownership(runner.cfg, work)[self.rank]
-            G[a:b] = 0.0  # the elements this rank sums (the others are never read)
+            self._ownership(runner.cfg, work)  # (each thread zeroes its units' part of G)
             self._by_records(runner, model, vsa_table, windows, k, scale, G, lo, hi)
             self._took("records", runner)
             return self.ordered_mean(self.losses[lo:hi])
@@ -318,7 +313,7 @@ class World:
         tensors it owns: G is final there, with no pipeline to wait on."""
         from .layers import (WEIGHT_GRAD_ACTS, WEIGHT_GRAD_RECORDS, Acts, Record, alloc_acts,
                              alloc_record)
-        from .step import gradient_units, split_by_cost
+        from .step import gradient_units, split_by_cost, zero_units
         from .windows import gradients_from_records, windows_layerwise
         cfg, N = runner.cfg, runner.threads
         B = windows.shape[0]
@@ -354,6 +349,7 @@ class World:
 
         def run_units(j):
             scr = runner.workers[j].scr
+            zero_units(G, runner.spans, parts[j][0], parts[j][1])
             gradients_from_records(model, A, R, windows, k, units, parts[j][0], parts[j][1], G,
                                    scr.xt, scr.dy_panels)
 

@@ -57,6 +57,25 @@ def gradient_units(cfg):
     return np.array(units, np.int64), np.array(cost, np.float64)
 
 
+def unit_spans(cfg, units):
+    """[(e0, e1)] per gradient unit: its elements in the flat gradient. Units follow
+    each other with no gap, so a run of units lo..hi-1 is G[spans[lo][0]:spans[hi-1][1]]."""
+    offs = cfg.offsets()
+    shapes = [s for _, s, _ in cfg.tensors()]
+    spans = []
+    for t, r0, r1 in units:
+        cols = int(np.prod(shapes[t][1:])) if len(shapes[t]) > 1 else 1
+        spans.append((int(offs[t] + r0 * cols), int(offs[t] + r1 * cols)))
+    return spans
+
+
+def zero_units(G, spans, lo, hi):
+    """Zero the elements of units lo..hi-1 (each thread its own, just before it sums
+    into them: the memset is split between threads and leaves them in cache)."""
+    if hi > lo:
+        G[spans[lo][0]:spans[hi - 1][1]] = 0.0
+
+
 def split_by_cost(cost, n):
     """n contiguous ranges of units with about equal cost: [(lo, hi)]."""
     cum = np.concatenate([[0.0], np.cumsum(cost)])
@@ -150,6 +169,7 @@ class StepRunner:
             self.bufs = np.zeros((self.threads, cfg.n_params))
         self.batch = 0  # layerwise: per-window activations and records, for the batch size
         self.units, cost = gradient_units(cfg)
+        self.spans = unit_spans(cfg, self.units)
         self.parts = split_by_cost(cost, self.threads)
         self.timings = None  # set to a dict to collect per-phase seconds (layerwise)
 
@@ -174,8 +194,9 @@ class StepRunner:
             return self.world.gradient(self, model, vsa_table, windows, k, G)
         B = windows.shape[0]
         scale = 1.0 / (k * B)
-        G[:] = 0.0
         losses = np.zeros(B)
+        if self.speed.reduction != "gradient units":
+            G[:] = 0.0  # (by gradient units, each thread zeroes its units' part)
         if self.speed.reduction == "gradient units":
             self._gradient_layerwise(model, vsa_table, windows, k, scale, G, losses)
         elif self.threads == 1:
@@ -213,6 +234,7 @@ class StepRunner:
 
         def run_units(j):
             lo, hi = self.parts[j]
+            zero_units(G, self.spans, lo, hi)
             scr = self.workers[j].scr
             gradients_from_records(model, self.acts_b, self.rec_b, windows, k, self.units, lo, hi,
                                    G, scr.xt, scr.dy_panels)
