@@ -229,18 +229,22 @@ class StepRunner:
         kernel = self.speed.kernel
 
         def run_windows(j):  # thread slot j takes windows j, j + N, ...
+            if j >= B:  # no window for this slot: zero its units' part of G meanwhile
+                zero_units(G, self.spans, *self.parts[j])
+                return
             windows_layerwise(model, vsa_table, windows, self.vsa_b, k, scale, self.acts_b,
                               self.rec_b, self.workers[j].scr, j, N, losses, kernel)
 
         def run_units(j):
             lo, hi = self.parts[j]
-            zero_units(G, self.spans, lo, hi)
+            if j < B:  # (slots without a window zeroed their part during the windows)
+                zero_units(G, self.spans, lo, hi)
             scr = self.workers[j].scr
             gradients_from_records(model, self.acts_b, self.rec_b, windows, k, self.units, lo, hi,
                                    G, scr.xt, scr.dy_panels)
 
         t0 = time.perf_counter()
-        self._map(run_windows, min(N, B))
+        self._map(run_windows, N)
         t1 = time.perf_counter()
         self._map(run_units, N)
         if self.timings is not None:
