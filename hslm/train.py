@@ -439,13 +439,17 @@ class StopRequest:
     current step (with a checkpoint); a second one stops at once."""
 
     def __init__(self, echo):
-        self.signum = None
+        self.signum = None     # the stop to act on (under MPI: the one the ranks agreed on)
+        self.received = False  # whether this process got a signal itself
         self.echo = echo
 
     def __call__(self, signum, frame):
-        if self.signum is not None:
+        # Only this process's own second signal stops at once: under MPI the ranks may
+        # agree on a stop (another rank's signal) before this rank's own one arrives.
+        if self.received:
             raise KeyboardInterrupt
-        self.signum = signum
+        self.received = True
+        self.signum = self.signum or signum
         if distributed.is_writer():  # MPI: rank 0 alone prints
             self.echo(f"\n{signal.Signals(signum).name}: finishing the current step, then "
                       "saving (again to stop at once)", err=True)
@@ -515,17 +519,20 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
                 write_metrics(kind="train", step=run.step, loss=loss, lr=run.lr_at(run.step),
                               grad_norm=float(np.sqrt(np.sum(run.norms ** 2))), tok_s=tok_s,
                               ternary_zero_share=run.ternary_zero_share())
-            # MPI: the ranks agree on a stop and compare parameters (hslm/distributed.py)
-            stop.signum, failed = distributed.after_step(run, stop.signum, o.steps,
-                                                         o.save_every, metrics_error is not None)
+            # MPI: the ranks agree on a stop and compare parameters (hslm/distributed.py).
+            # The decision is the agreed value, never stop.signum read again: a signal
+            # arriving just after the agreement must wait for the next step on every rank.
+            agreed, failed = distributed.after_step(run, stop.signum, o.steps, o.save_every,
+                                                    metrics_error is not None)
             if failed:  # the run itself is fine: keep it, then stop
                 stop_for_metrics(run.save(out)[1])
-            if stop.signum is not None:
+            if agreed is not None:
+                stop.signum = agreed
                 b, s = run.save(out)
-                progress.message(f"{signal.Signals(stop.signum).name}: stopped after step "
+                progress.message(f"{signal.Signals(agreed).name}: stopped after step "
                                  f"{run.step}; saved {b} and {s}")
                 progress.message(f"resume with: {o.resume_command(s)}")
-                sys.exit(128 + stop.signum)
+                sys.exit(128 + agreed)
             if o.eval_every and run.step % o.eval_every == 0 and run.step < o.steps:
                 v = evaluate()
                 if distributed.any_rank(metrics_error is not None):  # stop at this step
