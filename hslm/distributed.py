@@ -173,7 +173,6 @@ class World:
         exactly as one process sums it, on the elements this rank owns (the last
         rank of a running-sum pipeline holds all of it); returns the mean loss."""
         from .speeds import PER_POSITION
-        from .step import gradient_units
         self.steps += 1
         if not getattr(runner, "warming_up", False):  # step.warm_up's call is not a step
             self.train_steps += 1
@@ -188,12 +187,7 @@ class World:
         losses = np.zeros(nb)
         self.finish_sends()  # the last step's sends read from G
         if runner.speed.loop != PER_POSITION and self.records_pay(runner.cfg, B):
-            # a rank's work is then the weight gradients of its tensors (every window)
-            # and their AdamW step: about 50 multiply-adds' time per element updated
-            units, cost = gradient_units(runner.cfg)
-            work = np.diff(runner.cfg.offsets()) * 50.0
-            np.add.at(work, units[:, 0], cost * B * k)
-            self._ownership(runner.cfg, work)  # (each thread zeroes its units' part of G)
+            self._ownership(runner.cfg, self._records_work(runner, B, k))
             self._by_records(runner, model, vsa_table, windows, k, scale, G, lo, hi)
             self._took("records", runner)
             return self.ordered_mean(self.losses[lo:hi])
@@ -247,7 +241,6 @@ class World:
         """Speed 3: the rank's windows' records; the chunk's units add their sums."""
         from .layers import alloc_acts, alloc_record
         from .step import split_by_cost
-        from .step import gradient_units
         from .windows import gradients_from_records, windows_layerwise
         nb, N = mine.shape[0], runner.threads
         cfg = runner.cfg
@@ -258,7 +251,6 @@ class World:
             self.rec = alloc_record(cfg.dims(), nb)
             self.vsa = np.zeros((nb, cfg.blocks, cfg.window, cfg.width))
             self.batch = nb
-            _, self.cost = gradient_units(cfg)
         kernel = runner.speed.kernel
 
         def run_windows(j):
@@ -269,7 +261,7 @@ class World:
 
         def fold(span):
             u0, u1 = span
-            parts = [(u0 + a, u0 + b) for a, b in split_by_cost(self.cost[u0:u1], N)]
+            parts = [(u0 + a, u0 + b) for a, b in split_by_cost(runner.unit_cost[u0:u1], N)]
 
             def run_units(j):
                 scr = runner.workers[j].scr
@@ -277,6 +269,16 @@ class World:
                                        parts[j][0], parts[j][1], G, scr.xt, scr.dy_panels)
             runner._map(run_units, N)
         return fold
+
+    def _records_work(self, runner, B, k):
+        """Per tensor, a rank's work when records move: the weight gradients of its
+        units over every window, and its AdamW step (about 50 multiply-adds' time an
+        element updated). Made once per batch shape."""
+        if getattr(self, "_work_for", None) != (B, k):
+            work = np.diff(runner.cfg.offsets()) * 50.0
+            np.add.at(work, runner.units[:, 0], runner.unit_cost * B * k)
+            self._work, self._work_for = work, (B, k)
+        return self._work
 
     def _ownership(self, cfg, weights=None):
         """[(e0, e1)]: the elements of the tensors each rank updates (self.owned[r] =
@@ -290,6 +292,8 @@ class World:
             w = np.diff(offs).astype(np.float64) if weights is None else np.asarray(weights)
             self.owned = split_by_cost(w, self.size)
             self.owned_elements = [(int(offs[a]), int(offs[b])) for a, b in self.owned]
+            self.owned_counts = [b - a for a, b in self.owned_elements]  # Allgatherv, Gatherv
+            self.owned_displs = [a for a, _ in self.owned_elements]
             self._owned_for = key
         return self.owned_elements
 
@@ -300,11 +304,12 @@ class World:
         from .layers import WEIGHT_GRAD_ACTS, WEIGHT_GRAD_RECORDS, ACT_FIELDS, RECORD_FIELDS
         if self.forced_reduction is not None:  # the tests run both
             return self.forced_reduction == "records"
-        dims = cfg.dims()
-        shapes = dict(ACT_FIELDS + RECORD_FIELDS)
-        per_window = sum(int(np.prod(shapes[f](dims)))
-                         for f in WEIGHT_GRAD_ACTS + WEIGHT_GRAD_RECORDS)
-        return 8 * per_window * (B - B // self.size) <= 16 * cfg.n_params
+        if getattr(self, "_record_size_for", None) != cfg:  # doubles one window sends
+            shapes = dict(ACT_FIELDS + RECORD_FIELDS)
+            self._record_size = sum(int(np.prod(shapes[f](cfg.dims())))
+                                    for f in WEIGHT_GRAD_ACTS + WEIGHT_GRAD_RECORDS)
+            self._record_size_for = cfg
+        return 8 * self._record_size * (B - B // self.size) <= 16 * cfg.n_params
 
     def _by_records(self, runner, model, vsa_table, windows, k, scale, G, lo, hi):
         """Speed 3 by records: each rank runs its windows, the ranks allgather what the
@@ -313,7 +318,7 @@ class World:
         tensors it owns: G is final there, with no pipeline to wait on."""
         from .layers import (WEIGHT_GRAD_ACTS, WEIGHT_GRAD_RECORDS, Acts, Record, alloc_acts,
                              alloc_record)
-        from .step import gradient_units, split_by_cost, zero_units
+        from .step import split_by_cost, zero_units
         from .windows import gradients_from_records, windows_layerwise
         cfg, N = runner.cfg, runner.threads
         B = windows.shape[0]
@@ -341,7 +346,7 @@ class World:
                                                      [a * per for a, _ in spans],
                                                      self.MPI.DOUBLE])
             self.sent += 8 * nb * per * (self.size - 1)
-        units, cost = runner.units, gradient_units(cfg)[1]
+        units, cost = runner.units, runner.unit_cost
         t0, t1 = self.owned[self.rank]
         u0 = int(np.searchsorted(units[:, 0], t0))
         u1 = int(np.searchsorted(units[:, 0], t1))
@@ -412,11 +417,9 @@ class World:
         runner.map_parts(adam, [p for p in tensor_parts(run.cfg, runner.threads, t0, t1)
                                 if p[0] < p[1]])
         self.finish_sends()
-        counts = [b - a for a, b in self.owned_elements]
-        displs = [a for a, _ in self.owned_elements]
-        self.comm.Allgatherv(self.MPI.IN_PLACE,
-                             [run.state.theta, counts, displs, self.MPI.DOUBLE])
-        self.sent += 8 * counts[self.rank] * (self.size - 1)
+        self.comm.Allgatherv(self.MPI.IN_PLACE, [run.state.theta, self.owned_counts,
+                                                 self.owned_displs, self.MPI.DOUBLE])
+        self.sent += 8 * self.owned_counts[self.rank] * (self.size - 1)
         sums = np.stack([run.norms, run.abs_sums, run.moment_sums])
         for (u0, u1), part in zip(self.owned, self.comm.allgather(sums[:, t0:t1])):
             sums[:, u0:u1] = part
@@ -425,13 +428,11 @@ class World:
 
     def gather_moments(self, m, v):
         """Rank 0 receives every rank's own part of the Adam moments (before a save)."""
-        counts = [b - a for a, b in self.owned_elements]
-        displs = [a for a, _ in self.owned_elements]
         a, b = self.owned_elements[self.rank]
         for arr in (m, v):
             if self.rank == 0:
-                self.comm.Gatherv(self.MPI.IN_PLACE, [arr, counts, displs, self.MPI.DOUBLE],
-                                  root=0)
+                self.comm.Gatherv(self.MPI.IN_PLACE, [arr, self.owned_counts, self.owned_displs,
+                                                      self.MPI.DOUBLE], root=0)
             else:
                 self.comm.Gatherv(arr[a:b], None, root=0)
 

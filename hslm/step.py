@@ -168,9 +168,9 @@ class StepRunner:
         if self.speed.reduction == "window buffers" and self.threads > 1:
             self.bufs = np.zeros((self.threads, cfg.n_params))
         self.batch = 0  # layerwise: per-window activations and records, for the batch size
-        self.units, cost = gradient_units(cfg)
+        self.units, self.unit_cost = gradient_units(cfg)
         self.spans = unit_spans(cfg, self.units)
-        self.parts = split_by_cost(cost, self.threads)
+        self.parts = split_by_cost(self.unit_cost, self.threads)
         self.timings = None  # set to a dict to collect per-phase seconds (layerwise)
 
     def close(self):
