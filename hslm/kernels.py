@@ -15,28 +15,10 @@ Only one contraction is allowed, in the ternary kernels, where it is exact.
 """
 from __future__ import annotations
 
-import os
-
-import numba.core.config as numba_config
 from numba import njit
 
-from . import panel_kernels
+from .micro import MICRO_KERNELS, TERNARY_PANEL, compile_micro, ternary_panel_matmul
 from .panel_kernels import WGRAD_PANEL, panel_matmul_add
-
-
-def wide_vectors(features=None) -> bool:
-    """Whether Numba compiles for 512-bit vectors (AVX-512 with 256-bit not preferred,
-    as hslm/__init__.py sets up): 32 registers of 8 doubles."""
-    f = os.environ.get("NUMBA_CPU_FEATURES", "") if features is None else features
-    return "+avx512f" in f.split(",") and "-prefer-256-bit" in f.split(",")
-
-
-# The ternary kernels' tile, for this machine's registers (tools/gen_panel_kernels.py);
-# the tile never changes a bit, only speed. TERNARY_PANEL is the panel width of the
-# ternary matrices' layouts (hslm.params).
-TERNARY_ROWS, TERNARY_PANEL = panel_kernels.TERNARY_TILES[0 if wide_vectors() else 1]
-ternary_panel_matmul = getattr(panel_kernels,
-                               f"ternary_panel_matmul_{TERNARY_ROWS}x{TERNARY_PANEL}")
 
 COL_TILE = 256  # columns per tile: a pass's 4 matrix-row slices (8 KB) stay in L1
 
@@ -82,25 +64,8 @@ def ternary_matmul_rows(X, T, alpha, Y):
 WGRAD_ROW_BLOCK = 36  # gradient rows per unit of the weight-gradient phase (a multiple of 3 rows)
 
 
-def _compile_with_slp(kernel, signature):
-    """Compile a register-tiled kernel with LLVM's SLP vectoriser on (Numba turns it
-    off by default; it is what packs a tile's named scalars into vector registers).
-    SLP never reorders arithmetic, so the bits are those of the plain loops. With
-    cache=True a cached build loads instead. Other signatures are then refused,
-    so a wrong-typed call fails loudly instead of building a slow scalar copy."""
-    old = numba_config.SLP_VECTORIZE
-    numba_config.SLP_VECTORIZE = 1
-    try:
-        kernel.compile(signature)
-    finally:
-        numba_config.SLP_VECTORIZE = old
-    kernel.disable_compile()
-
-
-# ternary panels are float32 (exact for -1, 0, +1; half the memory traffic)
-_compile_with_slp(ternary_panel_matmul,
-                  "(float64[:, ::1], float32[:, :, ::1], int64, float64, float64[:, ::1])")
-_compile_with_slp(panel_matmul_add, "(float64[:, ::1], float64[:, :, ::1], int64, float64[:, ::1])")
+for _name in MICRO_KERNELS:  # before any caller compiles (hslm/micro.py)
+    compile_micro(_name)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")

@@ -45,13 +45,6 @@ RMS_EPS = 1e-6
 LABEL_SMOOTH = 0.1  # epsilon of the K-position objective
 
 
-# The model as the kernels see it: flat parameters, their offsets, the ternary
-# matrices in both layouts (input-major Tf, output-major Tb) with one scale per
-# tensor, the fixed tables, the named dimensions, and Tf and Tb again in column
-# panels (Pf, Pb, at their own offsets) for the register-tiled kernels.
-Model = namedtuple("Model", "theta offs Tf Tb alpha pos cos sin attn_scale head_scale dims "
-                            "Pf pf_offs Pb pb_offs")
-
 # ------------------------------------------------------------- buffers
 # One field list per buffer kind, from which the allocator builds it; shapes
 # are per window, in terms of the named dimensions (nb blocks, L positions).

@@ -1,14 +1,23 @@
 """The flat parameter vector: seeded initialisation, named views, ternary quantisation."""
 from __future__ import annotations
 
+from collections import namedtuple
+
 import numpy as np
 from numba import njit
 
 from .config import Config
-from .layers import Model
-from .kernels import TERNARY_PANEL
+from .micro import TERNARY_PANEL
 from .rng import Stream
 from .tables import Tables
+
+
+# The model as the kernels see it: flat parameters, their offsets, the ternary
+# matrices in both layouts (input-major Tf, output-major Tb) with one scale per
+# tensor, the fixed tables, the named dimensions, and Tf and Tb again in column
+# panels (Pf, Pb, at their own offsets) for the register-tiled kernels.
+Model = namedtuple("Model", "theta offs Tf Tb alpha pos cos sin attn_scale head_scale dims "
+                            "Pf pf_offs Pb pb_offs")
 
 
 def init_params(cfg: Config, seed: int) -> np.ndarray:

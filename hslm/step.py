@@ -38,6 +38,7 @@ from .layers import alloc_acts, alloc_record, alloc_scratch
 from .speeds import KERNEL_PANELS, PER_POSITION, SPEEDS
 from .vsa import vsa_window
 from .windows import (gradients_from_records, window_loss_layerwise, window_per_position,
+                      windows_backward, windows_forward,
                       windows_layerwise)
 
 def gradient_units(cfg):
@@ -275,7 +276,7 @@ def kernels_cached(speed: int) -> bool:
     sp = SPEEDS[speed]
     kernels = [adamw_step, window_loss_layerwise]
     kernels += ([window_per_position] if sp.loop == PER_POSITION
-                else [windows_layerwise, gradients_from_records])
+                else [windows_forward, windows_backward, gradients_from_records])
     try:
         return all(len(k._cache._cache_file._load_index()) > 0 for k in kernels)
     except Exception:  # noqa: BLE001 (any failure of the private API: assume cached)

@@ -103,14 +103,22 @@ def window_per_position(model, tokens, vsa, k, scale, A, R, S, acc, out, recompu
 
 
 # --------------------------------------------------------------- layerwise
-@njit(cache=True, nogil=True, error_model="numpy")
 def windows_layerwise(model, vsa_table, windows, vsa, k, scale, A, R, S, first, step, losses,
                       kernel):
     """Speed 3 for windows first, first + step, ... of a batch (one thread's share):
     each layer runs for all of them before the next layer, so a layer's matrices
     are read once from memory and then from cache. Forward and the backward
     through every layer's input; the weight gradients come later, from the
-    records (gradients_from_records). losses[w] gets window w's mean loss."""
+    records (gradients_from_records). losses[w] gets window w's mean loss.
+    (Two kernels, so that a first run can compile them in two processes.)"""
+    windows_forward(model, vsa_table, windows, vsa, k, A, first, step, kernel)
+    windows_backward(model, windows, k, scale, A, R, S, first, step, losses, kernel)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def windows_forward(model, vsa_table, windows, vsa, k, A, first, step, kernel):
+    """Forward of windows first, first + step, ...: VSA stream, embedding, blocks and
+    the head at the last k positions, into A."""
     D = model.dims
     L = D.window
     s = L - k
@@ -124,6 +132,17 @@ def windows_layerwise(model, vsa_table, windows, vsa, k, scale, A, R, S, first, 
             block_forward(model, A, w, vsa[w], b, 0, L, s if b == D.blocks - 1 else 0, kernel)
     for w in range(first, B, step):
         head_forward(model, A, w, s, L, kernel)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def windows_backward(model, windows, k, scale, A, R, S, first, step, losses, kernel):
+    """Loss and backward through every layer's input of windows first, first + step,
+    ... (after windows_forward), into their records R; losses[w] gets window w's
+    mean loss."""
+    D = model.dims
+    s = D.window - k
+    B = windows.shape[0]
+    for w in range(first, B, step):
         losses[w] = loss_rows(model, A, R, w, windows[w], s, 0, k, scale) / k
         head_backward(model, A, R, S, w, s, 0, k, kernel)
     for b in range(D.blocks - 1, -1, -1):

@@ -1,0 +1,55 @@
+"""This machine's matrix micro-kernels (hslm/panel_kernels.py), chosen and compiled.
+
+Importing this module compiles nothing; hslm.kernels compiles both micro-kernels
+when it loads (compile_micro), and a first run's compile jobs (hslm/precompile.py)
+may compile each on its own, in another process, beforehand.
+"""
+from __future__ import annotations
+
+import os
+
+import numba.core.config as numba_config
+
+from . import panel_kernels
+
+
+def wide_vectors(features=None) -> bool:
+    """Whether Numba compiles for 512-bit vectors (AVX-512 with 256-bit not preferred,
+    as hslm/__init__.py sets up): 32 registers of 8 doubles."""
+    f = os.environ.get("NUMBA_CPU_FEATURES", "") if features is None else features
+    return "+avx512f" in f.split(",") and "-prefer-256-bit" in f.split(",")
+
+
+# The ternary kernels' tile, for this machine's registers (tools/gen_panel_kernels.py);
+# the tile never changes a bit, only speed. TERNARY_PANEL is the panel width of the
+# ternary matrices' layouts (hslm.params).
+TERNARY_ROWS, TERNARY_PANEL = panel_kernels.TERNARY_TILES[0 if wide_vectors() else 1]
+ternary_panel_matmul = getattr(panel_kernels,
+                               f"ternary_panel_matmul_{TERNARY_ROWS}x{TERNARY_PANEL}")
+
+# name: (kernel, the one signature it is compiled for). Ternary panels are float32
+# (exact for -1, 0, +1; half the memory traffic).
+MICRO_KERNELS = {
+    "ternary tile": (ternary_panel_matmul,
+                     "(float64[:, ::1], float32[:, :, ::1], int64, float64, float64[:, ::1])"),
+    "weight-gradient tile": (panel_kernels.panel_matmul_add,
+                             "(float64[:, ::1], float64[:, :, ::1], int64, float64[:, ::1])"),
+}
+
+
+def compile_micro(name: str) -> None:
+    """Compile a register-tiled kernel with LLVM's SLP vectoriser on (Numba turns it
+    off by default; it is what packs a tile's named scalars into vector registers).
+    SLP never reorders arithmetic, so the bits are those of the plain loops. With
+    cache=True a cached build loads instead. Other signatures are then refused,
+    so a wrong-typed call fails loudly instead of building a slow scalar copy."""
+    kernel, signature = MICRO_KERNELS[name]
+    if not kernel._can_compile:  # done already in this process
+        return
+    old = numba_config.SLP_VECTORIZE
+    numba_config.SLP_VECTORIZE = 1
+    try:
+        kernel.compile(signature)
+    finally:
+        numba_config.SLP_VECTORIZE = old
+    kernel.disable_compile()
