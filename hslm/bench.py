@@ -128,7 +128,7 @@ def profile_layerwise(cfg, hyper, corpus, steps=3):
     """Per-phase milliseconds of a speed-3 step on one thread: [(phase, ms)]."""
     from .layers import KERNEL_PANELS
     from .vsa import vsa_window
-    from .windows import window_loss_layerwise
+    from .windows import windows_forward
 
     run = Run.fresh(cfg, hyper, corpus, plain=False)
     runner = StepRunner(cfg, DEFAULT_SPEED, 1)
@@ -154,8 +154,9 @@ def profile_layerwise(cfg, hyper, corpus, steps=3):
 
     t_vsa = timed(lambda: [vsa_window(run.tables.vsa, x, cfg.blocks, cfg.width, w.vsa)
                            for x in windows])
-    t_fwd = timed(lambda: [window_loss_layerwise(model, x, w.vsa, k, w.acts, w.scr, 0,
-                                                 KERNEL_PANELS) for x in windows])
+    # the step's own forward (with its VSA stream) over the batch, in the step's buffers
+    t_fwd = timed(lambda: windows_forward(model, run.tables.vsa, windows, runner.vsa_b, k,
+                                          runner.acts_b, 0, 1, KERNEL_PANELS)) - t_vsa
     th, m, v = run.state.theta.copy(), run.m.copy(), run.v.copy()
     norms = np.zeros(len(cfg.tensors()))
     sums = np.zeros(len(cfg.tensors()))

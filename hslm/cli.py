@@ -80,7 +80,8 @@ def threads_option(f):
 @click.pass_context
 def train(ctx, **opts):
     """Train a model; writes OUT/ckpt_<step>.bin and OUT/ckpt_<step>.state."""
-    first_run_notice(opts["quiet"], opts["model"], opts["resume"])
+    compile_first(opts["quiet"], opts["model"], [int(opts["speed"])], opts["resume"],
+                  opts["data"])
     from .hyper import HYPER_NAMES
     from .train import TrainOptions, train_run
 
@@ -96,25 +97,49 @@ def train(ctx, **opts):
     click.echo(f"first {first:.4f}, last {last:.4f}, valid {valid:.4f}")
 
 
-def first_run_notice(quiet, model, resume=None):
-    """On a machine's first run, say so before anything compiles: importing the kernels
-    compiles the matrix micro-kernels and the tokenizer compiles on first use, before
-    the step's own kernels. Reads Numba's cache index of one micro-kernel (a private
-    API, imported without compiling); when it cannot tell, it says nothing. A flag
-    error found later still comes after it (a --model or --resume that does not
-    resolve skips it)."""
-    if quiet or not distributed.is_writer():
-        return
-    from .config import PRESETS  # a --model or --resume that does not resolve: its error
+def compile_first(quiet, model, speeds, resume=None, data=None):
+    """On a machine's first run (no compiled micro-kernel in Numba's cache), or after an
+    upgrade that left the step's kernels uncompiled, compile every kernel the run needs
+    now, in as many processes as there are cores (hslm/precompile.py), saying so first.
+    Only when the run's --model (or --resume) and --data resolve: a flag's error then
+    comes at once, alone. Under MPI each rank compiles as it goes (as before)."""
+    from .config import PRESETS
     if not (Path(resume).is_file() if resume else model in PRESETS or Path(model).is_file()):
-        return                    # comes alone
-    try:
-        from . import panel_kernels
-        cached = len(panel_kernels.panel_matmul_add._cache._cache_file._load_index()) > 0
-    except Exception:  # noqa: BLE001 (any failure of the private API: no message)
         return
-    if not cached:
-        click.echo("compiling kernels (first run on this machine: under a minute) ...", err=True)
+    if any(not Path(d).exists() for d in (data or ())):
+        return
+    if distributed.launched_by_mpi():
+        if not quiet and distributed.is_writer() and not _micro_kernels_cached():
+            click.echo("compiling kernels (first run on this machine: under a minute) ...",
+                       err=True)
+        return
+    if _micro_kernels_cached():
+        from .step import kernels_cached  # (loads the micro-kernels: cached, so quick)
+        if all(kernels_cached(s) for s in speeds):
+            return
+    import time
+
+    from . import precompile
+    jobs = precompile.jobs_for(speeds)
+    n = precompile.processes_to_use(len(jobs))
+    t0 = time.perf_counter()
+    if not quiet:
+        click.echo(f"compiling kernels in {n} process{'es' if n > 1 else ''} (first run on "
+                   f"this machine) ...", err=True)
+    vocab = PRESETS[model].vocab if not resume and model in PRESETS else PRESETS["hslm-3"].vocab
+    precompile.compile_in_parallel(speeds, vocab, n)
+    if not quiet:
+        click.echo(f"compiled in {time.perf_counter() - t0:.0f} s", err=True)
+
+
+def _micro_kernels_cached() -> bool:
+    """Whether Numba's cache holds this machine's ternary tile (read from its cache index,
+    a private API, without compiling; when it cannot tell: True)."""
+    try:
+        from .micro import ternary_panel_matmul
+        return len(ternary_panel_matmul._cache._cache_file._load_index()) > 0
+    except Exception:  # noqa: BLE001 (any failure of the private API: assume cached)
+        return True
 
 
 @cli.command()

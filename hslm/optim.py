@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 from numba import njit
 
 from . import precise
@@ -83,3 +84,10 @@ def adamw_step(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, norms
                 sm += abs(mb[i]) + vb[i]
         abs_sums[t] = s
         moment_sums[t] = sm
+
+
+def warm_up_optimiser() -> None:
+    """AdamW once on a two-element throwaway model (compiled, or loaded from the cache)."""
+    z = np.zeros(2)
+    adamw_step(z, z.copy(), z.copy(), z.copy(), np.array([0, 2]), np.array([True]), 0.1, 0.001,
+               0.0, 0.0, np.zeros(1), np.zeros(1), np.zeros(1), 0, 1)

@@ -37,9 +37,8 @@ from .kernels import WGRAD_ROW_BLOCK
 from .layers import alloc_acts, alloc_record, alloc_scratch
 from .speeds import KERNEL_PANELS, PER_POSITION, SPEEDS
 from .vsa import vsa_window
-from .windows import (gradients_from_records, window_loss_layerwise, window_per_position,
-                      windows_backward, windows_forward,
-                      windows_layerwise)
+from .windows import (gradients_from_records, window_per_position, windows_backward,
+                      windows_forward, windows_layerwise, windows_loss)
 
 def gradient_units(cfg):
     """[(tensor, row0, row1)] covering the gradient, and each unit's cost (multiply-adds
@@ -134,9 +133,12 @@ class Worker:
 
     def window_loss(self, model, vsa_table, tokens, k):
         """Forward only: the window's mean loss over its last k positions."""
-        vsa_window(vsa_table, tokens, model.dims.blocks, model.dims.width, self.vsa)
-        return window_loss_layerwise(model, tokens, self.vsa, k, self.acts, self.scr, 0,
-                                     KERNEL_PANELS)
+        windows = tokens.reshape(1, -1)
+        losses = np.zeros(1)
+        windows_forward(model, vsa_table, windows, self.vsa.reshape((1,) + self.vsa.shape), k,
+                        self.acts, 0, 1, KERNEL_PANELS)
+        windows_loss(windows, k, self.acts, self.scr, 0, 1, losses)
+        return losses[0]
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -274,9 +276,9 @@ def kernels_cached(speed: int) -> bool:
     cannot tell, it says True (no message rather than a wrong one)."""
     from .optim import adamw_step
     sp = SPEEDS[speed]
-    kernels = [adamw_step, window_loss_layerwise]
+    kernels = [adamw_step, windows_forward, windows_loss]
     kernels += ([window_per_position] if sp.loop == PER_POSITION
-                else [windows_forward, windows_backward, gradients_from_records])
+                else [windows_backward, gradients_from_records])
     try:
         return all(len(k._cache._cache_file._load_index()) > 0 for k in kernels)
     except Exception:  # noqa: BLE001 (any failure of the private API: assume cached)
@@ -287,7 +289,7 @@ def warm_up(runner: "StepRunner", run) -> None:
     """Run the step's kernels once on throwaway buffers (one window, a two-element
     optimiser), so that compiling or loading them is not counted in step 1. Changes
     nothing in the run: its generator, parameters and moments are not touched."""
-    from .optim import adamw_step
+    from .optim import warm_up_optimiser
     from .rng import Stream
     cfg, h = run.cfg, run.hyper
     model = run.state.kernel_model()
@@ -298,6 +300,5 @@ def warm_up(runner: "StepRunner", run) -> None:
         runner.loss(model, run.tables.vsa, w, h.loss_positions)
     finally:
         runner.warming_up = False
-    z = np.zeros(2)
-    adamw_step(z, z.copy(), z.copy(), z.copy(), np.array([0, 2]), np.array([True]), 0.1, 0.001,
-               0.0, 0.0, np.zeros(1), np.zeros(1), np.zeros(1), 0, 1)
+    warm_up_optimiser()
+

@@ -217,19 +217,13 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG):
 
 # ------------------------------------------------------------ forward only
 @njit(cache=True, nogil=True, error_model="numpy")
-def window_loss_layerwise(model, tokens, vsa, k, A, S, w, kernel):
-    """Forward only (evaluation, sampling): window w of A (callers pass 0; an argument,
-    not a constant, so that the layers compile once for both this and the training
-    loop), layer by layer, the last k positions to the logits; returns their mean
-    loss."""
-    D = model.dims
-    L = D.window
-    s = L - k
-    embed_forward(model, A, w, tokens, 0, L)
-    for b in range(D.blocks):
-        block_forward(model, A, w, vsa, b, 0, L, s if b == D.blocks - 1 else 0, kernel)
-    head_forward(model, A, w, s, L, kernel)
-    loss_sum = 0.0
-    for p in range(L - k, L):
-        loss_sum += loss_forward_backward(A.logits[w, p], tokens[p + 1], 1.0, S.loss_grad[p])
-    return loss_sum / k
+def windows_loss(windows, k, A, S, first, step, losses):
+    """Evaluation, after windows_forward: losses[w] = window w's mean loss over its last
+    k positions (windows first, first + step, ...)."""
+    L = windows.shape[1] - 1
+    for w in range(first, windows.shape[0], step):
+        tokens = windows[w]
+        loss_sum = 0.0
+        for p in range(L - k, L):
+            loss_sum += loss_forward_backward(A.logits[w, p], tokens[p + 1], 1.0, S.loss_grad[p])
+        losses[w] = loss_sum / k

@@ -1,0 +1,278 @@
+"""A machine's first run: compile the kernels in several processes at once.
+
+Numba compiles one function at a time, under one lock per process, and a first
+run has about 50 s of compiling to do (2-core Xeon, AVX-512). The kernels fall
+into jobs with few dependencies (JOBS): a job may start once the kernels it
+calls are in Numba's cache, or it would compile them again. This process and
+up to cores - 1 helpers (`python -m hslm.precompile DIR`) each take the first
+job in JOBS order whose dependencies are done, compile it into the cache by
+running it once on a tiny model of the same types, and mark it done; the run
+then loads every kernel from the cache. The bits cannot change: each kernel is
+compiled from the same source for the same argument types, whoever compiles it.
+
+Coordination is by files in a fresh folder: a job is claimed by creating
+`<job>.claim` exclusively and finished by `<job>.done`. Numba's own cache index
+is rewritten by every save (read, add, replace), so two processes saving
+entries of one function at once could lose one or, worse, point two entries at
+one data file; every save here takes one lock first (_locked_cache_saves). A
+helper that fails or dies only costs time: whatever it did not finish is
+compiled where it is next needed, as without helpers.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+# name: the jobs it needs done first. Order is priority: the ternary tile starts the
+# longest chain (tile -> forward or backward), the tokenizer fills a core meanwhile.
+JOBS = {
+    "ternary tile": (),
+    "weight-gradient tile": (),
+    "optimiser": (),
+    "forward": ("ternary tile", "weight-gradient tile", "optimiser"),
+    "backward": ("ternary tile", "weight-gradient tile", "optimiser"),
+    "per position": ("ternary tile", "weight-gradient tile", "optimiser"),
+    "tokenizer": (),
+    "weight gradients": ("ternary tile", "weight-gradient tile", "optimiser"),
+    "evaluation": ("forward", "backward"),
+}
+MAX_PROCESSES = 4  # the chains allow no more than about this many at once
+
+
+def jobs_for(speeds) -> list[str]:
+    """The jobs a run at these speeds needs, in priority order."""
+    from .speeds import PER_POSITION, SPEEDS
+    loops = {SPEEDS[s].loop for s in speeds}
+    skip = set()
+    if PER_POSITION not in loops:
+        skip.add("per position")
+    if loops == {PER_POSITION}:
+        skip |= {"backward", "weight gradients"}
+    return [j for j in JOBS if j not in skip]
+
+
+# ------------------------------------------------------------------ the jobs
+def _tiny():
+    """A tiny model with the default model's types, and one window of it."""
+    from .config import PRESETS
+    from .params import ModelState, init_params
+    from .tables import Tables
+    cfg = PRESETS["hslm-tiny"]
+    tables = Tables(cfg)
+    state = ModelState(cfg, init_params(cfg, 0), tables, plain=True)
+    windows = (np.arange(cfg.window + 1, dtype=np.int64) % cfg.vocab).reshape(1, -1)
+    return cfg, state.kernel_model(), tables.vsa, windows
+
+
+def _layerwise_buffers(cfg):
+    from .layers import alloc_acts, alloc_record, alloc_scratch
+    dims = cfg.dims()
+    vsa = np.zeros((1, cfg.blocks, cfg.window, cfg.width))
+    return alloc_acts(dims, 1), alloc_record(dims, 1), alloc_scratch(dims), vsa
+
+
+def _run_job(name: str, vocab: int) -> None:
+    """Compile (or load) the kernels of one job, in this process."""
+    if name in ("ternary tile", "weight-gradient tile"):
+        from .micro import compile_micro
+        compile_micro(name)
+        return
+    if name == "tokenizer":
+        _tokenizer_job(vocab)
+        return
+    if name == "optimiser":  # requantisation (ModelState) and AdamW, as warm_up calls it
+        from .optim import warm_up_optimiser
+        _tiny()
+        warm_up_optimiser()
+        return
+    from .speeds import KERNEL_PANELS, PER_POSITION, SPEEDS
+    cfg, model, vsa_table, windows = _tiny()
+    k = cfg.window
+    if name == "per position":
+        from .step import Worker
+        speed = next(s for s, sp in SPEEDS.items() if sp.loop == PER_POSITION)
+        Worker(cfg, speed).window(model, vsa_table, windows[0], k, 1.0, np.zeros(cfg.n_params))
+        return
+    if name == "evaluation":  # every speed evaluates layer by layer
+        from .step import Worker
+        Worker(cfg, 3).window_loss(model, vsa_table, windows[0], k)
+        return
+    from .windows import gradients_from_records, windows_backward, windows_forward
+    A, R, S, vsa = _layerwise_buffers(cfg)
+    if name == "forward":
+        windows_forward(model, vsa_table, windows, vsa, k, A, 0, 1, KERNEL_PANELS)
+    elif name == "backward":
+        windows_backward(model, windows, k, 1.0, A, R, S, 0, 1, np.zeros(1), KERNEL_PANELS)
+    elif name == "weight gradients":
+        from .step import gradient_units
+        units, _ = gradient_units(cfg)
+        gradients_from_records(model, A, R, windows, k, units, 0, len(units),
+                               np.zeros(cfg.n_params), S.xt, S.dy_panels)
+    else:
+        raise ValueError(f"unknown compile job {name!r}")
+
+
+def _tokenizer_job(vocab: int) -> None:
+    """Learn, cache and read back a tokenizer and tokens of a few bytes, in a folder of
+    its own: the kernels of a real corpus's first run, for its token type."""
+    from .data import corpus_tokens, text_sha256
+    from .textsource import TextSource
+    # printable noise: few merges, so tokens enough for the checksum's 64-byte blocks
+    text = "".join(map(chr, np.random.default_rng(0).integers(32, 127, 4096)))
+    with tempfile.TemporaryDirectory() as d:
+        for _ in range(2):  # learned and written, then read back from the cache
+            corpus_tokens(TextSource(text=text, label="compile"), text_sha256(text), vocab,
+                          cache_dir=Path(d))
+
+
+# ------------------------------------------------------------ the scheduler
+@contextlib.contextmanager
+def _locked_cache_saves(lock_path: Path):
+    """Numba's cache saves under one file lock (see the module's docstring). Numba's
+    IndexDataCacheFile is a private class: if it is not there, saves are left as they
+    are (the jobs' functions then rarely share a callee's index anyway)."""
+    import fcntl
+
+    from numba.core import caching
+    cls = getattr(caching, "IndexDataCacheFile", None)
+    if cls is None or not hasattr(cls, "save"):
+        yield
+        return
+    original = cls.save
+
+    def save(self, key, data):
+        with open(lock_path, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            original(self, key, data)
+
+    cls.save = save
+    try:
+        yield
+    finally:
+        cls.save = original
+
+
+class Board:
+    """The claim and done markers of one parallel compile, in a folder."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        spec = json.loads((self.folder / "jobs.json").read_text())
+        self.jobs, self.vocab = spec["jobs"], spec["vocab"]
+
+    def done(self, job) -> bool:
+        return (self.folder / f"{job}.done").exists()
+
+    def claimed(self, job) -> bool:
+        return (self.folder / f"{job}.claim").exists()
+
+    def claim(self, job) -> bool:
+        try:
+            os.close(os.open(self.folder / f"{job}.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return True
+        except FileExistsError:
+            return False
+
+    def finish(self, job, ok: bool, began: float):
+        (self.folder / f"{job}.done").write_text(
+            f"{'ok' if ok else 'failed'} {os.getpid()} {began:.3f} {time.time():.3f}")
+
+    def ready(self, job) -> bool:
+        return all(self.done(d) for d in JOBS[job] if d in self.jobs)
+
+    def work(self, give_up=lambda: False, stop=lambda: False):
+        """Take and run jobs until every job is claimed (or stop() says so). A job whose
+        dependencies are claimed but never finish (give_up() says so) runs anyway: it
+        then compiles them itself."""
+        with _locked_cache_saves(self.folder / "cache.lock"):
+            while not stop():
+                free = [j for j in self.jobs if not self.claimed(j)]
+                if not free:
+                    return
+                ready = [j for j in free if self.ready(j)] or (free if give_up() else [])
+                if not ready:
+                    time.sleep(0.02)
+                    continue
+                job = ready[0]
+                if not self.claim(job):
+                    continue
+                ok, began = False, time.time()
+                try:
+                    _run_job(job, self.vocab)
+                    ok = True
+                finally:
+                    self.finish(job, ok, began)
+
+
+def processes_to_use(n_jobs: int) -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, n_jobs, MAX_PROCESSES))
+
+
+def compile_in_parallel(speeds, vocab: int, processes: int | None = None) -> int:
+    """Compile the kernels of a run at these speeds (tokenizer for this vocabulary
+    included) in this process and processes - 1 helpers; returns the number of
+    processes used. Waits until every job is done here or by a helper that ended."""
+    jobs = jobs_for(speeds)
+    n = processes or processes_to_use(len(jobs))
+    env = dict(os.environ)  # the helpers import this hslm, however this process found it
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1])] + [p for p in [env.get("PYTHONPATH")] if p])
+    with tempfile.TemporaryDirectory(prefix="hslm-compile-") as d:
+        folder = Path(d)
+        (folder / "jobs.json").write_text(json.dumps({"jobs": jobs, "vocab": int(vocab)}))
+        board = Board(folder)
+        helpers = []
+        try:
+            for _ in range(n - 1):
+                with open(folder / "helpers.log", "ab") as log:
+                    helpers.append(subprocess.Popen(
+                        [sys.executable, "-m", "hslm.precompile", str(folder)],
+                        stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env))
+
+            def helpers_ended():
+                return all(h.poll() is not None for h in helpers)
+
+            try:
+                board.work(give_up=helpers_ended)
+            except Exception:  # noqa: BLE001 (a job that fails here fails again where the
+                pass           # run needs it, and is reported there as usual)
+            while not all(board.done(j) for j in jobs) and not helpers_ended():
+                time.sleep(0.02)
+            if os.environ.get("HSLM_COMPILE_LOG"):  # each job: process, start and end
+                with open(os.environ["HSLM_COMPILE_LOG"], "a") as f:
+                    for j in jobs:
+                        done = folder / f"{j}.done"
+                        f.write(f"{j}: {done.read_text() if done.exists() else '-'}\n")
+        finally:
+            for h in helpers:  # normally ended already; on Ctrl-C or an error, stopped here
+                if h.poll() is None:
+                    h.terminate()
+                try:
+                    h.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    h.kill()
+    return n
+
+
+def main(argv=None):
+    """A helper: `python -m hslm.precompile FOLDER` (started by compile_in_parallel)."""
+    args = sys.argv[1:] if argv is None else argv
+    board = Board(Path(args[0]))
+    parent = os.getppid()
+    board.work(stop=lambda: os.getppid() != parent)  # the run is gone: stop
+
+
+if __name__ == "__main__":
+    main()
