@@ -80,8 +80,6 @@ def threads_option(f):
 @click.pass_context
 def train(ctx, **opts):
     """Train a model; writes OUT/ckpt_<step>.bin and OUT/ckpt_<step>.state."""
-    compile_first(opts["quiet"], opts["model"], [int(opts["speed"])], opts["resume"],
-                  opts["data"])
     from .hyper import HYPER_NAMES
     from .train import TrainOptions, train_run
 
@@ -95,51 +93,6 @@ def train(ctx, **opts):
         metrics=opts["metrics"], log_every=opts["log_every"], quiet=opts["quiet"])
     first, last, valid = train_run(o, echo=click.echo)
     click.echo(f"first {first:.4f}, last {last:.4f}, valid {valid:.4f}")
-
-
-def compile_first(quiet, model, speeds, resume=None, data=None):
-    """On a machine's first run (no compiled micro-kernel in Numba's cache), or after an
-    upgrade that left the step's kernels uncompiled, compile every kernel the run needs
-    now, in as many processes as there are cores (hslm/precompile.py), saying so first.
-    Only when the run's --model (or --resume) and --data resolve: a flag's error then
-    comes at once, alone. Under MPI each rank compiles as it goes (as before)."""
-    from .config import PRESETS
-    if not (Path(resume).is_file() if resume else model in PRESETS or Path(model).is_file()):
-        return
-    if any(not Path(d).exists() for d in (data or ())):
-        return
-    if distributed.launched_by_mpi():
-        if not quiet and distributed.is_writer() and not _micro_kernels_cached():
-            click.echo("compiling kernels (first run on this machine: under a minute) ...",
-                       err=True)
-        return
-    if _micro_kernels_cached():
-        from .step import kernels_cached  # (loads the micro-kernels: cached, so quick)
-        if all(kernels_cached(s) for s in speeds):
-            return
-    import time
-
-    from . import precompile
-    jobs = precompile.jobs_for(speeds)
-    n = precompile.processes_to_use(len(jobs))
-    t0 = time.perf_counter()
-    if not quiet:
-        click.echo(f"compiling kernels in {n} process{'es' if n > 1 else ''} (first run on "
-                   f"this machine) ...", err=True)
-    vocab = PRESETS[model].vocab if not resume and model in PRESETS else PRESETS["hslm-3"].vocab
-    precompile.compile_in_parallel(speeds, vocab, n)
-    if not quiet:
-        click.echo(f"compiled in {time.perf_counter() - t0:.0f} s", err=True)
-
-
-def _micro_kernels_cached() -> bool:
-    """Whether Numba's cache holds this machine's ternary tile (read from its cache index,
-    a private API, without compiling; when it cannot tell: True)."""
-    try:
-        from .micro import ternary_panel_matmul
-        return len(ternary_panel_matmul._cache._cache_file._load_index()) > 0
-    except Exception:  # noqa: BLE001 (any failure of the private API: assume cached)
-        return True
 
 
 @cli.command()
@@ -314,7 +267,12 @@ def bench(model, data, cache_dir, speed, threads, batch, steps, loss_positions, 
     batches = _split(batch, int, "--batch")
     if min(thread_counts) < 1 or min(batches) < 1:
         raise HslmError("--threads and --batch must be at least 1")
+    from .config import PRESETS
+    from .precompile import compile_first
     from .token_cache import cache_dir as token_cache_dir
+    vocab = PRESETS[models[0]].vocab if models[0] in PRESETS else PRESETS["hslm-3"].vocab
+    compile_first(sorted(set(speeds) | {DEFAULT_SPEED}), vocab,
+                  echo=lambda m: click.echo(m, err=True))
     report = run_bench(models, speeds, thread_counts, batches, steps, loss_positions, data,
                        with_torch, profile, progress=lambda m: click.echo(f"  {m}", err=True),
                        cache_dir=token_cache_dir(cache_dir, None))

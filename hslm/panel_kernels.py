@@ -359,291 +359,163 @@ def ternary_panel_matmul_9x16(X, P, b, alpha, Y):
             else:
                 if j + 0 < b:
                     Y[r + 0, j + 0] = alpha * y0_0
-                if j + 1 < b:
-                    Y[r + 0, j + 1] = alpha * y0_1
-                if j + 2 < b:
-                    Y[r + 0, j + 2] = alpha * y0_2
-                if j + 3 < b:
-                    Y[r + 0, j + 3] = alpha * y0_3
-                if j + 4 < b:
-                    Y[r + 0, j + 4] = alpha * y0_4
-                if j + 5 < b:
-                    Y[r + 0, j + 5] = alpha * y0_5
-                if j + 6 < b:
-                    Y[r + 0, j + 6] = alpha * y0_6
-                if j + 7 < b:
-                    Y[r + 0, j + 7] = alpha * y0_7
-                if j + 8 < b:
-                    Y[r + 0, j + 8] = alpha * y0_8
-                if j + 9 < b:
-                    Y[r + 0, j + 9] = alpha * y0_9
-                if j + 10 < b:
-                    Y[r + 0, j + 10] = alpha * y0_10
-                if j + 11 < b:
-                    Y[r + 0, j + 11] = alpha * y0_11
-                if j + 12 < b:
-                    Y[r + 0, j + 12] = alpha * y0_12
-                if j + 13 < b:
-                    Y[r + 0, j + 13] = alpha * y0_13
-                if j + 14 < b:
-                    Y[r + 0, j + 14] = alpha * y0_14
-                if j + 15 < b:
-                    Y[r + 0, j + 15] = alpha * y0_15
-                if j + 0 < b:
                     Y[r + 1, j + 0] = alpha * y1_0
-                if j + 1 < b:
-                    Y[r + 1, j + 1] = alpha * y1_1
-                if j + 2 < b:
-                    Y[r + 1, j + 2] = alpha * y1_2
-                if j + 3 < b:
-                    Y[r + 1, j + 3] = alpha * y1_3
-                if j + 4 < b:
-                    Y[r + 1, j + 4] = alpha * y1_4
-                if j + 5 < b:
-                    Y[r + 1, j + 5] = alpha * y1_5
-                if j + 6 < b:
-                    Y[r + 1, j + 6] = alpha * y1_6
-                if j + 7 < b:
-                    Y[r + 1, j + 7] = alpha * y1_7
-                if j + 8 < b:
-                    Y[r + 1, j + 8] = alpha * y1_8
-                if j + 9 < b:
-                    Y[r + 1, j + 9] = alpha * y1_9
-                if j + 10 < b:
-                    Y[r + 1, j + 10] = alpha * y1_10
-                if j + 11 < b:
-                    Y[r + 1, j + 11] = alpha * y1_11
-                if j + 12 < b:
-                    Y[r + 1, j + 12] = alpha * y1_12
-                if j + 13 < b:
-                    Y[r + 1, j + 13] = alpha * y1_13
-                if j + 14 < b:
-                    Y[r + 1, j + 14] = alpha * y1_14
-                if j + 15 < b:
-                    Y[r + 1, j + 15] = alpha * y1_15
-                if j + 0 < b:
                     Y[r + 2, j + 0] = alpha * y2_0
-                if j + 1 < b:
-                    Y[r + 2, j + 1] = alpha * y2_1
-                if j + 2 < b:
-                    Y[r + 2, j + 2] = alpha * y2_2
-                if j + 3 < b:
-                    Y[r + 2, j + 3] = alpha * y2_3
-                if j + 4 < b:
-                    Y[r + 2, j + 4] = alpha * y2_4
-                if j + 5 < b:
-                    Y[r + 2, j + 5] = alpha * y2_5
-                if j + 6 < b:
-                    Y[r + 2, j + 6] = alpha * y2_6
-                if j + 7 < b:
-                    Y[r + 2, j + 7] = alpha * y2_7
-                if j + 8 < b:
-                    Y[r + 2, j + 8] = alpha * y2_8
-                if j + 9 < b:
-                    Y[r + 2, j + 9] = alpha * y2_9
-                if j + 10 < b:
-                    Y[r + 2, j + 10] = alpha * y2_10
-                if j + 11 < b:
-                    Y[r + 2, j + 11] = alpha * y2_11
-                if j + 12 < b:
-                    Y[r + 2, j + 12] = alpha * y2_12
-                if j + 13 < b:
-                    Y[r + 2, j + 13] = alpha * y2_13
-                if j + 14 < b:
-                    Y[r + 2, j + 14] = alpha * y2_14
-                if j + 15 < b:
-                    Y[r + 2, j + 15] = alpha * y2_15
-                if j + 0 < b:
                     Y[r + 3, j + 0] = alpha * y3_0
-                if j + 1 < b:
-                    Y[r + 3, j + 1] = alpha * y3_1
-                if j + 2 < b:
-                    Y[r + 3, j + 2] = alpha * y3_2
-                if j + 3 < b:
-                    Y[r + 3, j + 3] = alpha * y3_3
-                if j + 4 < b:
-                    Y[r + 3, j + 4] = alpha * y3_4
-                if j + 5 < b:
-                    Y[r + 3, j + 5] = alpha * y3_5
-                if j + 6 < b:
-                    Y[r + 3, j + 6] = alpha * y3_6
-                if j + 7 < b:
-                    Y[r + 3, j + 7] = alpha * y3_7
-                if j + 8 < b:
-                    Y[r + 3, j + 8] = alpha * y3_8
-                if j + 9 < b:
-                    Y[r + 3, j + 9] = alpha * y3_9
-                if j + 10 < b:
-                    Y[r + 3, j + 10] = alpha * y3_10
-                if j + 11 < b:
-                    Y[r + 3, j + 11] = alpha * y3_11
-                if j + 12 < b:
-                    Y[r + 3, j + 12] = alpha * y3_12
-                if j + 13 < b:
-                    Y[r + 3, j + 13] = alpha * y3_13
-                if j + 14 < b:
-                    Y[r + 3, j + 14] = alpha * y3_14
-                if j + 15 < b:
-                    Y[r + 3, j + 15] = alpha * y3_15
-                if j + 0 < b:
                     Y[r + 4, j + 0] = alpha * y4_0
-                if j + 1 < b:
-                    Y[r + 4, j + 1] = alpha * y4_1
-                if j + 2 < b:
-                    Y[r + 4, j + 2] = alpha * y4_2
-                if j + 3 < b:
-                    Y[r + 4, j + 3] = alpha * y4_3
-                if j + 4 < b:
-                    Y[r + 4, j + 4] = alpha * y4_4
-                if j + 5 < b:
-                    Y[r + 4, j + 5] = alpha * y4_5
-                if j + 6 < b:
-                    Y[r + 4, j + 6] = alpha * y4_6
-                if j + 7 < b:
-                    Y[r + 4, j + 7] = alpha * y4_7
-                if j + 8 < b:
-                    Y[r + 4, j + 8] = alpha * y4_8
-                if j + 9 < b:
-                    Y[r + 4, j + 9] = alpha * y4_9
-                if j + 10 < b:
-                    Y[r + 4, j + 10] = alpha * y4_10
-                if j + 11 < b:
-                    Y[r + 4, j + 11] = alpha * y4_11
-                if j + 12 < b:
-                    Y[r + 4, j + 12] = alpha * y4_12
-                if j + 13 < b:
-                    Y[r + 4, j + 13] = alpha * y4_13
-                if j + 14 < b:
-                    Y[r + 4, j + 14] = alpha * y4_14
-                if j + 15 < b:
-                    Y[r + 4, j + 15] = alpha * y4_15
-                if j + 0 < b:
                     Y[r + 5, j + 0] = alpha * y5_0
-                if j + 1 < b:
-                    Y[r + 5, j + 1] = alpha * y5_1
-                if j + 2 < b:
-                    Y[r + 5, j + 2] = alpha * y5_2
-                if j + 3 < b:
-                    Y[r + 5, j + 3] = alpha * y5_3
-                if j + 4 < b:
-                    Y[r + 5, j + 4] = alpha * y5_4
-                if j + 5 < b:
-                    Y[r + 5, j + 5] = alpha * y5_5
-                if j + 6 < b:
-                    Y[r + 5, j + 6] = alpha * y5_6
-                if j + 7 < b:
-                    Y[r + 5, j + 7] = alpha * y5_7
-                if j + 8 < b:
-                    Y[r + 5, j + 8] = alpha * y5_8
-                if j + 9 < b:
-                    Y[r + 5, j + 9] = alpha * y5_9
-                if j + 10 < b:
-                    Y[r + 5, j + 10] = alpha * y5_10
-                if j + 11 < b:
-                    Y[r + 5, j + 11] = alpha * y5_11
-                if j + 12 < b:
-                    Y[r + 5, j + 12] = alpha * y5_12
-                if j + 13 < b:
-                    Y[r + 5, j + 13] = alpha * y5_13
-                if j + 14 < b:
-                    Y[r + 5, j + 14] = alpha * y5_14
-                if j + 15 < b:
-                    Y[r + 5, j + 15] = alpha * y5_15
-                if j + 0 < b:
                     Y[r + 6, j + 0] = alpha * y6_0
-                if j + 1 < b:
-                    Y[r + 6, j + 1] = alpha * y6_1
-                if j + 2 < b:
-                    Y[r + 6, j + 2] = alpha * y6_2
-                if j + 3 < b:
-                    Y[r + 6, j + 3] = alpha * y6_3
-                if j + 4 < b:
-                    Y[r + 6, j + 4] = alpha * y6_4
-                if j + 5 < b:
-                    Y[r + 6, j + 5] = alpha * y6_5
-                if j + 6 < b:
-                    Y[r + 6, j + 6] = alpha * y6_6
-                if j + 7 < b:
-                    Y[r + 6, j + 7] = alpha * y6_7
-                if j + 8 < b:
-                    Y[r + 6, j + 8] = alpha * y6_8
-                if j + 9 < b:
-                    Y[r + 6, j + 9] = alpha * y6_9
-                if j + 10 < b:
-                    Y[r + 6, j + 10] = alpha * y6_10
-                if j + 11 < b:
-                    Y[r + 6, j + 11] = alpha * y6_11
-                if j + 12 < b:
-                    Y[r + 6, j + 12] = alpha * y6_12
-                if j + 13 < b:
-                    Y[r + 6, j + 13] = alpha * y6_13
-                if j + 14 < b:
-                    Y[r + 6, j + 14] = alpha * y6_14
-                if j + 15 < b:
-                    Y[r + 6, j + 15] = alpha * y6_15
-                if j + 0 < b:
                     Y[r + 7, j + 0] = alpha * y7_0
-                if j + 1 < b:
-                    Y[r + 7, j + 1] = alpha * y7_1
-                if j + 2 < b:
-                    Y[r + 7, j + 2] = alpha * y7_2
-                if j + 3 < b:
-                    Y[r + 7, j + 3] = alpha * y7_3
-                if j + 4 < b:
-                    Y[r + 7, j + 4] = alpha * y7_4
-                if j + 5 < b:
-                    Y[r + 7, j + 5] = alpha * y7_5
-                if j + 6 < b:
-                    Y[r + 7, j + 6] = alpha * y7_6
-                if j + 7 < b:
-                    Y[r + 7, j + 7] = alpha * y7_7
-                if j + 8 < b:
-                    Y[r + 7, j + 8] = alpha * y7_8
-                if j + 9 < b:
-                    Y[r + 7, j + 9] = alpha * y7_9
-                if j + 10 < b:
-                    Y[r + 7, j + 10] = alpha * y7_10
-                if j + 11 < b:
-                    Y[r + 7, j + 11] = alpha * y7_11
-                if j + 12 < b:
-                    Y[r + 7, j + 12] = alpha * y7_12
-                if j + 13 < b:
-                    Y[r + 7, j + 13] = alpha * y7_13
-                if j + 14 < b:
-                    Y[r + 7, j + 14] = alpha * y7_14
-                if j + 15 < b:
-                    Y[r + 7, j + 15] = alpha * y7_15
-                if j + 0 < b:
                     Y[r + 8, j + 0] = alpha * y8_0
                 if j + 1 < b:
+                    Y[r + 0, j + 1] = alpha * y0_1
+                    Y[r + 1, j + 1] = alpha * y1_1
+                    Y[r + 2, j + 1] = alpha * y2_1
+                    Y[r + 3, j + 1] = alpha * y3_1
+                    Y[r + 4, j + 1] = alpha * y4_1
+                    Y[r + 5, j + 1] = alpha * y5_1
+                    Y[r + 6, j + 1] = alpha * y6_1
+                    Y[r + 7, j + 1] = alpha * y7_1
                     Y[r + 8, j + 1] = alpha * y8_1
                 if j + 2 < b:
+                    Y[r + 0, j + 2] = alpha * y0_2
+                    Y[r + 1, j + 2] = alpha * y1_2
+                    Y[r + 2, j + 2] = alpha * y2_2
+                    Y[r + 3, j + 2] = alpha * y3_2
+                    Y[r + 4, j + 2] = alpha * y4_2
+                    Y[r + 5, j + 2] = alpha * y5_2
+                    Y[r + 6, j + 2] = alpha * y6_2
+                    Y[r + 7, j + 2] = alpha * y7_2
                     Y[r + 8, j + 2] = alpha * y8_2
                 if j + 3 < b:
+                    Y[r + 0, j + 3] = alpha * y0_3
+                    Y[r + 1, j + 3] = alpha * y1_3
+                    Y[r + 2, j + 3] = alpha * y2_3
+                    Y[r + 3, j + 3] = alpha * y3_3
+                    Y[r + 4, j + 3] = alpha * y4_3
+                    Y[r + 5, j + 3] = alpha * y5_3
+                    Y[r + 6, j + 3] = alpha * y6_3
+                    Y[r + 7, j + 3] = alpha * y7_3
                     Y[r + 8, j + 3] = alpha * y8_3
                 if j + 4 < b:
+                    Y[r + 0, j + 4] = alpha * y0_4
+                    Y[r + 1, j + 4] = alpha * y1_4
+                    Y[r + 2, j + 4] = alpha * y2_4
+                    Y[r + 3, j + 4] = alpha * y3_4
+                    Y[r + 4, j + 4] = alpha * y4_4
+                    Y[r + 5, j + 4] = alpha * y5_4
+                    Y[r + 6, j + 4] = alpha * y6_4
+                    Y[r + 7, j + 4] = alpha * y7_4
                     Y[r + 8, j + 4] = alpha * y8_4
                 if j + 5 < b:
+                    Y[r + 0, j + 5] = alpha * y0_5
+                    Y[r + 1, j + 5] = alpha * y1_5
+                    Y[r + 2, j + 5] = alpha * y2_5
+                    Y[r + 3, j + 5] = alpha * y3_5
+                    Y[r + 4, j + 5] = alpha * y4_5
+                    Y[r + 5, j + 5] = alpha * y5_5
+                    Y[r + 6, j + 5] = alpha * y6_5
+                    Y[r + 7, j + 5] = alpha * y7_5
                     Y[r + 8, j + 5] = alpha * y8_5
                 if j + 6 < b:
+                    Y[r + 0, j + 6] = alpha * y0_6
+                    Y[r + 1, j + 6] = alpha * y1_6
+                    Y[r + 2, j + 6] = alpha * y2_6
+                    Y[r + 3, j + 6] = alpha * y3_6
+                    Y[r + 4, j + 6] = alpha * y4_6
+                    Y[r + 5, j + 6] = alpha * y5_6
+                    Y[r + 6, j + 6] = alpha * y6_6
+                    Y[r + 7, j + 6] = alpha * y7_6
                     Y[r + 8, j + 6] = alpha * y8_6
                 if j + 7 < b:
+                    Y[r + 0, j + 7] = alpha * y0_7
+                    Y[r + 1, j + 7] = alpha * y1_7
+                    Y[r + 2, j + 7] = alpha * y2_7
+                    Y[r + 3, j + 7] = alpha * y3_7
+                    Y[r + 4, j + 7] = alpha * y4_7
+                    Y[r + 5, j + 7] = alpha * y5_7
+                    Y[r + 6, j + 7] = alpha * y6_7
+                    Y[r + 7, j + 7] = alpha * y7_7
                     Y[r + 8, j + 7] = alpha * y8_7
                 if j + 8 < b:
+                    Y[r + 0, j + 8] = alpha * y0_8
+                    Y[r + 1, j + 8] = alpha * y1_8
+                    Y[r + 2, j + 8] = alpha * y2_8
+                    Y[r + 3, j + 8] = alpha * y3_8
+                    Y[r + 4, j + 8] = alpha * y4_8
+                    Y[r + 5, j + 8] = alpha * y5_8
+                    Y[r + 6, j + 8] = alpha * y6_8
+                    Y[r + 7, j + 8] = alpha * y7_8
                     Y[r + 8, j + 8] = alpha * y8_8
                 if j + 9 < b:
+                    Y[r + 0, j + 9] = alpha * y0_9
+                    Y[r + 1, j + 9] = alpha * y1_9
+                    Y[r + 2, j + 9] = alpha * y2_9
+                    Y[r + 3, j + 9] = alpha * y3_9
+                    Y[r + 4, j + 9] = alpha * y4_9
+                    Y[r + 5, j + 9] = alpha * y5_9
+                    Y[r + 6, j + 9] = alpha * y6_9
+                    Y[r + 7, j + 9] = alpha * y7_9
                     Y[r + 8, j + 9] = alpha * y8_9
                 if j + 10 < b:
+                    Y[r + 0, j + 10] = alpha * y0_10
+                    Y[r + 1, j + 10] = alpha * y1_10
+                    Y[r + 2, j + 10] = alpha * y2_10
+                    Y[r + 3, j + 10] = alpha * y3_10
+                    Y[r + 4, j + 10] = alpha * y4_10
+                    Y[r + 5, j + 10] = alpha * y5_10
+                    Y[r + 6, j + 10] = alpha * y6_10
+                    Y[r + 7, j + 10] = alpha * y7_10
                     Y[r + 8, j + 10] = alpha * y8_10
                 if j + 11 < b:
+                    Y[r + 0, j + 11] = alpha * y0_11
+                    Y[r + 1, j + 11] = alpha * y1_11
+                    Y[r + 2, j + 11] = alpha * y2_11
+                    Y[r + 3, j + 11] = alpha * y3_11
+                    Y[r + 4, j + 11] = alpha * y4_11
+                    Y[r + 5, j + 11] = alpha * y5_11
+                    Y[r + 6, j + 11] = alpha * y6_11
+                    Y[r + 7, j + 11] = alpha * y7_11
                     Y[r + 8, j + 11] = alpha * y8_11
                 if j + 12 < b:
+                    Y[r + 0, j + 12] = alpha * y0_12
+                    Y[r + 1, j + 12] = alpha * y1_12
+                    Y[r + 2, j + 12] = alpha * y2_12
+                    Y[r + 3, j + 12] = alpha * y3_12
+                    Y[r + 4, j + 12] = alpha * y4_12
+                    Y[r + 5, j + 12] = alpha * y5_12
+                    Y[r + 6, j + 12] = alpha * y6_12
+                    Y[r + 7, j + 12] = alpha * y7_12
                     Y[r + 8, j + 12] = alpha * y8_12
                 if j + 13 < b:
+                    Y[r + 0, j + 13] = alpha * y0_13
+                    Y[r + 1, j + 13] = alpha * y1_13
+                    Y[r + 2, j + 13] = alpha * y2_13
+                    Y[r + 3, j + 13] = alpha * y3_13
+                    Y[r + 4, j + 13] = alpha * y4_13
+                    Y[r + 5, j + 13] = alpha * y5_13
+                    Y[r + 6, j + 13] = alpha * y6_13
+                    Y[r + 7, j + 13] = alpha * y7_13
                     Y[r + 8, j + 13] = alpha * y8_13
                 if j + 14 < b:
+                    Y[r + 0, j + 14] = alpha * y0_14
+                    Y[r + 1, j + 14] = alpha * y1_14
+                    Y[r + 2, j + 14] = alpha * y2_14
+                    Y[r + 3, j + 14] = alpha * y3_14
+                    Y[r + 4, j + 14] = alpha * y4_14
+                    Y[r + 5, j + 14] = alpha * y5_14
+                    Y[r + 6, j + 14] = alpha * y6_14
+                    Y[r + 7, j + 14] = alpha * y7_14
                     Y[r + 8, j + 14] = alpha * y8_14
                 if j + 15 < b:
+                    Y[r + 0, j + 15] = alpha * y0_15
+                    Y[r + 1, j + 15] = alpha * y1_15
+                    Y[r + 2, j + 15] = alpha * y2_15
+                    Y[r + 3, j + 15] = alpha * y3_15
+                    Y[r + 4, j + 15] = alpha * y4_15
+                    Y[r + 5, j + 15] = alpha * y5_15
+                    Y[r + 6, j + 15] = alpha * y6_15
+                    Y[r + 7, j + 15] = alpha * y7_15
                     Y[r + 8, j + 15] = alpha * y8_15
             r += 9
         while r < n:
@@ -813,75 +685,51 @@ def ternary_panel_matmul_3x12(X, P, b, alpha, Y):
             else:
                 if j + 0 < b:
                     Y[r + 0, j + 0] = alpha * y0_0
-                if j + 1 < b:
-                    Y[r + 0, j + 1] = alpha * y0_1
-                if j + 2 < b:
-                    Y[r + 0, j + 2] = alpha * y0_2
-                if j + 3 < b:
-                    Y[r + 0, j + 3] = alpha * y0_3
-                if j + 4 < b:
-                    Y[r + 0, j + 4] = alpha * y0_4
-                if j + 5 < b:
-                    Y[r + 0, j + 5] = alpha * y0_5
-                if j + 6 < b:
-                    Y[r + 0, j + 6] = alpha * y0_6
-                if j + 7 < b:
-                    Y[r + 0, j + 7] = alpha * y0_7
-                if j + 8 < b:
-                    Y[r + 0, j + 8] = alpha * y0_8
-                if j + 9 < b:
-                    Y[r + 0, j + 9] = alpha * y0_9
-                if j + 10 < b:
-                    Y[r + 0, j + 10] = alpha * y0_10
-                if j + 11 < b:
-                    Y[r + 0, j + 11] = alpha * y0_11
-                if j + 0 < b:
                     Y[r + 1, j + 0] = alpha * y1_0
-                if j + 1 < b:
-                    Y[r + 1, j + 1] = alpha * y1_1
-                if j + 2 < b:
-                    Y[r + 1, j + 2] = alpha * y1_2
-                if j + 3 < b:
-                    Y[r + 1, j + 3] = alpha * y1_3
-                if j + 4 < b:
-                    Y[r + 1, j + 4] = alpha * y1_4
-                if j + 5 < b:
-                    Y[r + 1, j + 5] = alpha * y1_5
-                if j + 6 < b:
-                    Y[r + 1, j + 6] = alpha * y1_6
-                if j + 7 < b:
-                    Y[r + 1, j + 7] = alpha * y1_7
-                if j + 8 < b:
-                    Y[r + 1, j + 8] = alpha * y1_8
-                if j + 9 < b:
-                    Y[r + 1, j + 9] = alpha * y1_9
-                if j + 10 < b:
-                    Y[r + 1, j + 10] = alpha * y1_10
-                if j + 11 < b:
-                    Y[r + 1, j + 11] = alpha * y1_11
-                if j + 0 < b:
                     Y[r + 2, j + 0] = alpha * y2_0
                 if j + 1 < b:
+                    Y[r + 0, j + 1] = alpha * y0_1
+                    Y[r + 1, j + 1] = alpha * y1_1
                     Y[r + 2, j + 1] = alpha * y2_1
                 if j + 2 < b:
+                    Y[r + 0, j + 2] = alpha * y0_2
+                    Y[r + 1, j + 2] = alpha * y1_2
                     Y[r + 2, j + 2] = alpha * y2_2
                 if j + 3 < b:
+                    Y[r + 0, j + 3] = alpha * y0_3
+                    Y[r + 1, j + 3] = alpha * y1_3
                     Y[r + 2, j + 3] = alpha * y2_3
                 if j + 4 < b:
+                    Y[r + 0, j + 4] = alpha * y0_4
+                    Y[r + 1, j + 4] = alpha * y1_4
                     Y[r + 2, j + 4] = alpha * y2_4
                 if j + 5 < b:
+                    Y[r + 0, j + 5] = alpha * y0_5
+                    Y[r + 1, j + 5] = alpha * y1_5
                     Y[r + 2, j + 5] = alpha * y2_5
                 if j + 6 < b:
+                    Y[r + 0, j + 6] = alpha * y0_6
+                    Y[r + 1, j + 6] = alpha * y1_6
                     Y[r + 2, j + 6] = alpha * y2_6
                 if j + 7 < b:
+                    Y[r + 0, j + 7] = alpha * y0_7
+                    Y[r + 1, j + 7] = alpha * y1_7
                     Y[r + 2, j + 7] = alpha * y2_7
                 if j + 8 < b:
+                    Y[r + 0, j + 8] = alpha * y0_8
+                    Y[r + 1, j + 8] = alpha * y1_8
                     Y[r + 2, j + 8] = alpha * y2_8
                 if j + 9 < b:
+                    Y[r + 0, j + 9] = alpha * y0_9
+                    Y[r + 1, j + 9] = alpha * y1_9
                     Y[r + 2, j + 9] = alpha * y2_9
                 if j + 10 < b:
+                    Y[r + 0, j + 10] = alpha * y0_10
+                    Y[r + 1, j + 10] = alpha * y1_10
                     Y[r + 2, j + 10] = alpha * y2_10
                 if j + 11 < b:
+                    Y[r + 0, j + 11] = alpha * y0_11
+                    Y[r + 1, j + 11] = alpha * y1_11
                     Y[r + 2, j + 11] = alpha * y2_11
             r += 3
         while r < n:

@@ -3,12 +3,15 @@
 Numba compiles one function at a time, under one lock per process, and a first
 run has about 50 s of compiling to do (2-core Xeon, AVX-512). The kernels fall
 into jobs with few dependencies (JOBS): a job may start once the kernels it
-calls are in Numba's cache, or it would compile them again. This process and
-up to cores - 1 helpers (`python -m hslm.precompile DIR`) each take the first
-job in JOBS order whose dependencies are done, compile it into the cache by
-running it once on a tiny model of the same types, and mark it done; the run
-then loads every kernel from the cache. The bits cannot change: each kernel is
-compiled from the same source for the same argument types, whoever compiles it.
+calls are in Numba's cache, or it would compile them again. Up to cores - 1
+helpers (`python -m hslm.precompile DIR`) start while `hslm train` reads and
+tokenizes its text (which compiles the tokenizer here); then this process joins
+them. Each takes the first job in JOBS order whose dependencies are done,
+compiles it into the cache by running it once on a tiny model of the same
+types, and marks it done; the run then loads every kernel from the cache. The
+bits cannot change: each kernel is compiled from the same source for the same
+argument types, whoever compiles it. A test checks that a run after the jobs
+compiles nothing (tests/test_precompile.py).
 
 Coordination is by files in a fresh folder: a job is claimed by creating
 `<job>.claim` exclusively and finished by `<job>.done`. Numba's own cache index
@@ -96,10 +99,11 @@ def _run_job(name: str, vocab: int) -> None:
     from .speeds import KERNEL_PANELS, PER_POSITION, SPEEDS
     cfg, model, vsa_table, windows = _tiny()
     k = cfg.window
-    if name == "per position":
-        from .step import Worker
+    if name == "per position":  # a window, and the threads' buffers summed in order
+        from .step import Worker, add_in_order
         speed = next(s for s, sp in SPEEDS.items() if sp.loop == PER_POSITION)
         Worker(cfg, speed).window(model, vsa_table, windows[0], k, 1.0, np.zeros(cfg.n_params))
+        add_in_order(np.zeros(2), np.zeros((1, 2)), 1, 0, 2)
         return
     if name == "evaluation":  # every speed evaluates layer by layer
         from .step import Worker
@@ -220,50 +224,108 @@ def processes_to_use(n_jobs: int) -> int:
     return max(1, min(cores, n_jobs, MAX_PROCESSES))
 
 
-def compile_in_parallel(speeds, vocab: int, processes: int | None = None) -> int:
-    """Compile the kernels of a run at these speeds (tokenizer for this vocabulary
-    included) in this process and processes - 1 helpers; returns the number of
-    processes used. Waits until every job is done here or by a helper that ended."""
-    jobs = jobs_for(speeds)
-    n = processes or processes_to_use(len(jobs))
-    env = dict(os.environ)  # the helpers import this hslm, however this process found it
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).resolve().parents[1])] + [p for p in [env.get("PYTHONPATH")] if p])
-    with tempfile.TemporaryDirectory(prefix="hslm-compile-") as d:
-        folder = Path(d)
-        (folder / "jobs.json").write_text(json.dumps({"jobs": jobs, "vocab": int(vocab)}))
-        board = Board(folder)
-        helpers = []
+class ParallelCompile:
+    """Helpers compiling a run's kernels in the background from entry; finish() says so,
+    takes jobs here too and waits for all; leaving early (an error, Ctrl-C) stops the
+    helpers silently. Kernels already in the cache just load, so this is harmless on
+    a warm machine, only needless: see needed()."""
+
+    def __init__(self, speeds, vocab: int, echo=None, jobs=None, processes=None):
+        self.jobs = jobs_for(speeds) if jobs is None else jobs
+        self.n = processes or processes_to_use(len(self.jobs))
+        self.vocab, self.echo = int(vocab), echo
+        self.helpers, self.t0 = [], None
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        self._dir = tempfile.TemporaryDirectory(prefix="hslm-compile-")
+        self.folder = Path(self._dir.name)
+        (self.folder / "jobs.json").write_text(json.dumps({"jobs": self.jobs, "vocab": self.vocab}))
+        self.board = Board(self.folder)
+        env = dict(os.environ)  # the helpers import this hslm, however this process found it
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(Path(__file__).resolve().parents[1])] + [p for p in [env.get("PYTHONPATH")] if p])
         try:
-            for _ in range(n - 1):
-                with open(folder / "helpers.log", "ab") as log:
-                    helpers.append(subprocess.Popen(
-                        [sys.executable, "-m", "hslm.precompile", str(folder)],
+            for _ in range(self.n - 1):
+                with open(self.folder / "helpers.log", "ab") as log:
+                    self.helpers.append(subprocess.Popen(
+                        [sys.executable, "-m", "hslm.precompile", str(self.folder)],
                         stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env))
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
 
-            def helpers_ended():
-                return all(h.poll() is not None for h in helpers)
+    def helpers_ended(self) -> bool:
+        return all(h.poll() is not None for h in self.helpers)
 
+    def finish(self):
+        """Say so, take the jobs left, and wait until every job is done (here, or by a
+        helper; a helper that ended leaves its unfinished jobs to be compiled on use)."""
+        if self.echo:
+            n = self.n
+            self.echo(f"compiling kernels in {n} process{'es' if n > 1 else ''} (first run on "
+                      "this machine) ...")
+        try:
+            self.board.work(give_up=self.helpers_ended)
+        except Exception:  # noqa: BLE001 (a job that fails here fails again where the
+            pass           # run needs it, and is reported there as usual)
+        while not all(self.board.done(j) for j in self.jobs) and not self.helpers_ended():
+            time.sleep(0.02)
+        if os.environ.get("HSLM_COMPILE_LOG"):  # measuring: each job's process, start, end
+            with open(os.environ["HSLM_COMPILE_LOG"], "a") as f:
+                for j in self.jobs:
+                    done = self.folder / f"{j}.done"
+                    f.write(f"{j}: {done.read_text() if done.exists() else '-'}\n")
+        if self.echo:
+            self.echo(f"compiled in {time.perf_counter() - self.t0:.0f} s")
+
+    def __exit__(self, *exc):
+        for h in self.helpers:  # normally ended already; on Ctrl-C or an error, stopped here
+            if h.poll() is None:
+                h.terminate()
             try:
-                board.work(give_up=helpers_ended)
-            except Exception:  # noqa: BLE001 (a job that fails here fails again where the
-                pass           # run needs it, and is reported there as usual)
-            while not all(board.done(j) for j in jobs) and not helpers_ended():
-                time.sleep(0.02)
-            if os.environ.get("HSLM_COMPILE_LOG"):  # each job: process, start and end
-                with open(os.environ["HSLM_COMPILE_LOG"], "a") as f:
-                    for j in jobs:
-                        done = folder / f"{j}.done"
-                        f.write(f"{j}: {done.read_text() if done.exists() else '-'}\n")
-        finally:
-            for h in helpers:  # normally ended already; on Ctrl-C or an error, stopped here
-                if h.poll() is None:
-                    h.terminate()
-                try:
-                    h.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    h.kill()
-    return n
+                h.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                h.kill()
+        self._dir.cleanup()
+        return False
+
+
+def needed(speeds) -> bool:
+    """Whether a run at these speeds would compile kernels: a machine's first run (no
+    compiled micro-kernel in Numba's cache), or an upgrade that left the run's kernels
+    uncompiled. Never under MPI, where each rank compiles as it goes."""
+    from . import distributed
+    if distributed.launched_by_mpi():
+        return False
+    if not _micro_kernels_cached():
+        return True
+    from .step import kernels_cached  # (loads the micro-kernels: cached, so quick)
+    return not all(kernels_cached(s) for s in speeds)
+
+
+def compile_first(speeds, vocab: int, echo=None) -> None:
+    """Before a run that would compile (needed()), compile every kernel it needs in as
+    many processes as there are cores, saying so through echo (None: quietly)."""
+    from . import distributed
+    if distributed.launched_by_mpi():
+        if echo and distributed.is_writer() and not _micro_kernels_cached():
+            echo("compiling kernels (first run on this machine: under a minute) ...")
+        return
+    if needed(speeds):
+        with ParallelCompile(speeds, vocab, echo) as compiling:
+            compiling.finish()
+
+
+def _micro_kernels_cached() -> bool:
+    """Whether Numba's cache holds this machine's ternary tile (read from its cache index,
+    a private API, without compiling; when it cannot tell: True)."""
+    try:
+        from .micro import ternary_panel_matmul
+        return len(ternary_panel_matmul._cache._cache_file._load_index()) > 0
+    except Exception:  # noqa: BLE001 (any failure of the private API: assume cached)
+        return True
 
 
 def main(argv=None):

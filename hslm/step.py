@@ -174,6 +174,7 @@ class StepRunner:
         self.units, self.unit_cost = gradient_units(cfg)
         self.spans = unit_spans(cfg, self.units)
         self.parts = split_by_cost(self.unit_cost, self.threads)
+        self.optimiser_parts = tensor_parts(cfg, self.threads)  # the optimiser's, per thread
         self.timings = None  # set to a dict to collect per-phase seconds (layerwise)
 
     def close(self):

@@ -5,6 +5,7 @@ import json
 import os
 import signal
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 import click
@@ -20,9 +21,11 @@ from .optim import adamw_step, bias_corrections, learning_rate
 from .params import ModelState, init_params, ternary_mask
 from .rng import Stream
 from .speeds import SPEEDS
-from .step import StepRunner, kernels_cached, tensor_parts, warm_up
 from .tables import Tables
 from .validate import check_fits, check_hyper, memory_estimate
+
+if TYPE_CHECKING:  # (the step's module loads the kernels: only once the flags are judged)
+    from .step import StepRunner
 
 
 def check_out_dir(out: Path):
@@ -206,8 +209,7 @@ class Run:
 
         self.world = world = runner.world
         if world is None:
-            runner.map_parts(lambda part: (adam(part), requantize(part)),
-                             tensor_parts(self.cfg, runner.threads))
+            runner.map_parts(lambda part: (adam(part), requantize(part)), runner.optimiser_parts)
         else:  # MPI: each rank updates its own tensors, then all gather them
             world.optimizer_step(self, runner, adam, requantize)
         return loss
@@ -250,6 +252,23 @@ class Run:
 
 def load_corpus(data, cfg: Config, expect_sha256=None, tokenizer=None, cache_dir=None) -> Corpus:
     return Corpus.load(data, cfg.vocab, cfg.window, expect_sha256, tokenizer, cache_dir)
+
+
+def load_corpus_compiling(o: TrainOptions, cfg: Config, load):
+    """load() (the run's corpus), while on a machine's first run helper processes
+    compile the step's kernels (hslm/precompile.py); then say so, and compile what is
+    left here and in the helpers. The tokenizer's kernels compile here as the text is
+    tokenized. A bad text's error comes alone: the helpers are stopped silently."""
+    from . import precompile
+    if not precompile.needed([o.speed]):
+        return load()
+    jobs = [j for j in precompile.jobs_for([o.speed]) if j != "tokenizer"]
+    echo = None if o.quiet or not distributed.is_writer() else (lambda m: click.echo(m, err=True))
+    with precompile.ParallelCompile([o.speed], cfg.vocab, echo, jobs,
+                                    precompile.processes_to_use(len(jobs) + 1)) as compiling:
+        corpus = load()
+        compiling.finish()
+    return corpus
 
 
 def save_tokenizer(out: Path, tok: Tokenizer):
@@ -371,8 +390,8 @@ def open_run(o: TrainOptions):
                 if n in o.given and o.hyper[n] != getattr(hyper, n):
                     raise HslmError(f"config mismatch: --{n.replace('_', '-')} {o.hyper[n]} "
                                     f"differs from the checkpoint's {getattr(hyper, n)}")
-            return load_corpus(o.data, cfg, text_sha256, tokenizer,
-                               token_cache_dir(o.cache_dir, out))
+            return load_corpus_compiling(o, cfg, lambda: load_corpus(
+                o.data, cfg, text_sha256, tokenizer, token_cache_dir(o.cache_dir, out)))
 
         run = Run.resume(o.resume, corpus_for, plain=SPEEDS[o.speed].plain_layouts,
                          threads=o.threads, speed=o.speed)
@@ -392,7 +411,8 @@ def open_run(o: TrainOptions):
     check_metrics_path(o.metrics, out)
     check_fits(memory_estimate(cfg, hyper.batch, o.threads, o.speed),
                f"--model {o.model} with --batch {hyper.batch} on {o.threads} thread(s)")
-    corpus = load_corpus(o.data, cfg, cache_dir=token_cache_dir(o.cache_dir, out))
+    corpus = load_corpus_compiling(o, cfg, lambda: load_corpus(
+        o.data, cfg, cache_dir=token_cache_dir(o.cache_dir, out)))
     return Run.fresh(cfg, hyper, corpus, plain=SPEEDS[o.speed].plain_layouts), out
 
 
@@ -470,6 +490,7 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
     cfg, h = run.cfg, run.hyper
     metrics = Metrics(o.metrics)
     progress = Progress(run.step, o.steps, quiet=o.quiet, log_every=o.log_every)
+    from .step import StepRunner, kernels_cached, warm_up
     runner = StepRunner(cfg, o.speed, o.threads, world=distributed.current())
     first = last = None
     # compile (first run only) or load the kernels before step 1, so its figure is the step's

@@ -13,7 +13,7 @@ import pytest
 from hslm import checkpoint as ckpt
 from hslm.progress import Progress
 
-from helpers import ROOT, hslm
+from helpers import ROOT, hslm, one_line_error
 
 TINY = ["--model", "hslm-tiny", "--batch", "4", "--seed", "7", "--threads", "1"]
 
@@ -172,23 +172,18 @@ def test_bench_compares_speeds_threads_batches_and_torch_on_small_models(tmp_pat
                for m in report["models"] for r in m["rows"])
 
 
-def test_a_first_run_says_it_compiles_before_anything_compiles(tmp_path):
-    """An empty kernel cache: the notice comes first (importing the kernels would compile
-    them); a cache that holds them: no notice; --quiet: none."""
-    code = ("from hslm.cli import first_run_notice; import sys; "
-            "first_run_notice(sys.argv[1] == 'q', sys.argv[2])")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-
-    def notice(cache, quiet=False, warm_first=False, model="hslm-3"):
-        e = {**env, "NUMBA_CACHE_DIR": str(cache)} if cache else env
-        if warm_first:
-            subprocess.run([sys.executable, "-c", "import hslm.kernels"], env=e, check=True)
-        p = subprocess.run([sys.executable, "-c", code, "q" if quiet else "-", model], env=e,
-                           capture_output=True, text=True, timeout=300)
-        assert p.returncode == 0, p.stderr
-        return p.stderr
-
-    assert "compiling kernels (first run on this machine" in notice(tmp_path / "empty")
-    assert notice(tmp_path / "empty", quiet=True) == ""
-    assert notice(tmp_path / "empty", model="no-such-model") == ""  # its error comes alone
-    assert notice(None, warm_first=True) == ""  # the project's own cache, filled first
+def test_a_bad_flag_on_a_first_run_is_told_before_anything_compiles(tmp_path):
+    """An empty kernel cache and a flag that is wrong (a model, a data file, a hyper-
+    parameter): its one-line error comes at once, and nothing was compiled. (A first run
+    itself: tests/test_precompile.py.)"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    for flags in (["--model", "no-such-model"], ["--data", str(tmp_path / "missing.txt")],
+                  ["--loss-positions", "0"]):
+        t0 = time.perf_counter()
+        p = subprocess.run([sys.executable, str(ROOT / "cli.py"), "train", *TINY, *flags,
+                            "--out", str(tmp_path / "out")], env=env, capture_output=True,
+                           text=True, timeout=300)
+        seconds = time.perf_counter() - t0
+        one_line_error(p.returncode, p.stdout, p.stderr)
+        assert seconds < 10, (flags, seconds)  # (compiling takes 30 s or more)
+        assert not list((tmp_path / "cache").rglob("*.nbi")), flags

@@ -91,10 +91,11 @@ def stores_past_last_column(rows, panel, pad, columns, out, value, op, buffered)
     def row(rr):
         return "r" if rows == 1 else f"r + {rr}"
 
-    if not buffered:
-        return [line for rr in range(rows) for c in range(panel)
-                for line in (f"{pad}if j + {c} < b:",
-                             f"{pad}    {out}[{row(rr)}, j + {c}] {op} {value(f'y{rr}_{c}')}")]
+    if not buffered:  # one branch per column, not per sum: a much smaller function
+        return [line for c in range(panel)
+                for line in [f"{pad}if j + {c} < b:"] + [
+                    f"{pad}    {out}[{row(rr)}, j + {c}] {op} {value(f'y{rr}_{c}')}"
+                    for rr in range(rows)]]
     return ([f"{pad}part[{rr}, {c}] = {value(f'y{rr}_{c}')}"
              for rr in range(rows) for c in range(panel)]
             + [f"{pad}for rr in range({rows}):", f"{pad}    for c in range({columns}):",

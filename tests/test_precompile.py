@@ -1,0 +1,138 @@
+"""A first run compiles its kernels as jobs in several processes (hslm/precompile.py)."""
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from hslm import precompile
+from hslm.precompile import JOBS, Board
+
+from helpers import ROOT
+
+
+def test_jobs_for_each_loop_order():
+    assert "per position" not in precompile.jobs_for([3])
+    assert {"backward", "weight gradients"} & set(precompile.jobs_for([0, 2])) == set()
+    both = precompile.jobs_for([2, 3])
+    assert set(both) == set(JOBS) and both == [j for j in JOBS if j in both]  # priority order
+    for job, deps in JOBS.items():  # dependencies come earlier in the priority order
+        assert all(list(JOBS).index(d) < list(JOBS).index(job) for d in deps), job
+
+
+def _board(tmp_path, jobs):
+    (tmp_path / "jobs.json").write_text('{"jobs": %s, "vocab": 729}' % str(jobs).replace("'", '"'))
+    return Board(tmp_path)
+
+
+def test_the_board_runs_each_job_once_after_its_dependencies(tmp_path, monkeypatch):
+    """Three workers sharing one folder (threads here, processes in a run): every job runs
+    exactly once, never before the jobs it needs have finished."""
+    runs, lock = [], threading.Lock()
+
+    def fake_job(name, vocab):
+        t0 = time.perf_counter()
+        time.sleep(0.05 if name != "ternary tile" else 0.2)
+        with lock:
+            runs.append((name, t0, time.perf_counter()))
+
+    monkeypatch.setattr(precompile, "_run_job", fake_job)
+    monkeypatch.setattr(precompile, "_locked_cache_saves", lambda path: _no_lock())
+    jobs = precompile.jobs_for([2, 3])
+    workers = [threading.Thread(target=_board(tmp_path, jobs).work) for _ in range(3)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(30)
+    assert sorted(r[0] for r in runs) == sorted(jobs)
+    ended = {name: t1 for name, _, t1 in runs}
+    for name, t0, _ in runs:
+        assert all(ended[d] <= t0 for d in JOBS[name]), name
+    assert all(_board(tmp_path, jobs).done(j) for j in jobs)
+
+
+def test_a_failed_job_does_not_hold_up_the_others(tmp_path, monkeypatch):
+    """A job that raises is marked done (failed), and the jobs that need it still run:
+    they compile what it left undone themselves."""
+    ran = []
+
+    def fake_job(name, vocab):
+        if name == "ternary tile":
+            raise RuntimeError("no")
+        ran.append(name)
+
+    monkeypatch.setattr(precompile, "_run_job", fake_job)
+    monkeypatch.setattr(precompile, "_locked_cache_saves", lambda path: _no_lock())
+    board = _board(tmp_path, precompile.jobs_for([3]))
+    with pytest.raises(RuntimeError):
+        board.work()
+    assert (tmp_path / "ternary tile.done").read_text().startswith("failed")
+    board.work()
+    assert "forward" in ran and "backward" in ran
+
+
+def test_waiting_on_a_job_whose_owner_is_gone(tmp_path, monkeypatch):
+    """A job claimed by a helper that died never finishes: once give_up() says the
+    helpers have ended, the jobs that need it run anyway."""
+    ran = []
+    monkeypatch.setattr(precompile, "_run_job", lambda name, vocab: ran.append(name))
+    monkeypatch.setattr(precompile, "_locked_cache_saves", lambda path: _no_lock())
+    board = _board(tmp_path, ["ternary tile", "forward"])
+    assert board.claim("ternary tile")  # claimed by a "helper" that then died
+    board.work(give_up=lambda: True)
+    assert ran == ["forward"]
+
+
+class _no_lock:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.slow
+def test_a_first_run_compiles_in_parallel_and_then_compiles_nothing(tmp_path):
+    """An empty kernel cache: `hslm train` says it compiles, its jobs compile speed 3's
+    kernels (in one process per core) while the text is tokenized, and nothing compiles
+    after them, in training or evaluation; then speed 2's jobs, and a speed-2 run compiles
+    nothing either: the jobs' argument types are the run's."""
+    code = """
+import sys
+import click
+from numba.core import event
+from hslm import precompile
+from hslm.cli import cli
+phase, late = ["jobs"], []
+finish = precompile.ParallelCompile.finish
+def finish_then_watch(self):
+    finish(self)
+    phase[0] = "run"
+precompile.ParallelCompile.finish = finish_then_watch
+class Listener(event.Listener):
+    def on_start(self, ev):
+        if phase[0] == "run":
+            late.append(ev.data["dispatcher"].py_func.__qualname__)
+    def on_end(self, ev):
+        pass
+event.register("numba:compile", Listener())
+out = sys.argv[1]
+cli(["train", "--model", "hslm-tiny", "--steps", "2", "--batch", "3", "--threads", "2",
+     "--eval-every", "1", "--out", out + "3"], standalone_mode=False)
+phase[0] = "jobs"
+precompile.compile_first([2], 300, echo=lambda m: click.echo(m, err=True))
+cli(["train", "--model", "hslm-tiny", "--steps", "2", "--batch", "3", "--speed", "2",
+     "--threads", "2", "--eval-every", "1", "--quiet", "--out", out + "2"],
+    standalone_mode=False)
+print("compiled after the jobs:", late)
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out")], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    notices = [l for l in p.stderr.splitlines() if l.startswith("compiling kernels in ")]
+    assert len(notices) == 2 and p.stderr.count("compiled in") == 2, p.stderr
+    assert "compiled after the jobs: []" in p.stdout, p.stdout
+    assert list((tmp_path / "cache").rglob("*.nbi"))  # (a negative control: it did compile)
