@@ -26,9 +26,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -192,12 +194,12 @@ class Board:
     def ready(self, job) -> bool:
         return all(self.done(d) for d in JOBS[job] if d in self.jobs)
 
-    def work(self, give_up=lambda: False, stop=lambda: False):
-        """Take and run jobs until every job is claimed (or stop() says so). A job whose
+    def work(self, give_up=lambda: False):
+        """Take and run jobs until every job is claimed. A job whose
         dependencies are claimed but never finish (give_up() says so) runs anyway: it
         then compiles them itself."""
         with _locked_cache_saves(self.folder / "cache.lock"):
-            while not stop():
+            while True:
                 free = [j for j in self.jobs if not self.claimed(j)]
                 if not free:
                     return
@@ -238,6 +240,11 @@ class ParallelCompile:
 
     def __enter__(self):
         self.t0 = time.perf_counter()
+        self._sigterm = None
+        if threading.current_thread() is threading.main_thread():
+            # SIGTERM while compiling: stop the helpers and remove the folder, then end
+            # of the signal as before (the run installs its own handler later)
+            self._sigterm = signal.signal(signal.SIGTERM, self._terminated)
         self._dir = tempfile.TemporaryDirectory(prefix="hslm-compile-")
         self.folder = Path(self._dir.name)
         (self.folder / "jobs.json").write_text(json.dumps({"jobs": self.jobs, "vocab": self.vocab}))
@@ -280,7 +287,14 @@ class ParallelCompile:
         if self.echo:
             self.echo(f"compiled in {time.perf_counter() - self.t0:.0f} s")
 
+    def _terminated(self, signum, frame):
+        self.__exit__(None, None, None)
+        os.kill(os.getpid(), signum)
+
     def __exit__(self, *exc):
+        if self._sigterm is not None:
+            signal.signal(signal.SIGTERM, self._sigterm)
+            self._sigterm = None
         for h in self.helpers:  # normally ended already; on Ctrl-C or an error, stopped here
             if h.poll() is None:
                 h.terminate()
@@ -329,11 +343,20 @@ def _micro_kernels_cached() -> bool:
 
 
 def main(argv=None):
-    """A helper: `python -m hslm.precompile FOLDER` (started by compile_in_parallel)."""
+    """A helper: `python -m hslm.precompile FOLDER` (started by ParallelCompile). It ends
+    with the run: when the run's process is gone, at once (Numba writes each cache
+    file whole, by a rename, so nothing is left half-written)."""
     args = sys.argv[1:] if argv is None else argv
     board = Board(Path(args[0]))
     parent = os.getppid()
-    board.work(stop=lambda: os.getppid() != parent)  # the run is gone: stop
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+    board.work()
 
 
 if __name__ == "__main__":

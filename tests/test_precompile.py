@@ -1,5 +1,6 @@
 """A first run compiles its kernels as jobs in several processes (hslm/precompile.py)."""
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -136,3 +137,30 @@ print("compiled after the jobs:", late)
     assert len(notices) == 2 and p.stderr.count("compiled in") == 2, p.stderr
     assert "compiled after the jobs: []" in p.stdout, p.stdout
     assert list((tmp_path / "cache").rglob("*.nbi"))  # (a negative control: it did compile)
+
+
+@pytest.mark.slow
+def test_sigterm_while_compiling_leaves_no_helper_and_no_folder(tmp_path):
+    """SIGTERM during a first run's compile: the run ends of the signal as before, its
+    helpers are stopped and its folder removed."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NUMBA_CACHE_DIR": str(tmp_path / "cache"),
+           "TMPDIR": str(tmp)}
+    p = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "train", "--model", "hslm-tiny",
+                          "--steps", "2", "--out", str(tmp_path / "out")], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    line = p.stderr.readline()  # the notice: the helpers are at work
+    assert line.startswith("compiling kernels in "), line
+    time.sleep(1)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=30) == -signal.SIGTERM
+    time.sleep(0.5)
+    assert not list(tmp.iterdir())
+
+    def mentions_tmp(pid):
+        try:
+            return str(tmp) in open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+        except OSError:
+            return False
+    assert not [pid for pid in os.listdir("/proc") if pid.isdigit() and mentions_tmp(pid)]
