@@ -324,12 +324,19 @@ def compile_first(speeds, vocab: int, echo=None) -> None:
     many processes as there are cores, saying so through echo (None: quietly)."""
     from . import distributed
     if distributed.launched_by_mpi():
-        if echo and distributed.is_writer() and not _micro_kernels_cached():
-            echo("compiling kernels (first run on this machine: under a minute) ...")
+        notice_under_mpi(echo)
         return
     if needed(speeds):
         with ParallelCompile(speeds, vocab, echo) as compiling:
             compiling.finish()
+
+
+def notice_under_mpi(echo) -> None:
+    """Under MPI every rank compiles its kernels as it goes: on a first run, rank 0 says
+    so once (echo None: quietly)."""
+    from . import distributed
+    if echo and distributed.is_writer() and not _micro_kernels_cached():
+        echo("compiling kernels (first run on this machine: under a minute) ...")
 
 
 def _micro_kernels_cached() -> bool:

@@ -302,4 +302,3 @@ def warm_up(runner: "StepRunner", run) -> None:
     finally:
         runner.warming_up = False
     warm_up_optimiser()
-

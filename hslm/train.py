@@ -5,8 +5,8 @@ import json
 import os
 import signal
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 import numpy as np
@@ -260,10 +260,13 @@ def load_corpus_compiling(o: TrainOptions, cfg: Config, load):
     left here and in the helpers. The tokenizer's kernels compile here as the text is
     tokenized. A bad text's error comes alone: the helpers are stopped silently."""
     from . import precompile
+    echo = None if o.quiet or not distributed.is_writer() else (lambda m: click.echo(m, err=True))
+    if distributed.launched_by_mpi():  # each rank compiles as it goes
+        precompile.notice_under_mpi(echo)
+        return load()
     if not precompile.needed([o.speed]):
         return load()
     jobs = [j for j in precompile.jobs_for([o.speed]) if j != "tokenizer"]
-    echo = None if o.quiet or not distributed.is_writer() else (lambda m: click.echo(m, err=True))
     with precompile.ParallelCompile([o.speed], cfg.vocab, echo, jobs,
                                     precompile.processes_to_use(len(jobs) + 1)) as compiling:
         corpus = load()
