@@ -116,7 +116,8 @@ def _run_job(name: str, vocab: int) -> None:
     if name == "forward":
         windows_forward(model, vsa_table, windows, vsa, k, A, 0, 1, KERNEL_PANELS)
     elif name == "backward":
-        windows_backward(model, windows, k, 1.0, A, R, S, 0, 1, np.zeros(1), KERNEL_PANELS)
+        windows_backward(model, windows, k, 1.0, A, R, S, 0, 1, np.zeros(1), KERNEL_PANELS, True,
+                         cfg.blocks, 0)
     elif name == "weight gradients":
         from .step import gradient_units
         units, _ = gradient_units(cfg)

@@ -27,12 +27,14 @@ program, and nothing depends on which layer a machine has.
 """
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from numba import njit
 
+from .config import TENSORS_PER_BLOCK
 from .kernels import WGRAD_ROW_BLOCK
 from .layers import alloc_acts, alloc_record, alloc_scratch
 from .speeds import KERNEL_PANELS, PER_POSITION, SPEEDS
@@ -55,6 +57,22 @@ def gradient_units(cfg):
             units.append((t, 0, shape[0]))
             cost.append(shape[-1])
     return np.array(units, np.int64), np.array(cost, np.float64)
+
+
+def unit_stages(cfg, units):
+    """Per gradient unit: the stage of the layerwise backward after which its records are
+    final: 0 for the head (loss and head backward), blocks - b for block b, and blocks
+    for the embedding (after block 0). Non-increasing along the units (tensor order)."""
+    t_out = len(cfg.tensors()) - 2
+    out = []
+    for t, _, _ in units:
+        if t == 0:
+            out.append(cfg.blocks)
+        elif t >= t_out:
+            out.append(0)
+        else:
+            out.append(cfg.blocks - (t - 1) // TENSORS_PER_BLOCK)
+    return np.array(out, np.int64)
 
 
 def unit_spans(cfg, units):
@@ -176,6 +194,7 @@ class StepRunner:
         self.parts = split_by_cost(self.unit_cost, self.threads)
         self.optimiser_parts = tensor_parts(cfg, self.threads)  # the optimiser's, per thread
         self.timings = None  # set to a dict to collect per-phase seconds (layerwise)
+        self._staged_chunks = None
 
     def close(self):
         if self.pool is not None:
@@ -231,18 +250,16 @@ class StepRunner:
             self.vsa_b = np.zeros((B, self.cfg.blocks, self.cfg.window, self.cfg.width))
             self.batch = B
         kernel = self.speed.kernel
+        if N > B:  # threads beyond the batch: weight gradients start during the backward
+            return self._gradient_staged(model, vsa_table, windows, k, scale, G, losses)
 
         def run_windows(j):  # thread slot j takes windows j, j + N, ...
-            if j >= B:  # no window for this slot: zero its units' part of G meanwhile
-                zero_units(G, self.spans, *self.parts[j])
-                return
             windows_layerwise(model, vsa_table, windows, self.vsa_b, k, scale, self.acts_b,
                               self.rec_b, self.workers[j].scr, j, N, losses, kernel)
 
         def run_units(j):
             lo, hi = self.parts[j]
-            if j < B:  # (slots without a window zeroed their part during the windows)
-                zero_units(G, self.spans, lo, hi)
+            zero_units(G, self.spans, lo, hi)
             scr = self.workers[j].scr
             gradients_from_records(model, self.acts_b, self.rec_b, windows, k, self.units, lo, hi,
                                    G, scr.xt, scr.dy_panels)
@@ -255,6 +272,92 @@ class StepRunner:
             self.timings["windows"] = self.timings.get("windows", 0.0) + t1 - t0
             self.timings["weight gradients"] = (self.timings.get("weight gradients", 0.0)
                                                 + time.perf_counter() - t1)
+
+    def _gradient_staged(self, model, vsa_table, windows, k, scale, G, losses):
+        """The layerwise gradient when threads outnumber the windows (N > B). Slot j < B
+        runs window j's forward, then its backward in stages (the head, then each block
+        from the last down); the other slots zero G meanwhile. A weight-gradient chunk
+        (a run of units of one stage's tensors) is ready once every window has passed
+        its stage, since its records are then final; every slot takes ready chunks,
+        the head's first, until none is left. Each unit still adds its windows in window
+        order into zeroed G: who computes it, and when, changes no bit."""
+        B, N, nb = windows.shape[0], self.threads, self.cfg.blocks
+        kernel = self.speed.kernel
+        chunks, chunk_stage = self.staged_chunks
+        idle = N - B
+        cond = threading.Condition()
+        st = {"passed": [0] * (nb + 1), "done": -1, "zeroed": 0, "next": len(chunks) - 1,
+              "failed": False}
+
+        def take():  # the next ready chunk (from the head backwards), or None when all taken
+            with cond:
+                while True:
+                    c = st["next"]
+                    if c < 0 or st["failed"]:
+                        return None
+                    if st["zeroed"] == idle and chunk_stage[c] <= st["done"]:
+                        st["next"] = c - 1
+                        return chunks[c]
+                    cond.wait()
+
+        def report(key, stage=None):
+            with cond:
+                if key == "passed":
+                    st["passed"][stage] += 1
+                    while st["done"] < nb and st["passed"][st["done"] + 1] == B:
+                        st["done"] += 1
+                else:
+                    st[key] = st[key] + 1 if key == "zeroed" else True
+                cond.notify_all()
+
+        def slot(j):
+            try:
+                if j < B:
+                    windows_forward(model, vsa_table, windows, self.vsa_b, k, self.acts_b, j, N,
+                                    kernel)
+                    for stage in range(nb + 1):  # 0: loss and head; then block nb - stage
+                        b1 = nb if stage == 0 else nb - stage + 1
+                        windows_backward(model, windows, k, scale, self.acts_b, self.rec_b,
+                                         self.workers[j].scr, j, N, losses, kernel, stage == 0,
+                                         b1, nb - stage)
+                        report("passed", stage)
+                else:
+                    P = G.shape[0]
+                    G[P * (j - B) // idle:P * (j - B + 1) // idle] = 0.0
+                    report("zeroed")
+                scr = self.workers[j].scr
+                while (chunk := take()) is not None:
+                    gradients_from_records(model, self.acts_b, self.rec_b, windows, k,
+                                           self.units, chunk[0], chunk[1], G, scr.xt,
+                                           scr.dy_panels)
+            except BaseException:
+                report("failed")  # the others stop waiting; the error surfaces from the map
+                raise
+
+        self._map(slot, N)
+
+    @property
+    def staged_chunks(self):
+        """([(u0, u1)] chunks of units, each within one backward stage, and each chunk's
+        stage), about 8 N chunks in all, cut by cost."""
+        if self._staged_chunks is None:
+            stage = unit_stages(self.cfg, self.units)
+            total = float(self.unit_cost.sum())
+            chunks, stages = [], []
+            u = 0
+            while u < len(stage):
+                e = u
+                while e < len(stage) and stage[e] == stage[u]:
+                    e += 1
+                cost = self.unit_cost[u:e]
+                n = max(1, min(e - u, round(8 * self.threads * float(cost.sum()) / total)))
+                for lo, hi in split_by_cost(cost, n):
+                    if hi > lo:
+                        chunks.append((u + lo, u + hi))
+                        stages.append(int(stage[u]))
+                u = e
+            self._staged_chunks = (chunks, stages)
+        return self._staged_chunks
 
     def loss(self, model, vsa_table, windows: np.ndarray, k: int) -> float:
         """Mean loss of windows, forward only (validation)."""

@@ -112,7 +112,8 @@ def windows_layerwise(model, vsa_table, windows, vsa, k, scale, A, R, S, first, 
     records (gradients_from_records). losses[w] gets window w's mean loss.
     (Two kernels, so that a first run can compile them in two processes.)"""
     windows_forward(model, vsa_table, windows, vsa, k, A, first, step, kernel)
-    windows_backward(model, windows, k, scale, A, R, S, first, step, losses, kernel)
+    windows_backward(model, windows, k, scale, A, R, S, first, step, losses, kernel, True,
+                     model.dims.blocks, 0)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -135,17 +136,20 @@ def windows_forward(model, vsa_table, windows, vsa, k, A, first, step, kernel):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def windows_backward(model, windows, k, scale, A, R, S, first, step, losses, kernel):
-    """Loss and backward through every layer's input of windows first, first + step,
-    ... (after windows_forward), into their records R; losses[w] gets window w's
-    mean loss."""
-    D = model.dims
-    s = D.window - k
+def windows_backward(model, windows, k, scale, A, R, S, first, step, losses, kernel, head, b1,
+                     b0):
+    """Backward through the layers' inputs of windows first, first + step, ... (after
+    windows_forward), into their records R: with head, the loss (losses[w] gets window
+    w's mean loss) and the head; then blocks b1 - 1 down to b0. The whole backward is
+    (True, blocks, 0); in stages, a block's weight gradients may start once its own
+    backward is done (step.StepRunner), as its records are then final."""
+    s = model.dims.window - k
     B = windows.shape[0]
-    for w in range(first, B, step):
-        losses[w] = loss_rows(model, A, R, w, windows[w], s, 0, k, scale) / k
-        head_backward(model, A, R, S, w, s, 0, k, kernel)
-    for b in range(D.blocks - 1, -1, -1):
+    if head:
+        for w in range(first, B, step):
+            losses[w] = loss_rows(model, A, R, w, windows[w], s, 0, k, scale) / k
+            head_backward(model, A, R, S, w, s, 0, k, kernel)
+    for b in range(b1 - 1, b0 - 1, -1):
         for w in range(first, B, step):
             block_backward(model, A, R, S, w, b, s, 0, k, kernel)
 

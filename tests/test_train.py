@@ -61,6 +61,74 @@ def test_batches_beyond_one_group_of_weight_gradient_windows(tmp_path, capsys):
                 f"{threads} threads: ckpt_2.{ext} differs"
 
 
+def test_threads_beyond_the_batch_write_the_same_bytes(tmp_path, capsys):
+    """More threads than windows (speed 3): the weight gradients start during the
+    backward, stage by stage (StepRunner._gradient_staged); the bytes are one thread's."""
+    for batch in (1, 2):
+        args = ("--speed", 3, "--batch", batch, "--eval-every", 1)
+        ref, ref_out = train(capsys, tmp_path, f"b{batch}t1", "--threads", 1, *args)
+        for threads in (2, 3, 5):
+            d, out = train(capsys, tmp_path, f"b{batch}t{threads}", "--threads", threads, *args)
+            assert losses(out) == losses(ref_out), (batch, threads)
+            for ext in ("bin", "state"):
+                assert (d / f"ckpt_3.{ext}").read_bytes() == (ref / f"ckpt_3.{ext}").read_bytes(), \
+                    f"batch {batch}, {threads} threads: ckpt_3.{ext} differs"
+
+
+def test_unit_stages_follow_the_backward():
+    """A unit's stage is the backward stage that finishes its records: the head first
+    (stage 0), then the blocks from the last (stage 1) to the first, with the embedding
+    (after block 0). Its records are final only then."""
+    from hslm.config import PRESETS
+    from hslm.step import gradient_units, unit_stages
+    cfg = PRESETS["hslm-3"]
+    units, _ = gradient_units(cfg)
+    stages = unit_stages(cfg, units)
+    names = [n for n, _, _ in cfg.tensors()]
+    by_name = {}
+    for (t, _, _), st in zip(units, stages):
+        by_name.setdefault(names[t], set()).add(int(st))
+    assert by_name["Wout"] == by_name["bout"] == {0}
+    assert by_name["blocks.2.Wq"] == by_name["blocks.2.bdown"] == {1}
+    assert by_name["blocks.0.gamma"] == by_name["blocks.0.Wdown"] == by_name["E"] == {3}
+    assert all(a >= b for a, b in zip(stages, stages[1:]))  # non-increasing: chunks by stage
+
+
+def test_staged_weight_gradients_wait_for_their_stage(monkeypatch):
+    """With the backward slowed after each stage, threads beyond the batch still give one
+    thread's gradient bit for bit; told that every unit is ready after the head (a
+    negative control), they read records the backward has not finished, and it differs."""
+    import time
+
+    from hslm import step as step_module
+    from hslm.config import PRESETS
+    from hslm.params import ModelState, init_params
+    from hslm.tables import Tables
+    cfg = PRESETS["hslm-tiny"]
+    tables = Tables(cfg)
+    model = ModelState(cfg, init_params(cfg, 5), tables, plain=False).kernel_model()
+    windows = np.random.default_rng(5).integers(0, cfg.vocab, (1, cfg.window + 1))
+
+    def gradient(threads):
+        runner = step_module.StepRunner(cfg, 3, threads)
+        G = np.full(cfg.n_params, np.nan)
+        runner.gradient(model, tables.vsa, windows, cfg.window, G)
+        runner.close()
+        return G.view(np.uint64).copy()
+
+    ref = gradient(1)
+    backward = step_module.windows_backward
+
+    def slow_backward(*args):
+        backward(*args)
+        time.sleep(0.02)  # the other threads run ahead meanwhile
+
+    monkeypatch.setattr(step_module, "windows_backward", slow_backward)
+    assert (gradient(3) == ref).all()
+    monkeypatch.setattr(step_module, "unit_stages", lambda cfg, units: np.zeros(len(units), np.int64))
+    assert not (gradient(3) == ref).all()
+
+
 def test_resume_is_byte_identical_to_an_uninterrupted_run(tmp_path, capsys):
     full, _ = train(capsys, tmp_path, "full", "--save-every", 2, steps=5)
     part, _ = train(capsys, tmp_path, "part", steps=2)
