@@ -58,6 +58,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -511,6 +512,9 @@ class World:
         if isinstance(msg, _Shared):
             sys.exit(code)
         sys.stderr.flush()
+        # let mpiexec forward the line first: Abort tears down its I/O forwarding too, and
+        # once in a CI run (fresh clone, 2 cores) the line was lost
+        time.sleep(0.5)
         self.comm.Abort(code)
         os._exit(code)  # Abort may return before the launcher ends this process
 
