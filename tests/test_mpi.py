@@ -161,6 +161,24 @@ def test_mpi_checkpoints_equal_one_process(refs, tmp_path, speed, batch, ranks, 
 
 
 @needs_mpi
+@pytest.mark.parametrize("speed", [3, 2])
+def test_mpi_metrics_equal_one_process(tmp_path, speed):
+    """Every figure of the metrics file but the timings (loss, learning rate, gradient
+    norm, the ternary zero share, the validation loss) is one process's: the ranks
+    gather what each owner requantised, alpha and zero counts included."""
+    import json
+    runs = {}
+    for ranks in (None, 2):
+        d = tmp_path / f"r{ranks}"
+        train(d, "--batch", 4, "--steps", 3, "--speed", speed, "--eval-every", 2,
+              "--metrics", d / "m.jsonl", ranks=ranks)
+        runs[ranks] = [{k: v for k, v in json.loads(line).items() if k not in ("tok_s", "time")}
+                       for line in (d / "m.jsonl").read_text().splitlines()]
+    assert runs[None] == runs[2] and any("ternary_zero_share" in r for r in runs[2])
+    assert len({r["ternary_zero_share"] for r in runs[2] if "ternary_zero_share" in r}) > 1
+
+
+@needs_mpi
 def test_mpi_json_model_and_threads_per_rank(tmp_path):
     cfg = tmp_path / "m.json"
     fields = {f: getattr(PRESETS["hslm-test"], f) for f in
