@@ -257,8 +257,6 @@ def bench(model, data, cache_dir, speed, threads, batch, steps, loss_positions, 
     """Train the same seeded steps at each speed side by side; report tok/s and ratios."""
     import json
 
-    from .bench import all_identical, format_report, run_bench
-
     models = _split(model, str, "--model")
     speeds = _split(speed, int, "--speed")
     if any(s not in SPEEDS for s in speeds):
@@ -267,12 +265,13 @@ def bench(model, data, cache_dir, speed, threads, batch, steps, loss_positions, 
     batches = _split(batch, int, "--batch")
     if min(thread_counts) < 1 or min(batches) < 1:
         raise HslmError("--threads and --batch must be at least 1")
-    from .config import PRESETS
     from .precompile import compile_first
     from .token_cache import cache_dir as token_cache_dir
-    vocab = PRESETS[models[0]].vocab if models[0] in PRESETS else PRESETS["hslm-3"].vocab
-    compile_first(sorted(set(speeds) | {DEFAULT_SPEED}), vocab,
+    from .train import resolve_config
+    cfgs = [resolve_config(m) for m in models]  # a bad --model: its error before compiling
+    compile_first(sorted(set(speeds) | {DEFAULT_SPEED}), cfgs[0].vocab,
                   echo=lambda m: click.echo(m, err=True))
+    from .bench import all_identical, format_report, run_bench  # (loads the kernels)
     report = run_bench(models, speeds, thread_counts, batches, steps, loss_positions, data,
                        with_torch, profile, progress=lambda m: click.echo(f"  {m}", err=True),
                        cache_dir=token_cache_dir(cache_dir, None))

@@ -4,7 +4,7 @@ B is a matrix [a, b] stored in column panels: P[q, i, c] = B[i, q * panel + c],
 zero-padded past column b. Each output element is one sum over i = 0, 1, ...
 in increasing order from 0.0, the same chain of additions as the plain loops
 in hslm.layers; a tile of rows x panel sums is held in registers meanwhile.
-ternary_panel_matmul_RxP: a tile of R rows and panels of P columns (hslm.kernels
+ternary_panel_matmul_RxP: a tile of R rows and panels of P columns (hslm.micro
 chooses one for the machine); panel_matmul_add: tile WGRAD_ROWS x WGRAD_PANEL.
 """
 import numpy as np

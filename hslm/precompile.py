@@ -14,18 +14,22 @@ argument types, whoever compiles it. A test checks that a run after the jobs
 compiles nothing (tests/test_precompile.py).
 
 Coordination is by files in a fresh folder: a job is claimed by creating
-`<job>.claim` exclusively and finished by `<job>.done`. Numba's own cache index
-is rewritten by every save (read, add, replace), so two processes saving
-entries of one function at once could lose one or, worse, point two entries at
-one data file; every save here takes one lock first (_locked_cache_saves). A
-helper that fails or dies only costs time: whatever it did not finish is
-compiled where it is next needed, as without helpers.
+`<job>.claim` exclusively (with the claimer's pid) and finished by `<job>.done`.
+Numba's own cache index is rewritten by every save (read, add, replace), so two
+processes saving entries of one function at once could lose one or, worse,
+point two entries at one data file; every save here takes one lock first
+(_locked_cache_saves, CACHE_LOCK). A helper that fails or dies only costs time:
+the jobs waiting on its unfinished one go ahead (Board.settled) and compile what
+it left where they need it. The helpers get this process's Numba target and
+cache folder (helper_environment), and end, removing the folder, if the run's
+process disappears.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -50,6 +54,8 @@ JOBS = {
     "evaluation": ("forward", "backward"),
 }
 MAX_PROCESSES = 4  # the chains allow no more than about this many at once
+# one lock for every parallel compile of this user's (two first runs at once included)
+CACHE_LOCK = Path(tempfile.gettempdir()) / f"hslm-numba-cache-{getattr(os, 'getuid', lambda: 0)()}.lock"
 
 
 def jobs_for(speeds) -> list[str]:
@@ -167,6 +173,16 @@ def _locked_cache_saves(lock_path: Path):
         cls.save = original
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
 class Board:
     """The claim and done markers of one parallel compile, in a folder."""
 
@@ -182,24 +198,38 @@ class Board:
         return (self.folder / f"{job}.claim").exists()
 
     def claim(self, job) -> bool:
+        """Claim a job for this process (its pid in the claim file); False if taken."""
         try:
-            os.close(os.open(self.folder / f"{job}.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            return True
+            fd = os.open(self.folder / f"{job}.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             return False
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return True
+
+    def settled(self, job) -> bool:
+        """Done, or claimed by a process that is gone without finishing it (its kernels
+        are then compiled where they are next needed)."""
+        if self.done(job):
+            return True
+        try:
+            pid = int((self.folder / f"{job}.claim").read_text())
+        except (OSError, ValueError):  # not claimed, or the claim is being written
+            return False
+        return not _alive(pid) and not self.done(job)
 
     def finish(self, job, ok: bool, began: float):
         (self.folder / f"{job}.done").write_text(
             f"{'ok' if ok else 'failed'} {os.getpid()} {began:.3f} {time.time():.3f}")
 
     def ready(self, job) -> bool:
-        return all(self.done(d) for d in JOBS[job] if d in self.jobs)
+        return all(self.settled(d) for d in JOBS[job] if d in self.jobs)
 
     def work(self, give_up=lambda: False):
-        """Take and run jobs until every job is claimed. A job whose
-        dependencies are claimed but never finish (give_up() says so) runs anyway: it
-        then compiles them itself."""
-        with _locked_cache_saves(self.folder / "cache.lock"):
+        """Take and run jobs until every job is claimed. A job whose dependencies'
+        owners died unfinished runs anyway (settled), as does any job once give_up()
+        says so: it then compiles what they left itself."""
+        with _locked_cache_saves(CACHE_LOCK):
             while True:
                 free = [j for j in self.jobs if not self.claimed(j)]
                 if not free:
@@ -233,27 +263,30 @@ class ParallelCompile:
     helpers silently. Kernels already in the cache just load, so this is harmless on
     a warm machine, only needless: see needed()."""
 
-    def __init__(self, speeds, vocab: int, echo=None, jobs=None, processes=None):
+    def __init__(self, speeds, vocab: int, echo=None, jobs=None, processes=None,
+                 reason="first run on this machine"):
         self.jobs = jobs_for(speeds) if jobs is None else jobs
+        self.reason = reason
         self.n = processes or processes_to_use(len(self.jobs))
         self.vocab, self.echo = int(vocab), echo
         self.helpers, self.t0 = [], None
 
     def __enter__(self):
         self.t0 = time.perf_counter()
-        self._sigterm = None
-        if threading.current_thread() is threading.main_thread():
-            # SIGTERM while compiling: stop the helpers and remove the folder, then end
-            # of the signal as before (the run installs its own handler later)
-            self._sigterm = signal.signal(signal.SIGTERM, self._terminated)
         self._dir = tempfile.TemporaryDirectory(prefix="hslm-compile-")
         self.folder = Path(self._dir.name)
         (self.folder / "jobs.json").write_text(json.dumps({"jobs": self.jobs, "vocab": self.vocab}))
         self.board = Board(self.folder)
-        env = dict(os.environ)  # the helpers import this hslm, however this process found it
-        env["PYTHONPATH"] = os.pathsep.join(
-            [str(Path(__file__).resolve().parents[1])] + [p for p in [env.get("PYTHONPATH")] if p])
+        self._sigterm = None
+        if threading.current_thread() is threading.main_thread():
+            # SIGTERM while compiling: stop the helpers and remove the folder, then end
+            # of the signal as before (the run installs its own handler later)
+            previous = signal.getsignal(signal.SIGTERM)
+            if previous is not signal.SIG_IGN:
+                self._sigterm = signal.SIG_DFL if previous is None else previous
+                signal.signal(signal.SIGTERM, self._terminated)
         try:
+            env = helper_environment()
             for _ in range(self.n - 1):
                 with open(self.folder / "helpers.log", "ab") as log:
                     self.helpers.append(subprocess.Popen(
@@ -272,13 +305,13 @@ class ParallelCompile:
         helper; a helper that ended leaves its unfinished jobs to be compiled on use)."""
         if self.echo:
             n = self.n
-            self.echo(f"compiling kernels in {n} process{'es' if n > 1 else ''} (first run on "
-                      "this machine) ...")
+            self.echo(f"compiling kernels in {n} process{'es' if n > 1 else ''} ({self.reason}) "
+                      "...")
         try:
             self.board.work(give_up=self.helpers_ended)
         except Exception:  # noqa: BLE001 (a job that fails here fails again where the
             pass           # run needs it, and is reported there as usual)
-        while not all(self.board.done(j) for j in self.jobs) and not self.helpers_ended():
+        while not all(self.board.settled(j) for j in self.jobs) and not self.helpers_ended():
             time.sleep(0.02)
         if os.environ.get("HSLM_COMPILE_LOG"):  # measuring: each job's process, start, end
             with open(os.environ["HSLM_COMPILE_LOG"], "a") as f:
@@ -303,21 +336,41 @@ class ParallelCompile:
                 h.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 h.kill()
+                h.wait()
         self._dir.cleanup()
         return False
 
 
-def needed(speeds) -> bool:
-    """Whether a run at these speeds would compile kernels: a machine's first run (no
-    compiled micro-kernel in Numba's cache), or an upgrade that left the run's kernels
-    uncompiled. Never under MPI, where each rank compiles as it goes."""
+def helper_environment() -> dict:
+    """The helpers' environment: this one, plus what makes them compile for the same
+    target into the same cache as this process, whatever hslm/__init__.py could or
+    could not set here (Numba imported first, say), and this hslm on their path."""
+    from numba.core import config
+    env = dict(os.environ)
+    if config.CPU_FEATURES is not None:
+        env["NUMBA_CPU_FEATURES"] = config.CPU_FEATURES
+    else:  # Numba's own default features here: the helpers must not widen the vectors
+        env.pop("NUMBA_CPU_FEATURES", None)
+        env["HSLM_VECTOR_WIDTH"] = "256"
+    if config.CACHE_DIR:
+        env["NUMBA_CACHE_DIR"] = config.CACHE_DIR
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1])] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
+
+
+def needed(speeds) -> str:
+    """Why a run at these speeds would compile kernels ("" if it would not): a
+    machine's first run (no compiled micro-kernel in Numba's cache), or kernels
+    changed since the last run (an upgrade). Never under MPI, where each rank
+    compiles as it goes."""
     from . import distributed
     if distributed.launched_by_mpi():
-        return False
+        return ""
     if not _micro_kernels_cached():
-        return True
+        return "first run on this machine"
     from .step import kernels_cached  # (loads the micro-kernels: cached, so quick)
-    return not all(kernels_cached(s) for s in speeds)
+    return "" if all(kernels_cached(s) for s in speeds) else "new kernels since the last run"
 
 
 def compile_first(speeds, vocab: int, echo=None) -> None:
@@ -327,8 +380,9 @@ def compile_first(speeds, vocab: int, echo=None) -> None:
     if distributed.launched_by_mpi():
         notice_under_mpi(echo)
         return
-    if needed(speeds):
-        with ParallelCompile(speeds, vocab, echo) as compiling:
+    reason = needed(speeds)
+    if reason:
+        with ParallelCompile(speeds, vocab, echo, reason=reason) as compiling:
             compiling.finish()
 
 
@@ -361,6 +415,7 @@ def main(argv=None):
     def watch():
         while os.getppid() == parent:
             time.sleep(0.2)
+        shutil.rmtree(board.folder, ignore_errors=True)  # (the run could not remove it)
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True).start()

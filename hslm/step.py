@@ -19,7 +19,10 @@ the weight layouts it reads and which of two reductions it uses:
   weight-gradient phase: the gradient is cut into units (a block of 36 rows of
   a matrix, or a whole small tensor), and each unit adds every window's sum in
   window order; threads take contiguous runs of units. G is written once per
-  step, and no thread needs a copy of it.
+  step, and no thread needs a copy of it. With more threads than windows the
+  phases overlap (StepRunner._gradient_staged): each window's backward runs in
+  stages, and the threads without a window take a stage's units as soon as every
+  window has passed it.
 
 Threads are plain Python threads running nogil Numba kernels: no Numba
 threading layer is involved, so forking and Ctrl-C behave as in any Python

@@ -42,7 +42,7 @@ SHAPES = {
 
 
 def test_the_shapes_reach_the_kernels_edges():
-    """For every tile (hslm.kernels picks the ternary one by machine)."""
+    """For every tile (hslm.micro picks the ternary one by machine)."""
     for rows, panel in TERNARY_TILES + ((WGRAD_ROWS, WGRAD_PANEL),):
         for cfg in SHAPES.values():
             assert any(n % panel for n in (cfg.width, cfg.mlp, cfg.vocab))

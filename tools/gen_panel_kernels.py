@@ -2,7 +2,7 @@
 
 Each kernel holds a tile of ROWS x PANEL outputs in named scalars for the whole
 sum over the input index, which runs in increasing order from 0.0; LLVM's SLP
-vectoriser (enabled for these functions only, see hslm/kernels.py) packs the
+vectoriser (enabled for these functions only, see hslm/micro.py) packs the
 scalars into vector registers. Generated, because a register tile is 72 named
 scalars; run `python tools/gen_panel_kernels.py` after changing this file (a
 test checks that the committed file is current).
@@ -11,7 +11,7 @@ from pathlib import Path
 
 # Tiles (rows, panel width): rows are positions (or gradient rows) per tile, the panel
 # its columns. A tile's ROWS x PANEL sums live in vector registers, so the best tile
-# depends on the register file (hslm/kernels.py picks one when it loads):
+# depends on the register file (hslm/micro.py picks one when it loads):
 # * 32 registers of 8 doubles (AVX-512): 9 x 16 uses 18 accumulators, and one
 #   float32-to-float64 conversion of a panel row serves 9 multiply-adds (27 rows =
 #   3 tiles);
@@ -27,7 +27,7 @@ B is a matrix [a, b] stored in column panels: P[q, i, c] = B[i, q * panel + c],
 zero-padded past column b. Each output element is one sum over i = 0, 1, ...
 in increasing order from 0.0, the same chain of additions as the plain loops
 in hslm.layers; a tile of rows x panel sums is held in registers meanwhile.
-ternary_panel_matmul_RxP: a tile of R rows and panels of P columns (hslm.kernels
+ternary_panel_matmul_RxP: a tile of R rows and panels of P columns (hslm.micro
 chooses one for the machine); panel_matmul_add: tile WGRAD_ROWS x WGRAD_PANEL.
 """
 import numpy as np
