@@ -362,44 +362,60 @@ def helper_environment() -> dict:
 def needed(speeds) -> str:
     """Why a run at these speeds would compile kernels ("" if it would not): a
     machine's first run (no compiled micro-kernel in Numba's cache), or kernels
-    changed since the last run (an upgrade). Never under MPI, where each rank
-    compiles as it goes."""
-    from . import distributed
-    if distributed.launched_by_mpi():
-        return ""
-    if not _micro_kernels_cached():
+    changed since the last run (an upgrade)."""
+    from .micro import ternary_panel_matmul
+    if not in_cache(ternary_panel_matmul):
         return "first run on this machine"
     from .step import kernels_cached  # (loads the micro-kernels: cached, so quick)
     return "" if all(kernels_cached(s) for s in speeds) else "new kernels since the last run"
 
 
+class _Nothing:
+    """session() when nothing is to be compiled in parallel."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def finish(self):
+        pass
+
+
+def session(speeds, vocab: int, echo=None, tokenizing_here=False):
+    """The one decision for every command: a ParallelCompile when a run at these
+    speeds would compile (needed()), else a context that does nothing. With
+    tokenizing_here the caller tokenizes meanwhile (which compiles the tokenizer in
+    this process), so the tokenizer is not a job and one more process helps. Under
+    MPI each rank compiles as it goes, as before; on a first run rank 0 says so."""
+    from . import distributed
+    from .micro import ternary_panel_matmul
+    if distributed.launched_by_mpi():
+        if echo and distributed.is_writer() and not in_cache(ternary_panel_matmul):
+            echo("compiling kernels (first run on this machine: under a minute) ...")
+        return _Nothing()
+    reason = needed(speeds)
+    if not reason:
+        return _Nothing()
+    jobs = [j for j in jobs_for(speeds) if not (tokenizing_here and j == "tokenizer")]
+    return ParallelCompile(speeds, vocab, echo, jobs,
+                           processes_to_use(len(jobs) + tokenizing_here), reason)
+
+
 def compile_first(speeds, vocab: int, echo=None) -> None:
     """Before a run that would compile (needed()), compile every kernel it needs in as
     many processes as there are cores, saying so through echo (None: quietly)."""
-    from . import distributed
-    if distributed.launched_by_mpi():
-        notice_under_mpi(echo)
-        return
-    reason = needed(speeds)
-    if reason:
-        with ParallelCompile(speeds, vocab, echo, reason=reason) as compiling:
-            compiling.finish()
+    with session(speeds, vocab, echo) as compiling:
+        compiling.finish()
 
 
-def notice_under_mpi(echo) -> None:
-    """Under MPI every rank compiles its kernels as it goes: on a first run, rank 0 says
-    so once (echo None: quietly)."""
-    from . import distributed
-    if echo and distributed.is_writer() and not _micro_kernels_cached():
-        echo("compiling kernels (first run on this machine: under a minute) ...")
-
-
-def _micro_kernels_cached() -> bool:
-    """Whether Numba's cache holds this machine's ternary tile (read from its cache index,
-    a private API, without compiling; when it cannot tell: True)."""
+def in_cache(*kernels) -> bool:
+    """Whether Numba's cache holds compiled code for each of these dispatchers, read from
+    its cache index (a private API) without compiling; when it cannot tell: True (no
+    parallel compile and no message, rather than a wrong one)."""
     try:
-        from .micro import ternary_panel_matmul
-        return len(ternary_panel_matmul._cache._cache_file._load_index()) > 0
+        return all(len(k._cache._cache_file._load_index()) > 0 for k in kernels)
     except Exception:  # noqa: BLE001 (any failure of the private API: assume cached)
         return True
 

@@ -379,17 +379,14 @@ class StepRunner:
 
 def kernels_cached(speed: int) -> bool:
     """Whether Numba's cache holds compiled code for this speed's main kernels (so the
-    first step will not compile). Reads Numba's cache index, a private API: when it
-    cannot tell, it says True (no message rather than a wrong one)."""
+    first step will not compile); precompile.in_cache reads Numba's index."""
     from .optim import adamw_step
+    from .precompile import in_cache
     sp = SPEEDS[speed]
     kernels = [adamw_step, windows_forward, windows_loss]
     kernels += ([window_per_position] if sp.loop == PER_POSITION
                 else [windows_backward, gradients_from_records])
-    try:
-        return all(len(k._cache._cache_file._load_index()) > 0 for k in kernels)
-    except Exception:  # noqa: BLE001 (any failure of the private API: assume cached)
-        return True
+    return in_cache(*kernels)
 
 
 def warm_up(runner: "StepRunner", run) -> None:

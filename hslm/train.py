@@ -257,20 +257,12 @@ def load_corpus(data, cfg: Config, expect_sha256=None, tokenizer=None, cache_dir
 def load_corpus_compiling(o: TrainOptions, cfg: Config, load):
     """load() (the run's corpus), while on a machine's first run (or after an upgrade)
     helper processes compile the step's kernels (hslm/precompile.py); then say so, and
-    compile what is left here and in the helpers. The tokenizer's kernels compile here as the text is
-    tokenized. A bad text's error comes alone: the helpers are stopped silently."""
+    compile what is left here and in the helpers. The tokenizer's kernels compile here
+    as the text is tokenized. A bad text's error comes alone: the helpers are stopped
+    silently."""
     from . import precompile
     echo = None if o.quiet or not distributed.is_writer() else (lambda m: click.echo(m, err=True))
-    if distributed.launched_by_mpi():  # each rank compiles as it goes
-        precompile.notice_under_mpi(echo)
-        return load()
-    reason = precompile.needed([o.speed])
-    if not reason:
-        return load()
-    jobs = [j for j in precompile.jobs_for([o.speed]) if j != "tokenizer"]
-    with precompile.ParallelCompile([o.speed], cfg.vocab, echo, jobs,
-                                    precompile.processes_to_use(len(jobs) + 1),
-                                    reason) as compiling:
+    with precompile.session([o.speed], cfg.vocab, echo, tokenizing_here=True) as compiling:
         corpus = load()
         compiling.finish()
     return corpus
