@@ -38,6 +38,20 @@ updated parameters and the per-tensor sums (norms, sum |W|, moment sums), and ev
 rank requantises the whole model itself (cheaper than moving the trits). Adam's
 moments stay with their owners; rank 0 gathers them only to write a `.state`.
 
+Ranks on one node share memory (MPI-3 Win.Allocate_shared), when every rank is on
+one node (HSLM_MPI_SHARED=0 forbids it; the tests run both): then the ranks hold one
+copy of the model (theta, its trits, alpha, zero counts: share_state) and of the
+windows' records. Each rank writes its windows' records, a node barrier, each rank
+adds every window into its own units, then takes the AdamW step of its own tensors
+and requantises them in place, a node barrier: nothing moves but the losses and the
+per-tensor sums, and speed 3 always takes the records. No rank writes a tensor
+while another reads it: the records are written between barriers, and no rank
+reads the model between the barrier after the windows and the one after the
+optimiser (the weight gradients read only the records; with running sums, a
+rank's finished pieces come only once every rank has run its windows). The
+parameters need no digest comparison: there is one copy. Across nodes the ranks
+pass messages as below.
+
 Communication per step, n = n_params: with running sums every rank but the
 last sends 8n bytes (point to point) and the last rank 8n (P-1)/P (the finished
 pieces); with records each rank sends its windows' records to every other rank;
@@ -163,6 +177,12 @@ class World:
         self.train_steps = 0     # training steps (for the test hook)
         self.batch = -1          # the sizes the buffers below were made for
         self.records_batch = -1
+        # One node holds every rank (and HSLM_MPI_SHARED=0 does not forbid it): the
+        # ranks share one copy of the model and of the windows' records (see share_state)
+        self.node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        self.shared = (self.node.Get_size() == self.size
+                       and os.environ.get("HSLM_MPI_SHARED", "1") != "0")
+        self._wins = {}          # name -> the MPI window of a block of shared memory
         hook = os.environ.get("HSLM_MPI_TEST_FAIL", "")  # "RANK:STEP" (tests): raise there
         self.fail_at = tuple(int(x) for x in hook.split(":")) if hook else None
         if self.rank != 0:  # rank 0 alone prints: the others' stdout goes nowhere
@@ -274,9 +294,12 @@ class World:
     def _records_work(self, runner, B, k):
         """Per tensor, a rank's work when records move: the weight gradients of its
         units over every window, and its AdamW step (about 50 multiply-adds' time an
-        element updated). Made once per batch shape."""
+        element updated; with shared memory also its requantising). Made once per batch shape."""
         if getattr(self, "_work_for", None) != (B, k):
             work = np.diff(runner.cfg.offsets()) * 50.0
+            if self.shared:  # each rank also requantises its own tensors (about half as long)
+                from .params import ternary_mask
+                work += np.diff(runner.cfg.offsets()) * 25.0 * ternary_mask(runner.cfg)
             np.add.at(work, runner.units[:, 0], runner.unit_cost * B * k)
             self._work, self._work_for = work, (B, k)
         return self._work
@@ -305,6 +328,8 @@ class World:
         from .layers import WEIGHT_GRAD_ACTS, WEIGHT_GRAD_RECORDS, ACT_FIELDS, RECORD_FIELDS
         if self.forced_reduction is not None:  # the tests run both
             return self.forced_reduction == "records"
+        if self.shared:  # records in shared memory move no bytes at all
+            return True
         if getattr(self, "_record_size_for", None) != cfg:  # doubles one window sends
             shapes = dict(ACT_FIELDS + RECORD_FIELDS)
             self._record_size = sum(int(np.prod(shapes[f](cfg.dims())))
@@ -317,14 +342,16 @@ class World:
         weight gradients read of every window (hslm.layers.WEIGHT_GRAD_*), and each
         rank sums every window, in window order, into the gradient units of the
         tensors it owns: G is final there, with no pipeline to wait on."""
-        from .layers import (WEIGHT_GRAD_ACTS, WEIGHT_GRAD_RECORDS, Acts, Record, alloc_acts,
-                             alloc_record)
+        from .layers import Acts, Record, alloc_acts, alloc_record
         from .step import split_by_cost, zero_units
         from .windows import gradients_from_records, windows_layerwise
         cfg, N = runner.cfg, runner.threads
         B = windows.shape[0]
         if self.records_batch != B:
-            self.acts_b, self.rec_b = alloc_acts(cfg.dims(), B), alloc_record(cfg.dims(), B)
+            if self.shared:  # one copy per node: each rank writes its windows' records
+                self.acts_b, self.rec_b = self._shared_records(cfg.dims(), B)
+            else:
+                self.acts_b, self.rec_b = alloc_acts(cfg.dims(), B), alloc_record(cfg.dims(), B)
             self.vsa_b = np.zeros((B, cfg.blocks, cfg.window, cfg.width))
             self.losses = np.zeros(B)
             self.records_batch = B
@@ -337,16 +364,14 @@ class World:
             windows_layerwise(model, vsa_table, w, vsa, k, scale, a, r, runner.workers[j].scr,
                               j, N, losses, runner.speed.kernel)
 
+        if self.shared:  # no rank writes records while another still reads the last step's
+            self.node_sync()
         if nb:
             runner._map(run_windows, min(N, nb))
-        spans = ranges(B, self.size)
-        for f in ([getattr(A, n) for n in WEIGHT_GRAD_ACTS]
-                  + [getattr(R, n) for n in WEIGHT_GRAD_RECORDS]):
-            per = f[0].size
-            self.comm.Allgatherv(self.MPI.IN_PLACE, [f, [(b - a) * per for a, b in spans],
-                                                     [a * per for a, _ in spans],
-                                                     self.MPI.DOUBLE])
-            self.sent += 8 * nb * per * (self.size - 1)
+        if self.shared:  # every window's records are written, and seen by every rank
+            self.node_sync()
+        else:
+            self._allgather_records(A, R, B, nb)
         units, cost = runner.units, runner.unit_cost
         t0, t1 = self.owned[self.rank]
         u0 = int(np.searchsorted(units[:, 0], t0))
@@ -360,6 +385,18 @@ class World:
                                    scr.xt, scr.dy_panels)
 
         runner._map(run_units, N)
+
+    def _allgather_records(self, A, R, B, nb):
+        """What the weight gradients read of every window, from its rank to all."""
+        from .layers import WEIGHT_GRAD_ACTS, WEIGHT_GRAD_RECORDS
+        spans = ranges(B, self.size)
+        for f in ([getattr(A, n) for n in WEIGHT_GRAD_ACTS]
+                  + [getattr(R, n) for n in WEIGHT_GRAD_RECORDS]):
+            per = f[0].size
+            self.comm.Allgatherv(self.MPI.IN_PLACE, [f, [(b - a) * per for a, b in spans],
+                                                     [a * per for a, _ in spans],
+                                                     self.MPI.DOUBLE])
+            self.sent += 8 * nb * per * (self.size - 1)
 
     def fold_in_order(self, G, chunks, fold, owned):
         """The pipeline: for each chunk [e0, e1) in order, receive the running sum from
@@ -409,23 +446,33 @@ class World:
 
     def optimizer_step(self, run, runner, adam, requantize):
         """The AdamW step split between ranks: each updates the tensors it owns (where
-        its G is the batch's gradient), then every rank gathers the others' updated
-        parameters and per-tensor sums and requantises the whole model itself
-        (cheaper than moving the trits). Each element's update is one process's, so
-        are the bytes; rank 0 gathers the moments only when it saves."""
+        its G is the batch's gradient). Each element's update is one process's, so
+        are the bytes; rank 0 gathers the moments only when it saves.
+
+        With shared memory each rank also requantises its own tensors, in the one
+        copy of the model every rank reads. Otherwise every rank gathers the others'
+        updated parameters and requantises the whole model itself (cheaper than
+        moving the trits). Either way the ranks gather the per-tensor sums."""
         from .step import tensor_parts
         t0, t1 = self.owned[self.rank]
-        runner.map_parts(adam, [p for p in tensor_parts(run.cfg, runner.threads, t0, t1)
-                                if p[0] < p[1]])
+        parts = [p for p in tensor_parts(run.cfg, runner.threads, t0, t1) if p[0] < p[1]]
+        if self.shared:  # no other rank reads the model now (see the module's docstring)
+            runner.map_parts(lambda part: (adam(part), requantize(part)), parts)
+        else:
+            runner.map_parts(adam, parts)
         self.finish_sends()
-        self.comm.Allgatherv(self.MPI.IN_PLACE, [run.state.theta, self.owned_counts,
-                                                 self.owned_displs, self.MPI.DOUBLE])
-        self.sent += 8 * self.owned_counts[self.rank] * (self.size - 1)
+        if self.shared:  # every rank's tensors are updated, and seen by every rank
+            self.node_sync()
+        else:
+            self.comm.Allgatherv(self.MPI.IN_PLACE, [run.state.theta, self.owned_counts,
+                                                     self.owned_displs, self.MPI.DOUBLE])
+            self.sent += 8 * self.owned_counts[self.rank] * (self.size - 1)
         sums = np.stack([run.norms, run.abs_sums, run.moment_sums])
         for (u0, u1), part in zip(self.owned, self.comm.allgather(sums[:, t0:t1])):
             sums[:, u0:u1] = part
         run.norms[:], run.abs_sums[:], run.moment_sums[:] = sums
-        runner.map_parts(requantize, tensor_parts(run.cfg, runner.threads))
+        if not self.shared:
+            runner.map_parts(requantize, tensor_parts(run.cfg, runner.threads))
 
     def gather_moments(self, m, v):
         """Rank 0 receives every rank's own part of the Adam moments (before a save)."""
@@ -461,8 +508,70 @@ class World:
         runner._map(part, min(N, hi - lo))
         return self.ordered_mean(losses)
 
+    # ------------------------------------------- one node: shared memory
+    def shared_arrays(self, name, specs):
+        """Zeroed arrays [(shape, dtype)] in one block of memory that every rank of the
+        node maps (MPI-3 shared memory: Win.Allocate_shared), replacing the block made
+        before under `name`. Collective: every rank calls it with the same specs."""
+        MPI = self.MPI
+        old = self._wins.pop(name, None)
+        if old is not None:
+            old.Unlock_all()
+            old.Free()
+        sizes = [int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in specs]
+        starts = np.concatenate([[0], np.cumsum([-(-n // 64) * 64 for n in sizes])]).astype(int)
+        total = int(starts[-1]) + 64  # each array starts on a cache line
+        win = MPI.Win.Allocate_shared(total if self.node.Get_rank() == 0 else 0, 1,
+                                      comm=self.node)
+        win.Lock_all(MPI.MODE_NOCHECK)  # a passive epoch for the whole run: Sync fences
+        self._wins[name] = win
+        raw = np.frombuffer(win.Shared_query(0)[0], np.uint8)
+        base = -raw.ctypes.data % 64
+        if self.node.Get_rank() == 0:  # MPI does not promise zeroed memory
+            raw[:] = 0
+        self.node_sync()
+        return [raw[base + a:base + a + n].view(dtype).reshape(shape)
+                for (shape, dtype), a, n in zip(specs, starts, sizes)]
+
+    def node_sync(self):
+        """A barrier of the node's ranks that orders their stores to shared memory:
+        what any rank wrote before it, every rank sees after it."""
+        for win in self._wins.values():
+            win.Sync()
+        self.node.Barrier()
+        for win in self._wins.values():
+            win.Sync()
+
+    def share_state(self, state):
+        """With shared memory, move the model (theta, its trits in every layout, alpha,
+        the zero counts: hslm.params.ModelState) into one copy every rank of the node
+        reads and each rank updates in its own tensors. Every rank holds the same
+        values (the same init or checkpoint): rank 0's are copied."""
+        if not self.shared:
+            return
+        names = ("theta", "Tf", "Tb", "alpha", "zeros", "Pf", "Pb")
+        arrays = self.shared_arrays("model", [(getattr(state, n).shape, getattr(state, n).dtype)
+                                              for n in names])
+        if self.node.Get_rank() == 0:
+            for n, a in zip(names, arrays):
+                a[...] = getattr(state, n)
+        self.node_sync()
+        for n, a in zip(names, arrays):
+            setattr(state, n, a)
+
+    def _shared_records(self, dims, B):
+        """Acts and Record of B windows (hslm.layers.alloc_acts, alloc_record) in shared
+        memory."""
+        from .layers import ACT_FIELDS, RECORD_FIELDS, Acts, Record
+        fields = ACT_FIELDS + RECORD_FIELDS
+        arrays = self.shared_arrays("records", [((B,) + shape(dims), np.float64)
+                                                for _, shape in fields])
+        return Acts(*arrays[:len(ACT_FIELDS)]), Record(*arrays[len(ACT_FIELDS):])
+
     # -------------------------------------------------- agreement between ranks
     def digest_check(self, theta, step):
+        if self.shared:  # one copy of the parameters: nothing to compare
+            return
         d = hashlib.sha256(np.ascontiguousarray(theta).tobytes()).hexdigest()
         every = self.comm.allgather(d)
         if len(set(every)) != 1:
@@ -526,8 +635,12 @@ class World:
             how = {"records": "each rank's windows' records to all",
                    "running sums": "running sums to the next rank, finished sums to their owners"}
             ways = "; ".join(how[r] for r in REDUCTIONS if r in self.reductions)
+            params = "updated parameters to all"
+            if self.shared:
+                ways = ways.replace("records to all", "records to all through shared memory")
+                params = "parameters in shared memory"
             echo(f"MPI: {self.size} ranks; MB sent per step by rank 0..{self.size - 1}: {per} "
-                 f"({ways}; updated parameters to all)")
+                 f"({ways}; {params})")
 
 
 class _Shared(str):
@@ -545,6 +658,12 @@ def after_step(run, signum, steps, save_every, failed=False):
 def any_rank(flag: bool) -> bool:
     """Whether flag is true on any rank (in one process: flag)."""
     return flag if _world is None else bool(_world.comm.allreduce(int(flag), op=_world.MPI.MAX))
+
+
+def share_state(state):
+    """Under MPI on one node: the model's arrays in shared memory (World.share_state)."""
+    if _world is not None:
+        _world.share_state(state)
 
 
 def start():

@@ -141,37 +141,50 @@ def refs(tmp_path_factory):
 
 
 @needs_mpi
-@pytest.mark.parametrize("speed,batch,ranks,reduction", [
-    (3, 4, 2, "records"), (3, 4, 2, "running sums"), (2, 4, 3, None), (3, 5, 2, "records"),
-    (2, 5, 3, None), (3, 2, 3, "running sums"), (3, 2, 3, "records"), (3, 5, 3, "records"),
-    (3, 5, 3, "running sums")])
-def test_mpi_checkpoints_equal_one_process(refs, tmp_path, speed, batch, ranks, reduction):
+@pytest.mark.parametrize("speed,batch,ranks,reduction,shared", [
+    (3, 4, 2, "records", True), (3, 4, 2, "records", False), (3, 4, 2, "running sums", True),
+    (2, 4, 3, None, True), (3, 5, 2, "records", True), (2, 5, 3, None, False),
+    (3, 2, 3, "running sums", True), (3, 2, 3, "records", True), (3, 5, 3, "records", False),
+    (3, 5, 3, "running sums", False)])
+def test_mpi_checkpoints_equal_one_process(refs, tmp_path, speed, batch, ranks, reduction,
+                                           shared):
     """Speed 3 either moves the windows' records or passes running sums (the run
-    chooses by volume; HSLM_MPI_REDUCTION forces one); speeds 0-2 pass running sums."""
+    chooses: records when the ranks share memory or when they weigh less;
+    HSLM_MPI_REDUCTION forces one); speeds 0-2 pass running sums. On one node the
+    ranks share the model and the records; HSLM_MPI_SHARED=0 makes them pass
+    messages, as ranks on different nodes do."""
     d = tmp_path / "mpi"
+    env = {"HSLM_MPI_SHARED": "1" if shared else "0"}
+    if reduction:
+        env["HSLM_MPI_REDUCTION"] = reduction
     stdout = train(d, "--batch", batch, "--steps", 4, "--speed", speed, ranks=ranks,
-                   extra_env={"HSLM_MPI_REDUCTION": reduction} if reduction else None)
+                   extra_env=env)
     same_bytes(refs[batch], d, 4)
     assert "MB sent per step" in stdout
+    assert ("parameters in shared memory" in stdout) == shared, stdout
+    assert ("updated parameters to all" in stdout) == (not shared), stdout
     if reduction:  # the summary names the reduction the steps took
         other = {"records": "running sums", "running sums": "records"}[reduction]
         assert ("records to all" in stdout) == (reduction == "records"), stdout
         assert ("running sums to" in stdout) == (other == "records"), stdout
+        assert ("through shared memory" in stdout) == (shared and reduction == "records")
     assert sorted(p.name for p in d.glob("ckpt_*")) == ["ckpt_4.bin", "ckpt_4.state"]
 
 
 @needs_mpi
-@pytest.mark.parametrize("speed", [3, 2])
-def test_mpi_metrics_equal_one_process(tmp_path, speed):
+@pytest.mark.parametrize("speed,shared", [(3, True), (3, False), (2, True)])
+def test_mpi_metrics_equal_one_process(tmp_path, speed, shared):
     """Every figure of the metrics file but the timings (loss, learning rate, gradient
     norm, the ternary zero share, the validation loss) is one process's: the ranks
-    gather what each owner requantised, alpha and zero counts included."""
+    gather what each owner requantised, alpha and zero counts included (or, sharing
+    memory, read them where each owner wrote them)."""
     import json
     runs = {}
     for ranks in (None, 2):
         d = tmp_path / f"r{ranks}"
         train(d, "--batch", 4, "--steps", 3, "--speed", speed, "--eval-every", 2,
-              "--metrics", d / "m.jsonl", ranks=ranks)
+              "--metrics", d / "m.jsonl", ranks=ranks,
+              extra_env={"HSLM_MPI_SHARED": "1" if shared else "0"})
         runs[ranks] = [{k: v for k, v in json.loads(line).items() if k not in ("tok_s", "time")}
                        for line in (d / "m.jsonl").read_text().splitlines()]
     assert runs[None] == runs[2] and any("ternary_zero_share" in r for r in runs[2])
