@@ -177,16 +177,40 @@ class World:
         self.train_steps = 0     # training steps (for the test hook)
         self.batch = -1          # the sizes the buffers below were made for
         self.records_batch = -1
-        # One node holds every rank (and HSLM_MPI_SHARED=0 does not forbid it): the
-        # ranks share one copy of the model and of the windows' records (see share_state)
-        self.node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        self.shared = (self.node.Get_size() == self.size
-                       and os.environ.get("HSLM_MPI_SHARED", "1") != "0")
+        self._nodes(comm, MPI)
         self._wins = {}          # name -> the MPI window of a block of shared memory
         hook = os.environ.get("HSLM_MPI_TEST_FAIL", "")  # "RANK:STEP" (tests): raise there
         self.fail_at = tuple(int(x) for x in hook.split(":")) if hook else None
         if self.rank != 0:  # rank 0 alone prints: the others' stdout goes nowhere
             sys.stdout = open(os.devnull, "w")
+
+    def _nodes(self, comm, MPI):
+        """The ranks that share a node's memory (self.node), the node of every rank and
+        its first rank, and a communicator of each node's first rank (self.leaders,
+        None elsewhere). The nodes share memory (self.shared) unless HSLM_MPI_SHARED=0,
+        or some node's ranks are not consecutive (then a node's windows and tensors
+        would not be one run: every rank passes messages). HSLM_MPI_TEST_NODE_SIZE=k
+        (tests) pretends that each k consecutive ranks are a node."""
+        pretend = os.environ.get("HSLM_MPI_TEST_NODE_SIZE")
+        if pretend:
+            self.node = comm.Split(self.rank // int(pretend), self.rank)
+        else:
+            self.node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        node_ranks = self.node.allgather(self.rank)
+        every = comm.allgather(node_ranks)  # per rank: the world ranks of its node
+        consecutive = all(r == list(range(r[0], r[0] + len(r))) for r in every)
+        self.shared = consecutive and os.environ.get("HSLM_MPI_SHARED", "1") != "0"
+        self.node_first = [r[0] for r in every]                 # per rank
+        firsts = sorted(set(self.node_first))
+        self.node_of = [firsts.index(f) for f in self.node_first]  # per rank
+        self.node_ranks = [(f, f + len(every[f])) for f in firsts]  # per node: [r0, r1)
+        is_leader = self.node.Get_rank() == 0
+        leaders = comm.Split(0 if is_leader else MPI.UNDEFINED, self.rank)
+        self.leaders = leaders if is_leader else None
+
+    def node_span(self, per_rank):
+        """Per node, the span [a, b) its ranks' consecutive spans per_rank cover."""
+        return [(per_rank[r0][0], per_rank[r1 - 1][1]) for r0, r1 in self.node_ranks]
 
     # ------------------------------------------------------------ a step
     def gradient(self, runner, model, vsa_table, windows, k, G):
@@ -323,19 +347,19 @@ class World:
 
     def records_pay(self, cfg, B):
         """Whether to move the windows' records rather than running sums: each rank
-        receives (B - B/P) windows' records, against about 16 n_params bytes for the
+        (sharing memory: each node) receives (B - B/P) windows' records, against about 16 n_params bytes for the
         running sums and finished pieces (and no pipeline to wait on)."""
         from .layers import WEIGHT_GRAD_ACTS, WEIGHT_GRAD_RECORDS, ACT_FIELDS, RECORD_FIELDS
         if self.forced_reduction is not None:  # the tests run both
             return self.forced_reduction == "records"
-        if self.shared:  # records in shared memory move no bytes at all
-            return True
         if getattr(self, "_record_size_for", None) != cfg:  # doubles one window sends
             shapes = dict(ACT_FIELDS + RECORD_FIELDS)
             self._record_size = sum(int(np.prod(shapes[f](cfg.dims())))
                                     for f in WEIGHT_GRAD_ACTS + WEIGHT_GRAD_RECORDS)
             self._record_size_for = cfg
-        return 8 * self._record_size * (B - B // self.size) <= 16 * cfg.n_params
+        # sharing memory, only the other nodes' windows move (none on one node)
+        copies = len(self.node_ranks) if self.shared else self.size
+        return 8 * self._record_size * (B - B // copies) <= 16 * cfg.n_params
 
     def _by_records(self, runner, model, vsa_table, windows, k, scale, G, lo, hi):
         """Speed 3 by records: each rank runs its windows, the ranks allgather what the
@@ -368,10 +392,15 @@ class World:
             self.node_sync()
         if nb:
             runner._map(run_windows, min(N, nb))
-        if self.shared:  # every window's records are written, and seen by every rank
+        spans = ranges(B, self.size)
+        if not self.shared:
+            self._allgather_records(A, R, self.comm, spans)
+        else:  # the node's windows' records are written, and seen by its ranks
             self.node_sync()
-        else:
-            self._allgather_records(A, R, B, nb)
+            if len(self.node_ranks) > 1:  # the other nodes' windows, into the node's copy
+                if self.leaders is not None:
+                    self._allgather_records(A, R, self.leaders, self.node_span(spans))
+                self.node_sync()
         units, cost = runner.units, runner.unit_cost
         t0, t1 = self.owned[self.rank]
         u0 = int(np.searchsorted(units[:, 0], t0))
@@ -386,17 +415,17 @@ class World:
 
         runner._map(run_units, N)
 
-    def _allgather_records(self, A, R, B, nb):
-        """What the weight gradients read of every window, from its rank to all."""
+    def _allgather_records(self, A, R, comm, spans):
+        """What the weight gradients read of every window, from the member of comm
+        that holds it (spans[i]: the windows of comm's member i) to every other."""
         from .layers import WEIGHT_GRAD_ACTS, WEIGHT_GRAD_RECORDS
-        spans = ranges(B, self.size)
+        a, b = spans[comm.Get_rank()]
         for f in ([getattr(A, n) for n in WEIGHT_GRAD_ACTS]
                   + [getattr(R, n) for n in WEIGHT_GRAD_RECORDS]):
             per = f[0].size
-            self.comm.Allgatherv(self.MPI.IN_PLACE, [f, [(b - a) * per for a, b in spans],
-                                                     [a * per for a, _ in spans],
-                                                     self.MPI.DOUBLE])
-            self.sent += 8 * nb * per * (self.size - 1)
+            comm.Allgatherv(self.MPI.IN_PLACE, [f, [(y - x) * per for x, y in spans],
+                                                [x * per for x, _ in spans], self.MPI.DOUBLE])
+            self.sent += 8 * (b - a) * per * (comm.Get_size() - 1)
 
     def fold_in_order(self, G, chunks, fold, owned):
         """The pipeline: for each chunk [e0, e1) in order, receive the running sum from
@@ -461,18 +490,38 @@ class World:
         else:
             runner.map_parts(adam, parts)
         self.finish_sends()
-        if self.shared:  # every rank's tensors are updated, and seen by every rank
+        multi = len(self.node_ranks) > 1
+        if not self.shared:
+            self._allgather_params(run.state.theta, self.comm, self.owned_elements)
+        else:  # the node's tensors are updated, and seen by its ranks
             self.node_sync()
-        else:
-            self.comm.Allgatherv(self.MPI.IN_PLACE, [run.state.theta, self.owned_counts,
-                                                     self.owned_displs, self.MPI.DOUBLE])
-            self.sent += 8 * self.owned_counts[self.rank] * (self.size - 1)
+            if multi and self.leaders is not None:  # the other nodes' parameters
+                self._allgather_params(run.state.theta, self.leaders,
+                                       self.node_span(self.owned_elements))
         sums = np.stack([run.norms, run.abs_sums, run.moment_sums])
         for (u0, u1), part in zip(self.owned, self.comm.allgather(sums[:, t0:t1])):
             sums[:, u0:u1] = part
         run.norms[:], run.abs_sums[:], run.moment_sums[:] = sums
         if not self.shared:
             runner.map_parts(requantize, tensor_parts(run.cfg, runner.threads))
+        elif multi:  # the node's ranks requantise the other nodes' tensors between them
+            self.node_sync()
+            n0, n1 = self.node_span(self.owned)[self.node_of[self.rank]]
+            i, q = self.node.Get_rank(), self.node.Get_size()
+            others = ((0, n0), (n1, len(run.norms)))
+            mine = [tensor_parts(run.cfg, q, a, b)[i] for a, b in others]
+            runner.map_parts(requantize, [p for a, b in mine
+                                          for p in tensor_parts(run.cfg, runner.threads, a, b)
+                                          if p[0] < p[1]])
+            self.node_sync()
+
+    def _allgather_params(self, theta, comm, spans):
+        """The updated parameters, from the member of comm that owns them (spans[i]:
+        the elements of comm's member i) to every other."""
+        a, b = spans[comm.Get_rank()]
+        comm.Allgatherv(self.MPI.IN_PLACE, [theta, [y - x for x, y in spans],
+                                            [x for x, _ in spans], self.MPI.DOUBLE])
+        self.sent += 8 * (b - a) * (comm.Get_size() - 1)
 
     def gather_moments(self, m, v):
         """Rank 0 receives every rank's own part of the Adam moments (before a save)."""
@@ -570,12 +619,15 @@ class World:
 
     # -------------------------------------------------- agreement between ranks
     def digest_check(self, theta, step):
-        if self.shared:  # one copy of the parameters: nothing to compare
-            return
-        d = hashlib.sha256(np.ascontiguousarray(theta).tobytes()).hexdigest()
+        """Every copy of the parameters (one per rank, or one per node sharing memory,
+        hashed by its first rank) must be the same."""
+        d = None
+        if not self.shared or self.node.Get_rank() == 0:
+            d = hashlib.sha256(np.ascontiguousarray(theta).tobytes()).hexdigest()
         every = self.comm.allgather(d)
-        if len(set(every)) != 1:
-            odd = [r for r, x in enumerate(every) if x != every[0]]
+        held = [x for x in every if x is not None]
+        if len(set(held)) != 1:
+            odd = [r for r, x in enumerate(every) if x is not None and x != every[0]]
             raise AllRanksError(f"after step {step} the ranks hold different parameters (rank 0 "
                                 f"sha256 {every[0][:16]}..., rank(s) {odd} differ); stopping "
                                 "without saving")
@@ -636,9 +688,15 @@ class World:
                    "running sums": "running sums to the next rank, finished sums to their owners"}
             ways = "; ".join(how[r] for r in REDUCTIONS if r in self.reductions)
             params = "updated parameters to all"
-            if self.shared:
+            if self.shared and len(self.node_ranks) == 1:
                 ways = ways.replace("records to all", "records to all through shared memory")
                 params = "parameters in shared memory"
+            elif self.shared:
+                nodes = len(self.node_ranks)
+                ways = ways.replace("each rank's windows' records to all",
+                                    f"each node's windows' records to the other {nodes - 1}")
+                params = (f"updated parameters between the {nodes} nodes; the ranks of a node "
+                          "share memory")
             echo(f"MPI: {self.size} ranks; MB sent per step by rank 0..{self.size - 1}: {per} "
                  f"({ways}; {params})")
 

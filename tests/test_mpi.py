@@ -140,34 +140,42 @@ def refs(tmp_path_factory):
     return out
 
 
+MEMORY = {  # how the ranks hold the model and records: the summary's words, the environment
+    "shared": ("parameters in shared memory", {}),
+    "messages": ("updated parameters to all", {"HSLM_MPI_SHARED": "0"}),
+    "nodes of 2": ("the ranks of a node share memory", {"HSLM_MPI_TEST_NODE_SIZE": "2"}),
+    "nodes of 1": ("the ranks of a node share memory", {"HSLM_MPI_TEST_NODE_SIZE": "1"}),
+}
+
+
 @needs_mpi
-@pytest.mark.parametrize("speed,batch,ranks,reduction,shared", [
-    (3, 4, 2, "records", True), (3, 4, 2, "records", False), (3, 4, 2, "running sums", True),
-    (2, 4, 3, None, True), (3, 5, 2, "records", True), (2, 5, 3, None, False),
-    (3, 2, 3, "running sums", True), (3, 2, 3, "records", True), (3, 5, 3, "records", False),
-    (3, 5, 3, "running sums", False)])
+@pytest.mark.parametrize("speed,batch,ranks,reduction,memory", [
+    (3, 4, 2, "records", "shared"), (3, 4, 2, "records", "messages"),
+    (3, 5, 2, "records", "shared"), (2, 5, 3, None, "messages"),
+    (3, 2, 3, "running sums", "shared"), (3, 2, 3, "records", "nodes of 1"),
+    (3, 5, 3, "records", "messages"), (3, 5, 3, "running sums", "messages"),
+    (3, 4, 3, "records", "nodes of 2"), (3, 5, 3, "running sums", "nodes of 2"),
+    (2, 5, 3, None, "nodes of 2")])
 def test_mpi_checkpoints_equal_one_process(refs, tmp_path, speed, batch, ranks, reduction,
-                                           shared):
+                                           memory):
     """Speed 3 either moves the windows' records or passes running sums (the run
-    chooses: records when the ranks share memory or when they weigh less;
-    HSLM_MPI_REDUCTION forces one); speeds 0-2 pass running sums. On one node the
-    ranks share the model and the records; HSLM_MPI_SHARED=0 makes them pass
-    messages, as ranks on different nodes do."""
+    chooses: records when they weigh less, always on one node sharing memory;
+    HSLM_MPI_REDUCTION forces one); speeds 0-2 pass running sums. The ranks of a
+    node share one copy of the model and the records, and the nodes pass messages
+    (HSLM_MPI_TEST_NODE_SIZE pretends that there are several nodes);
+    HSLM_MPI_SHARED=0 makes every rank pass messages."""
     d = tmp_path / "mpi"
-    env = {"HSLM_MPI_SHARED": "1" if shared else "0"}
+    words, env = MEMORY[memory]
     if reduction:
-        env["HSLM_MPI_REDUCTION"] = reduction
+        env = {**env, "HSLM_MPI_REDUCTION": reduction}
     stdout = train(d, "--batch", batch, "--steps", 4, "--speed", speed, ranks=ranks,
                    extra_env=env)
     same_bytes(refs[batch], d, 4)
     assert "MB sent per step" in stdout
-    assert ("parameters in shared memory" in stdout) == shared, stdout
-    assert ("updated parameters to all" in stdout) == (not shared), stdout
+    assert words in stdout and sum(w in stdout for w in {w for w, _ in MEMORY.values()}) == 1, stdout
     if reduction:  # the summary names the reduction the steps took
-        other = {"records": "running sums", "running sums": "records"}[reduction]
-        assert ("records to all" in stdout) == (reduction == "records"), stdout
-        assert ("running sums to" in stdout) == (other == "records"), stdout
-        assert ("through shared memory" in stdout) == (shared and reduction == "records")
+        assert ("records to" in stdout) == (reduction == "records"), stdout
+        assert ("running sums to" in stdout) == (reduction == "running sums"), stdout
     assert sorted(p.name for p in d.glob("ckpt_*")) == ["ckpt_4.bin", "ckpt_4.state"]
 
 
