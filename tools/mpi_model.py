@@ -1,12 +1,14 @@
 """A model (not a measurement) of `mpiexec -n P hslm train` on P nodes of 16 cores.
 
-    python tools/mpi_model.py [--core-tok-s 2200] [--optimiser-ms 16]
+    python tools/mpi_model.py [--core-tok-s 2200] [--adam-ms 10.4] [--requantise-ms 5.6]
 
 Per step, each node runs w = ceil(B / P) windows of 27 tokens at the measured one-core
 rate: the windows phase (about half of it) on min(16, w) cores, the weight gradients
-on 16 (linear in cores: optimistic), and its 1/P of the AdamW +
-requantise step (measured on one core; memory-bound, so taken at 4 cores' worth of
-bandwidth). Communication over one link per node, whichever reduction moves less
+on 16 (linear in cores: optimistic), its 1/P of the AdamW step and the whole
+model's requantising (every node requantises the tensors the other nodes updated
+too); both measured on one core and memory-bound, so taken at 4 cores' worth of
+bandwidth. The node's 16 cores may be 16 threads of one rank or 16 ranks sharing
+the node's memory: the same work. Communication over one link per node, whichever reduction moves less
 (hslm/distributed.py chooses the same way):
 * running sums: 8n bytes through the pipeline (pipelined in 1 MB chunks: a fill of
   (P - 1) chunks), the last node's 8n (P - 1) / P finished pieces to their owners;
@@ -22,11 +24,11 @@ CHUNK = 1 << 20                # bytes per message of the pipeline
 LATENCY = 20e-6                # seconds per message
 
 
-def step_seconds(B, P, link_gbit, core_tok_s, optimiser_s):
+def step_seconds(B, P, link_gbit, core_tok_s, adam_s, requantise_s):
     link = link_gbit * 1e9 / 8
     w = math.ceil(B / P)
     one_core = w * 27 / core_tok_s
-    compute = 0.5 * one_core / min(16, w) + 0.5 * one_core / 16 + optimiser_s / P / 4
+    compute = 0.5 * one_core / min(16, w) + 0.5 * one_core / 16 + (adam_s / P + requantise_s) / 4
     if P == 1:
         return compute
     g = 8 * N_PARAMS
@@ -39,7 +41,8 @@ def step_seconds(B, P, link_gbit, core_tok_s, optimiser_s):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--core-tok-s", type=float, default=2200.0)
-    ap.add_argument("--optimiser-ms", type=float, default=16.0)
+    ap.add_argument("--adam-ms", type=float, default=10.4)
+    ap.add_argument("--requantise-ms", type=float, default=5.6)
     a = ap.parse_args()
     nodes = (1, 4, 16, 64)
     print("| batch | link | " + " | ".join(f"{p} node{'s' if p > 1 else ''}" for p in nodes)
@@ -47,12 +50,12 @@ def main():
     print("|---|---|" + "---|" * len(nodes))
     for B in (8, 64, 512):
         for gbit in (10, 100):
-            row = [B * 27 / step_seconds(B, p, gbit, a.core_tok_s, a.optimiser_ms / 1e3)
+            row = [B * 27 / step_seconds(B, p, gbit, a.core_tok_s, a.adam_ms / 1e3, a.requantise_ms / 1e3)
                    for p in nodes]
             print(f"| {B} | {gbit} Gb/s | " + " | ".join(f"{t / 1e3:.1f}k" for t in row) + " |")
     for gbit in (10, 100):
-        one = lambda B: B * 27 / step_seconds(B, 1, gbit, a.core_tok_s, a.optimiser_ms / 1e3)
-        four = lambda B: B * 27 / step_seconds(B, 4, gbit, a.core_tok_s, a.optimiser_ms / 1e3)
+        one = lambda B: B * 27 / step_seconds(B, 1, gbit, a.core_tok_s, a.adam_ms / 1e3, a.requantise_ms / 1e3)
+        four = lambda B: B * 27 / step_seconds(B, 4, gbit, a.core_tok_s, a.adam_ms / 1e3, a.requantise_ms / 1e3)
         b = next((B for B in range(1, 4096) if four(B) > one(B)), None)
         print(f"4 nodes beat one over {gbit} Gb/s " + ("at every batch" if b == 1 else f"from batch {b}"))
 
