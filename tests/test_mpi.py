@@ -245,6 +245,54 @@ def test_a_failing_rank_stops_every_rank(tmp_path):
     assert not list(tmp_path.glob("ckpt_*"))
 
 
+def rank_pids(marker):
+    """{rank: pid} of the MPI ranks whose command line holds `marker` (Linux /proc)."""
+    pids = {}
+    for d in os.listdir("/proc"):
+        try:
+            cmd = open(f"/proc/{d}/cmdline", "rb").read().split(b"\0")
+            envs = open(f"/proc/{d}/environ", "rb").read().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        rank = [e for e in envs if e.startswith(b"PMI_RANK=")]
+        if marker.encode() in cmd and rank:
+            pids[int(rank[0].split(b"=")[1])] = int(d)
+    return pids
+
+
+@needs_mpi
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the ranks in /proc")
+@pytest.mark.parametrize("memory", ["shared", "messages"])
+def test_a_killed_rank_stops_every_rank(tmp_path, memory):
+    """SIGKILL on one rank mid-run (it can say nothing): the launcher ends the others
+    within seconds, whether they wait at a node barrier (shared memory) or for a
+    message; no traceback, and no checkpoint is written."""
+    out = tmp_path / "run"
+    cmd = [MPIEXEC, "-n", "2", sys.executable, str(ROOT / "cli.py"), "train", *TINY,
+           "--batch", 4, "--steps", 10 ** 6, "--out", out, "--threads", 1,
+           "--metrics", tmp_path / "m.jsonl"]
+    p = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env={**env(), **MEMORY[memory][1]})
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (
+                (tmp_path / "m.jsonl").exists() and (tmp_path / "m.jsonl").read_text()):
+            time.sleep(0.2)
+        pids = rank_pids(str(out))
+        assert sorted(pids) == [0, 1], pids
+        os.kill(pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        _, err = p.communicate(timeout=60)
+        assert time.monotonic() - t0 < 20
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode != 0
+    assert "Traceback" not in err
+    assert not list(out.glob("ckpt_*"))
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in pids.values())
+
+
 @needs_mpi
 def test_bad_flags_are_reported_once(tmp_path):
     code, _, err = hslm("train", *TINY, "--batch", 0, "--out", tmp_path, ranks=3)
