@@ -46,6 +46,21 @@ def machine_peak_gflops_per_core():
                                    f"flops/cycle ({lanes}-wide, 2 FMA pipes)")
 
 
+def separate_add_pipes() -> bool:
+    """Whether the core runs a vector multiply and a vector add in the same cycle on
+    pipes of their own (AMD Zen: two FMA/multiply and two add pipes), so that an
+    unfused multiply-add costs no more than an FMA. Intel cores run both on the
+    FMA pipes: there it takes two of them."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read(8192)
+    except OSError:
+        return False
+    family = next((int(line.split(":")[1]) for line in info.splitlines()
+                   if line.startswith("cpu family")), 0)
+    return "AuthenticAMD" in info and family >= 0x17
+
+
 def checkpoint_digest(run: Run):
     """(sha256, size) of the .bin and .state bytes the run would write now."""
     p = ckpt.params_blob(run.cfg, run.state.theta, run.step, run.corpus.tokenizer)
@@ -170,16 +185,20 @@ def profile_layerwise(cfg, hyper, corpus, steps=3):
     t_opt = timed(opt)
     rows = [("VSA stream", t_vsa), ("forward", t_fwd),
             ("backward through the layers' inputs", t_win - t_fwd - t_vsa),
-            ("weight gradients (all windows, once per step; zeroing G)", t_wg),
+            (WEIGHT_GRADIENTS, t_wg),
             ("optimiser + requantise", t_opt)]
     rows.append(("other (drawing windows, Python)", t_step - sum(t for _, t in rows)))
     return [(name, 1e3 * t) for name, t in rows]
 
 
+WEIGHT_GRADIENTS = "weight gradients (all windows, once per step; zeroing G)"
+
+
 def phase_work(cfg, hyper):
     """What each profiled phase must do per step: {phase: (amount, unit)}. The matrix
     phases in FLOPs (2 per multiply-add; the forward over all positions, the backward and
-    the weight gradients over the scored ones), the optimiser in bytes moved (AdamW reads
+    the weight gradients over the scored ones; "unfused FLOP" for the weight gradients,
+    whose products are not exact, so they multiply and add without FMA), the optimiser in bytes moved (AdamW reads
     the gradient twice and theta, m, v once, writes theta, m, v; requantisation reads
     theta and writes two float32 panel layouts of the ternary matrices)."""
     d, F, V, nb = cfg.width, cfg.mlp, cfg.vocab, cfg.blocks
@@ -190,7 +209,7 @@ def phase_work(cfg, hyper):
     ternary = sum(int(np.prod(s)) for _, s, kind in cfg.tensors() if kind == "ternary")
     return {"forward": (2.0 * macs * tokens, "FLOP"),
             "backward through the layers' inputs": (2.0 * macs * scored, "FLOP"),
-            "weight gradients (all windows, once per step)": (2.0 * macs * scored, "FLOP"),
+            WEIGHT_GRADIENTS: (2.0 * macs * scored, "unfused FLOP"),
             "optimiser + requantise": (8.0 * 8 * P + 8 * P + 2 * 4 * ternary, "B")}
 
 
@@ -231,6 +250,7 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
 
     peak, peak_desc = machine_peak_gflops_per_core()
     report = {"machine": peak_desc, "peak_gflops_per_core": peak,
+              "unfused_peak_gflops_per_core": peak if separate_add_pipes() else peak / 2,
               "python": sys.version.split()[0], "numpy": np.__version__,
               "numba": numba.__version__, "steps": steps, "seed": 1729, "models": []}
     for name in models:
@@ -322,18 +342,22 @@ def format_report(report):
         if e.get("profile_ms"):
             total = sum(ms for _, ms in e["profile_ms"])
             bw = report.get("copy_bandwidth_gbs")
+            unfused = report.get("unfused_peak_gflops_per_core", peak / 2)
             out.append(f"speed-3 step profile, one thread ({total:.1f} ms per step of "
                        f"{rows[0]['batch']} windows); each phase against what it can reach: "
-                       f"the f64 FMA peak ({peak:.1f} GFLOP/s) for the matrix phases, this "
-                       f"core's copy bandwidth ({bw:.1f} GB/s) for the optimiser:")
+                       f"the f64 FMA peak ({peak:.1f} GFLOP/s) for the ternary matrix phases, "
+                       f"{unfused:.1f} GFLOP/s for the weight gradients (a multiply and an "
+                       f"add, unfused: " + ("separate add pipes run them at full rate"
+                                            if unfused == peak else "two FMA-pipe slots")
+                       + f"), this core's copy bandwidth ({bw:.1f} GB/s) for the optimiser:")
             for name, ms in e["profile_ms"]:
                 line = f"  {name:46s} {ms:8.1f} ms {100 * ms / total:5.1f}%"
                 work = e.get("phase_work", {}).get(name)
                 if work and ms > 0:
                     amount, unit = work
                     rate = amount / (ms / 1e3) / 1e9
-                    ceiling = peak if unit == "FLOP" else bw
-                    label = "GFLOP/s" if unit == "FLOP" else "GB/s"
+                    ceiling = {"FLOP": peak, "unfused FLOP": unfused}.get(unit, bw)
+                    label = "GB/s" if unit == "B" else "GFLOP/s"
                     line += f"  {rate:6.1f} {label:7s} {100 * rate / ceiling:5.1f}% of its ceiling"
                 out.append(line)
     return out

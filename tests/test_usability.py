@@ -164,6 +164,10 @@ def test_bench_compares_speeds_threads_batches_and_torch_on_small_models(tmp_pat
     assert out.count("byte-identical across all runs") == 4
     assert "PyTorch" in out and "f64" in out and "f32" in out
     assert "speed-3 step profile" in out and "weight gradients" in out
+    # every matrix phase and the optimiser report a rate against its ceiling
+    rated = [l for l in out.splitlines() if l.endswith("of its ceiling")]
+    for phase in ("forward", "backward through", "weight gradients", "optimiser"):
+        assert sum(phase in l for l in rated) == 1, (phase, out)
     import json
     report = json.loads(report_path.read_text())
     assert [m["model"] for m in report["models"]] == ["hslm-tiny", str(narrow)]
