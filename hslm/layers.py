@@ -38,7 +38,8 @@ from numba import njit
 from .config import (BDOWN, BUP, GAMMA, TENSORS_PER_BLOCK, WDOWN, WK, WO, WQ, WUP, WV, Dims)
 from .kernels import ternary_matmul_rows, ternary_panels
 from .mathfn import exp, log
-from .panel_kernels import WGRAD_PANEL, WGRAD_WINDOWS
+from .micro import WGRAD_PANEL
+from .panel_kernels import WGRAD_WINDOWS
 from .speeds import KERNEL_PANELS, KERNEL_ROWS
 
 RMS_EPS = 1e-6

@@ -26,13 +26,17 @@ def wide_vectors(features=None) -> bool:
 TERNARY_ROWS, TERNARY_PANEL = panel_kernels.TERNARY_TILES[0 if wide_vectors() else 1]
 ternary_panel_matmul = getattr(panel_kernels,
                                f"ternary_panel_matmul_{TERNARY_ROWS}x{TERNARY_PANEL}")
+# The weight gradient's tile, likewise; WGRAD_PANEL is the panel width of the output
+# gradients' scratch layout (hslm.kernels.output_grad_panels).
+WGRAD_ROWS, WGRAD_PANEL = panel_kernels.WGRAD_TILES[0 if wide_vectors() else 1]
+panel_matmul_add = getattr(panel_kernels, f"panel_matmul_add_{WGRAD_ROWS}x{WGRAD_PANEL}")
 
 # name: (kernel, the one signature it is compiled for). Ternary panels are float32
 # (exact for -1, 0, +1; half the memory traffic).
 MICRO_KERNELS = {
     "ternary tile": (ternary_panel_matmul,
                      "(float64[:, ::1], float32[:, :, ::1], int64, float64, float64[:, ::1])"),
-    "weight-gradient tile": (panel_kernels.panel_matmul_add,
+    "weight-gradient tile": (panel_matmul_add,
                              "(float64[:, ::1], float64[:, :, ::1], int64, float64[:, ::1])"),
 }
 

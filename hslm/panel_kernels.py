@@ -4,15 +4,15 @@ B is a matrix [a, b] stored in column panels: P[q, i, c] = B[i, q * panel + c],
 zero-padded past column b. Each output element is one sum over i = 0, 1, ...
 in increasing order from 0.0, the same chain of additions as the plain loops
 in hslm.layers; a tile of rows x panel sums is held in registers meanwhile.
-ternary_panel_matmul_RxP: a tile of R rows and panels of P columns (hslm.micro
-chooses one for the machine); panel_matmul_add: tile WGRAD_ROWS x WGRAD_PANEL.
+ternary_panel_matmul_RxP (Y = alpha X . T) and panel_matmul_add_RxP (the weight
+gradient, G += X . D): a tile of R rows and panels of P columns (hslm.micro
+chooses one of each for the machine).
 """
 import numpy as np
 from numba import njit
 
 TERNARY_TILES = ((9, 16), (3, 12))
-WGRAD_ROWS = 3
-WGRAD_PANEL = 24
+WGRAD_TILES = ((3, 24), (3, 12))
 WGRAD_WINDOWS = 8  # windows whose output gradients a thread holds in panels at once
 
 
@@ -777,7 +777,7 @@ def ternary_panel_matmul_3x12(X, P, b, alpha, Y):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def panel_matmul_add(X, P, b, G):
+def panel_matmul_add_3x24(X, P, b, G):
     """G [n, b] += X [n, a] . D, D [a, b] in panels P: the weight gradient, X the
     layer input transposed (gradient rows x positions), D the output gradient
     (positions x columns). No contraction: these products are not exact."""
@@ -1098,5 +1098,187 @@ def panel_matmul_add(X, P, b, G):
             part[0, 23] = y0_23
             for rr in range(1):
                 for c in range(min(24, b - j)):
+                    G[r + rr, j + c] += part[rr, c]
+            r += 1
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def panel_matmul_add_3x12(X, P, b, G):
+    """G [n, b] += X [n, a] . D, D [a, b] in panels P: the weight gradient, X the
+    layer input transposed (gradient rows x positions), D the output gradient
+    (positions x columns). No contraction: these products are not exact."""
+    n, a = X.shape
+    npan = P.shape[0]
+    part = np.empty((3, 12))
+    for q in range(npan):  # a panel is reused by every row while it is in cache
+        j = q * 12
+        pan = P[q]
+        r = 0
+        while r + 3 <= n:
+            y0_0 = 0.0; y0_1 = 0.0; y0_2 = 0.0; y0_3 = 0.0; y0_4 = 0.0; y0_5 = 0.0; y0_6 = 0.0; y0_7 = 0.0; y0_8 = 0.0; y0_9 = 0.0; y0_10 = 0.0; y0_11 = 0.0
+            y1_0 = 0.0; y1_1 = 0.0; y1_2 = 0.0; y1_3 = 0.0; y1_4 = 0.0; y1_5 = 0.0; y1_6 = 0.0; y1_7 = 0.0; y1_8 = 0.0; y1_9 = 0.0; y1_10 = 0.0; y1_11 = 0.0
+            y2_0 = 0.0; y2_1 = 0.0; y2_2 = 0.0; y2_3 = 0.0; y2_4 = 0.0; y2_5 = 0.0; y2_6 = 0.0; y2_7 = 0.0; y2_8 = 0.0; y2_9 = 0.0; y2_10 = 0.0; y2_11 = 0.0
+            for i in range(a):
+                t = pan[i]
+                x0 = X[r + 0, i]
+                x1 = X[r + 1, i]
+                x2 = X[r + 2, i]
+                t0 = t[0]
+                t1 = t[1]
+                t2 = t[2]
+                t3 = t[3]
+                t4 = t[4]
+                t5 = t[5]
+                t6 = t[6]
+                t7 = t[7]
+                t8 = t[8]
+                t9 = t[9]
+                t10 = t[10]
+                t11 = t[11]
+                y0_0 = y0_0 + x0 * t0
+                y0_1 = y0_1 + x0 * t1
+                y0_2 = y0_2 + x0 * t2
+                y0_3 = y0_3 + x0 * t3
+                y0_4 = y0_4 + x0 * t4
+                y0_5 = y0_5 + x0 * t5
+                y0_6 = y0_6 + x0 * t6
+                y0_7 = y0_7 + x0 * t7
+                y0_8 = y0_8 + x0 * t8
+                y0_9 = y0_9 + x0 * t9
+                y0_10 = y0_10 + x0 * t10
+                y0_11 = y0_11 + x0 * t11
+                y1_0 = y1_0 + x1 * t0
+                y1_1 = y1_1 + x1 * t1
+                y1_2 = y1_2 + x1 * t2
+                y1_3 = y1_3 + x1 * t3
+                y1_4 = y1_4 + x1 * t4
+                y1_5 = y1_5 + x1 * t5
+                y1_6 = y1_6 + x1 * t6
+                y1_7 = y1_7 + x1 * t7
+                y1_8 = y1_8 + x1 * t8
+                y1_9 = y1_9 + x1 * t9
+                y1_10 = y1_10 + x1 * t10
+                y1_11 = y1_11 + x1 * t11
+                y2_0 = y2_0 + x2 * t0
+                y2_1 = y2_1 + x2 * t1
+                y2_2 = y2_2 + x2 * t2
+                y2_3 = y2_3 + x2 * t3
+                y2_4 = y2_4 + x2 * t4
+                y2_5 = y2_5 + x2 * t5
+                y2_6 = y2_6 + x2 * t6
+                y2_7 = y2_7 + x2 * t7
+                y2_8 = y2_8 + x2 * t8
+                y2_9 = y2_9 + x2 * t9
+                y2_10 = y2_10 + x2 * t10
+                y2_11 = y2_11 + x2 * t11
+            if j + 12 <= b:
+                G[r + 0, j + 0] += y0_0
+                G[r + 0, j + 1] += y0_1
+                G[r + 0, j + 2] += y0_2
+                G[r + 0, j + 3] += y0_3
+                G[r + 0, j + 4] += y0_4
+                G[r + 0, j + 5] += y0_5
+                G[r + 0, j + 6] += y0_6
+                G[r + 0, j + 7] += y0_7
+                G[r + 0, j + 8] += y0_8
+                G[r + 0, j + 9] += y0_9
+                G[r + 0, j + 10] += y0_10
+                G[r + 0, j + 11] += y0_11
+                G[r + 1, j + 0] += y1_0
+                G[r + 1, j + 1] += y1_1
+                G[r + 1, j + 2] += y1_2
+                G[r + 1, j + 3] += y1_3
+                G[r + 1, j + 4] += y1_4
+                G[r + 1, j + 5] += y1_5
+                G[r + 1, j + 6] += y1_6
+                G[r + 1, j + 7] += y1_7
+                G[r + 1, j + 8] += y1_8
+                G[r + 1, j + 9] += y1_9
+                G[r + 1, j + 10] += y1_10
+                G[r + 1, j + 11] += y1_11
+                G[r + 2, j + 0] += y2_0
+                G[r + 2, j + 1] += y2_1
+                G[r + 2, j + 2] += y2_2
+                G[r + 2, j + 3] += y2_3
+                G[r + 2, j + 4] += y2_4
+                G[r + 2, j + 5] += y2_5
+                G[r + 2, j + 6] += y2_6
+                G[r + 2, j + 7] += y2_7
+                G[r + 2, j + 8] += y2_8
+                G[r + 2, j + 9] += y2_9
+                G[r + 2, j + 10] += y2_10
+                G[r + 2, j + 11] += y2_11
+            else:
+                part[0, 0] = y0_0
+                part[0, 1] = y0_1
+                part[0, 2] = y0_2
+                part[0, 3] = y0_3
+                part[0, 4] = y0_4
+                part[0, 5] = y0_5
+                part[0, 6] = y0_6
+                part[0, 7] = y0_7
+                part[0, 8] = y0_8
+                part[0, 9] = y0_9
+                part[0, 10] = y0_10
+                part[0, 11] = y0_11
+                part[1, 0] = y1_0
+                part[1, 1] = y1_1
+                part[1, 2] = y1_2
+                part[1, 3] = y1_3
+                part[1, 4] = y1_4
+                part[1, 5] = y1_5
+                part[1, 6] = y1_6
+                part[1, 7] = y1_7
+                part[1, 8] = y1_8
+                part[1, 9] = y1_9
+                part[1, 10] = y1_10
+                part[1, 11] = y1_11
+                part[2, 0] = y2_0
+                part[2, 1] = y2_1
+                part[2, 2] = y2_2
+                part[2, 3] = y2_3
+                part[2, 4] = y2_4
+                part[2, 5] = y2_5
+                part[2, 6] = y2_6
+                part[2, 7] = y2_7
+                part[2, 8] = y2_8
+                part[2, 9] = y2_9
+                part[2, 10] = y2_10
+                part[2, 11] = y2_11
+                for rr in range(3):
+                    for c in range(b - j):
+                        G[r + rr, j + c] += part[rr, c]
+            r += 3
+        while r < n:
+            y0_0 = 0.0; y0_1 = 0.0; y0_2 = 0.0; y0_3 = 0.0; y0_4 = 0.0; y0_5 = 0.0; y0_6 = 0.0; y0_7 = 0.0; y0_8 = 0.0; y0_9 = 0.0; y0_10 = 0.0; y0_11 = 0.0
+            for i in range(a):
+                t = pan[i]
+                x0 = X[r, i]
+                y0_0 = y0_0 + x0 * t[0]
+                y0_1 = y0_1 + x0 * t[1]
+                y0_2 = y0_2 + x0 * t[2]
+                y0_3 = y0_3 + x0 * t[3]
+                y0_4 = y0_4 + x0 * t[4]
+                y0_5 = y0_5 + x0 * t[5]
+                y0_6 = y0_6 + x0 * t[6]
+                y0_7 = y0_7 + x0 * t[7]
+                y0_8 = y0_8 + x0 * t[8]
+                y0_9 = y0_9 + x0 * t[9]
+                y0_10 = y0_10 + x0 * t[10]
+                y0_11 = y0_11 + x0 * t[11]
+            part[0, 0] = y0_0
+            part[0, 1] = y0_1
+            part[0, 2] = y0_2
+            part[0, 3] = y0_3
+            part[0, 4] = y0_4
+            part[0, 5] = y0_5
+            part[0, 6] = y0_6
+            part[0, 7] = y0_7
+            part[0, 8] = y0_8
+            part[0, 9] = y0_9
+            part[0, 10] = y0_10
+            part[0, 11] = y0_11
+            for rr in range(1):
+                for c in range(min(12, b - j)):
                     G[r + rr, j + c] += part[rr, c]
             r += 1

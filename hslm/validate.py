@@ -185,7 +185,8 @@ def memory_estimate(cfg, batch=0, threads=1, speed=3, training=True) -> int:
     total += V * cfg.vsa_dim * 9  # the VSA table (drawn as int64, kept as int8)
     per_window = L * (nb * (17 * d + 3 * F + H * L + 1) + 3 * V + 3 * d + 1) * f64
     # per thread; the weight gradient's output-gradient panels for a group of windows
-    from .panel_kernels import WGRAD_PANEL, WGRAD_WINDOWS  # noqa: PLC0415 (numba, no compiling)
+    from .micro import WGRAD_PANEL  # noqa: PLC0415 (numba, no compiling)
+    from .panel_kernels import WGRAD_WINDOWS  # noqa: PLC0415
     scratch = L * (12 * d + 3 * V + 3 * F
                    + (1 + WGRAD_WINDOWS) * (max(V, F, d) + WGRAD_PANEL)) * f64
     total += threads * (per_window + scratch)

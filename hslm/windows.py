@@ -21,7 +21,7 @@ from __future__ import annotations
 from numba import njit
 
 from .kernels import column_sum_rows, output_grad_panels, weight_grad_rows
-from .panel_kernels import WGRAD_PANEL
+from .micro import WGRAD_PANEL
 from .layers import (COLUMN_SUM, MATRIX, block_backward, block_forward,
                      embed_forward, head_backward, head_forward, loss_forward_backward, loss_rows,
                      view1, view2, weight_grad_operands)

@@ -1,7 +1,7 @@
 """Every speed exact on awkward shapes: where the register-tiled kernels' edges are.
 
 Odd head widths, MLP widths and vocabularies that are not multiples of the panel
-(24 columns) or the tile (3 rows), one block, a window of 2, widths below the
+(24, 16 or 12 columns) or the tile (3 or 9 rows), one block, a window of 2, widths below the
 tile size: speeds 1-3 against speed 0 with == on the bits (k = L and k = 1,
 random and structured VSA tables), speed 0 against the PyTorch f64 oracle, and
 whole runs from a JSON model file at every speed and 1-3 threads.
@@ -15,7 +15,7 @@ from hslm.config import Config
 from hslm.layers import wout_index
 from hslm.oracle_torch import oracle_window
 from hslm import panel_kernels
-from hslm.panel_kernels import TERNARY_TILES, WGRAD_PANEL, WGRAD_ROWS
+from hslm.panel_kernels import TERNARY_TILES, WGRAD_TILES
 from hslm.speeds import SPEEDS
 from hslm.params import ModelState, init_params
 from hslm.tables import Tables
@@ -42,8 +42,8 @@ SHAPES = {
 
 
 def test_the_shapes_reach_the_kernels_edges():
-    """For every tile (hslm.micro picks the ternary one by machine)."""
-    for rows, panel in TERNARY_TILES + ((WGRAD_ROWS, WGRAD_PANEL),):
+    """For every tile (hslm.micro picks one of each kind by machine)."""
+    for rows, panel in TERNARY_TILES + WGRAD_TILES:
         for cfg in SHAPES.values():
             assert any(n % panel for n in (cfg.width, cfg.mlp, cfg.vocab))
         assert any(c.window % rows for c in SHAPES.values())
@@ -76,6 +76,39 @@ def test_every_ternary_tile_gives_the_plain_sums_bit_for_bit(n, a, b):
     for i in reversed(range(a)):
         other += X[:, i:i + 1] * T[i]
     assert a < 3 or (other * 0.37).tobytes() != plain.tobytes()
+
+
+@pytest.mark.parametrize("n,a,b", [(36, 27, 729), (7, 33, 101), (2, 10, 9), (13, 27, 17)])
+def test_every_weight_gradient_tile_gives_the_plain_sums_bit_for_bit(n, a, b):
+    """G += X . D for each tile: each sum over i in order from 0.0, then added to G
+    (a multiply and an add per term, never fused), whatever rows and columns are
+    left over."""
+    rng = np.random.default_rng(n * a + b)
+    X = rng.standard_normal((n, a))
+    D = rng.standard_normal((a, b))
+    G0 = rng.standard_normal((n, b))
+    s = np.zeros((n, b))
+    for i in range(a):
+        s += X[:, i:i + 1] * D[i]
+    plain = G0 + s
+    for rows, panel in WGRAD_TILES:
+        npan = -(-b // panel)
+        P = np.zeros((npan, a, panel))
+        for q in range(npan):
+            cols = D[:, q * panel:(q + 1) * panel]
+            P[q, :, :cols.shape[1]] = cols
+        G = G0.copy()
+        getattr(panel_kernels, f"panel_matmul_add_{rows}x{panel}")(X, P, b, G)
+        assert G.tobytes() == plain.tobytes(), f"tile {rows}x{panel}"
+    # negative controls: the terms in another order, or added straight into G
+    other = np.zeros((n, b))
+    for i in reversed(range(a)):
+        other += X[:, i:i + 1] * D[i]
+    assert (G0 + other).tobytes() != plain.tobytes()
+    straight = G0.copy()
+    for i in range(a):
+        straight += X[:, i:i + 1] * D[i]
+    assert straight.tobytes() != plain.tobytes()
 
 
 _cache = {}
