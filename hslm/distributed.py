@@ -38,19 +38,26 @@ updated parameters and the per-tensor sums (norms, sum |W|, moment sums), and ev
 rank requantises the whole model itself (cheaper than moving the trits). Adam's
 moments stay with their owners; rank 0 gathers them only to write a `.state`.
 
-Ranks on one node share memory (MPI-3 Win.Allocate_shared), when every rank is on
-one node (HSLM_MPI_SHARED=0 forbids it; the tests run both): then the ranks hold one
-copy of the model (theta, its trits, alpha, zero counts: share_state) and of the
-windows' records. Each rank writes its windows' records, a node barrier, each rank
-adds every window into its own units, then takes the AdamW step of its own tensors
-and requantises them in place, a node barrier: nothing moves but the losses and the
-per-tensor sums, and speed 3 always takes the records. No rank writes a tensor
-while another reads it: the records are written between barriers, and no rank
-reads the model between the barrier after the windows and the one after the
-optimiser (the weight gradients read only the records; with running sums, a
-rank's finished pieces come only once every rank has run its windows). The
-parameters need no digest comparison: there is one copy. Across nodes the ranks
-pass messages as below.
+The ranks of a node share memory (MPI-3 Win.Allocate_shared; HSLM_MPI_SHARED=0
+forbids it, and so does a node whose ranks are not consecutive or whose /dev/shm
+cannot hold it): they hold one copy of the model (theta, its trits, alpha, zero
+counts: share_state) and of the windows' records. Each rank writes its windows'
+records; a node barrier; with several nodes, each node's first rank allgathers
+the node's records with the other nodes' first ranks, and a barrier; each rank
+adds every window into its own units, takes the AdamW step of its own tensors and
+requantises them in place; a barrier (with several nodes, the first ranks then
+allgather the updated parameters, and the node's ranks requantise the other
+nodes' tensors between them, between barriers). On one node nothing moves but
+the losses and the per-tensor sums, and speed 3 always takes the records.
+
+No rank writes what another still reads: each rank writes only its own windows'
+records and its own tensors; records are read only between the barrier after the
+windows and the next step's windows; the model is read by the windows (and by
+validation and saves, before the next step's windows), never by the weight
+gradients, and written only after a barrier that every rank reaches once its
+windows are done (with records, the barrier after the windows; with running
+sums, one at the optimiser's start). One digest per copy is compared (on one
+node there is one copy). Each rank still holds its own G, m and v (24n bytes).
 
 Communication per step, n = n_params: with running sums every rank but the
 last sends 8n bytes (point to point) and the last rank 8n (P-1)/P (the finished
@@ -172,6 +179,7 @@ class World:
         self.started = False     # after the first step begins, an error aborts every rank
         self.sent = 0            # bytes this rank sent (its part of every message)
         self.reductions = set()  # the reductions this run's steps took (records, running sums)
+        self.last_reduction = None
         self.forced_reduction = os.environ.get("HSLM_MPI_REDUCTION")  # checked in start()
         self.steps = 0           # gradients computed (the warm-up's included: it sends too)
         self.train_steps = 0     # training steps (for the test hook)
@@ -181,6 +189,10 @@ class World:
         self._wins = {}          # name -> the MPI window of a block of shared memory
         hook = os.environ.get("HSLM_MPI_TEST_FAIL", "")  # "RANK:STEP" (tests): raise there
         self.fail_at = tuple(int(x) for x in hook.split(":")) if hook else None
+        # "RANK:SECONDS" (tests): that rank sleeps before its windows and before its
+        # optimiser writes, so that a missing barrier would show as other bytes
+        skew = os.environ.get("HSLM_MPI_TEST_SKEW", "")
+        self.skew = float(skew.split(":")[1]) if skew and int(skew.split(":")[0]) == self.rank else 0
         if self.rank != 0:  # rank 0 alone prints: the others' stdout goes nowhere
             sys.stdout = open(os.devnull, "w")
 
@@ -193,17 +205,19 @@ class World:
         (tests) pretends that each k consecutive ranks are a node."""
         pretend = os.environ.get("HSLM_MPI_TEST_NODE_SIZE")
         if pretend:
-            self.node = comm.Split(self.rank // int(pretend), self.rank)
+            self.node = comm.Split(self.rank // max(1, int(pretend)), self.rank)
         else:
             self.node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         node_ranks = self.node.allgather(self.rank)
         every = comm.allgather(node_ranks)  # per rank: the world ranks of its node
         consecutive = all(r == list(range(r[0], r[0] + len(r))) for r in every)
         self.shared = consecutive and os.environ.get("HSLM_MPI_SHARED", "1") != "0"
+        if not self.shared:  # every rank its own copy: a node of one, for node_span
+            every = [[r] for r in range(self.size)]
         self.node_first = [r[0] for r in every]                 # per rank
         firsts = sorted(set(self.node_first))
         self.node_of = [firsts.index(f) for f in self.node_first]  # per rank
-        self.node_ranks = [(f, f + len(every[f])) for f in firsts]  # per node: [r0, r1)
+        self.node_ranks = [(f, f + len(every[f])) for f in firsts]  # per copy: [r0, r1)
         is_leader = self.node.Get_rank() == 0
         leaders = comm.Split(0 if is_leader else MPI.UNDEFINED, self.rank)
         self.leaders = leaders if is_leader else None
@@ -231,6 +245,7 @@ class World:
         scale = 1.0 / (k * B)
         losses = np.zeros(nb)
         self.finish_sends()  # the last step's sends read from G
+        time.sleep(self.skew)
         if runner.speed.loop != PER_POSITION and self.records_pay(runner.cfg, B):
             self._ownership(runner.cfg, self._records_work(runner, B, k))
             self._by_records(runner, model, vsa_table, windows, k, scale, G, lo, hi)
@@ -250,6 +265,7 @@ class World:
         return self.ordered_mean(losses)
 
     def _took(self, reduction, runner):
+        self.last_reduction = reduction
         if not getattr(runner, "warming_up", False):  # the summary reports training steps
             self.reductions.add(reduction)
 
@@ -485,7 +501,10 @@ class World:
         from .step import tensor_parts
         t0, t1 = self.owned[self.rank]
         parts = [p for p in tensor_parts(run.cfg, runner.threads, t0, t1) if p[0] < p[1]]
-        if self.shared:  # no other rank reads the model now (see the module's docstring)
+        time.sleep(self.skew)
+        if self.shared:
+            if self.last_reduction != "records":  # every rank is done reading the model
+                self.node_sync()               # (records: since the barrier after the windows)
             runner.map_parts(lambda part: (adam(part), requantize(part)), parts)
         else:
             runner.map_parts(adam, parts)
@@ -591,14 +610,35 @@ class World:
         for win in self._wins.values():
             win.Sync()
 
-    def share_state(self, state):
+    def share_state(self, state, batch, echo=None):
         """With shared memory, move the model (theta, its trits in every layout, alpha,
         the zero counts: hslm.params.ModelState) into one copy every rank of the node
         reads and each rank updates in its own tensors. Every rank holds the same
-        values (the same init or checkpoint): rank 0's are copied."""
+        values (the same init or checkpoint): rank 0's are copied.
+
+        MPICH keeps shared memory in files under /dev/shm, and writing past what that
+        holds kills the process (SIGBUS; a container's is 64 MB unless --shm-size says
+        more). So each node first checks that the model and `batch` windows' records
+        fit; if any node's do not, every rank passes messages instead."""
         if not self.shared:
             return
         names = ("theta", "Tf", "Tb", "alpha", "zeros", "Pf", "Pb")
+        need = sum(getattr(state, n).nbytes for n in names) + self._records_bytes(state.cfg, batch)
+        room = shm_room() if self.node.Get_rank() == 0 else None
+        short = [(r, x) for r, x in enumerate(self.comm.allgather(room))
+                 if x is not None and x < need + (64 << 20)]  # and a margin for MPI itself
+        if short:
+            self.shared = False
+            self.node_ranks = [(r, r + 1) for r in range(self.size)]
+            self.node_of = list(range(self.size))
+            self.node_first = list(range(self.size))
+            self._work_for = None
+            if echo is not None and self.rank == 0:
+                r, x = short[0]
+                echo(f"MPI: rank {r}'s node has {x / 2 ** 20:.0f} MiB free in /dev/shm; the "
+                     f"shared model and records need {need / 2 ** 20:.0f} MiB: each rank keeps "
+                     "its own copy and passes messages (a container: --shm-size)")
+            return
         arrays = self.shared_arrays("model", [(getattr(state, n).shape, getattr(state, n).dtype)
                                               for n in names])
         if self.node.Get_rank() == 0:
@@ -607,6 +647,19 @@ class World:
         self.node_sync()
         for n, a in zip(names, arrays):
             setattr(state, n, a)
+
+    @staticmethod
+    def _records_bytes(cfg, B):
+        from .layers import ACT_FIELDS, RECORD_FIELDS
+        return 8 * B * sum(int(np.prod(shape(cfg.dims()))) for _, shape in ACT_FIELDS + RECORD_FIELDS)
+
+    def close(self):
+        """End the shared-memory epochs and free the windows. Collective: only where
+        every rank ends together (a finished run, an agreed stop, an AllRanksError)."""
+        wins, self._wins = self._wins, {}
+        for win in wins.values():
+            win.Unlock_all()
+            win.Free()
 
     def _shared_records(self, dims, B):
         """Acts and Record of B windows (hslm.layers.alloc_acts, alloc_record) in shared
@@ -629,8 +682,8 @@ class World:
         if len(set(held)) != 1:
             odd = [r for r, x in enumerate(every) if x is not None and x != every[0]]
             raise AllRanksError(f"after step {step} the ranks hold different parameters (rank 0 "
-                                f"sha256 {every[0][:16]}..., rank(s) {odd} differ); stopping "
-                                "without saving")
+                                f"sha256 {every[0][:16]}..., the copies of rank(s) {odd} "
+                                "differ); stopping without saving")
 
     def after_step(self, run, signum, steps, save_every, failed):
         """Agree whether any rank was asked to stop (the largest signal number wins) or
@@ -718,10 +771,27 @@ def any_rank(flag: bool) -> bool:
     return flag if _world is None else bool(_world.comm.allreduce(int(flag), op=_world.MPI.MAX))
 
 
-def share_state(state):
-    """Under MPI on one node: the model's arrays in shared memory (World.share_state)."""
+def share_state(state, batch, echo=None):
+    """Under MPI: the model's arrays in each node's shared memory (World.share_state)."""
     if _world is not None:
-        _world.share_state(state)
+        _world.share_state(state, batch, echo)
+
+
+def shm_room():
+    """Bytes free in /dev/shm, where MPICH keeps shared memory (None if it has none)."""
+    if os.environ.get("HSLM_MPI_TEST_SHM_ROOM"):  # tests: pretend that this much is free
+        return int(os.environ["HSLM_MPI_TEST_SHM_ROOM"])
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def close():
+    """Free what MPI holds for the run (every rank together)."""
+    if _world is not None:
+        _world.close()
 
 
 def start():
@@ -744,6 +814,8 @@ def run_main(cli, argv):
     except SystemExit as e:
         if not w.started and e.code not in (0, None):  # e.g. --help: nothing to report
             w._agree(None, e.code)
+        if w.started and e.code in (128 + 2, 128 + 15):  # an agreed stop: every rank is here
+            w.close()
         raise
     except click.exceptions.NoArgsIsHelpError as e:
         click.echo(e.ctx.get_help())
@@ -756,7 +828,8 @@ def run_main(cli, argv):
         w.fail(e.format_message(), e.exit_code)
     except (click.Abort, KeyboardInterrupt):
         w.fail("interrupted", 130)
-    except AllRanksError as e:
+    except AllRanksError as e:  # raised by every rank at the same point
+        w.close()
         w.fail(_Shared(one_line(e)), 2)
     except HslmError as e:
         w.fail(one_line(e), 2)

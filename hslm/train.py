@@ -489,7 +489,7 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
     progress = Progress(run.step, o.steps, quiet=o.quiet, log_every=o.log_every)
     from .step import StepRunner, kernels_cached, warm_up
     runner = StepRunner(cfg, o.speed, o.threads, world=distributed.current())
-    distributed.share_state(run.state)  # MPI on one node: one copy of the model
+    distributed.share_state(run.state, h.batch, progress.message)  # MPI: a copy per node
     first = last = None
     # compile (first run only) or load the kernels before step 1, so its figure is the step's
     compiling = not kernels_cached(o.speed)
@@ -569,6 +569,7 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
         if not o.quiet:
             echo(f"saved {b} and {s}")
         distributed.summary(echo)  # MPI: bytes sent per rank per step
+        distributed.close()
     finally:
         progress.close()
         runner.close()

@@ -149,38 +149,60 @@ MEMORY = {  # how the ranks hold the model and records: the summary's words, the
 
 
 @needs_mpi
-@pytest.mark.parametrize("speed,batch,ranks,reduction,memory", [
-    (3, 4, 2, "records", "shared"), (3, 4, 2, "records", "messages"),
-    (3, 5, 2, "records", "shared"), (2, 5, 3, None, "messages"),
-    (3, 2, 3, "running sums", "shared"), (3, 2, 3, "records", "nodes of 1"),
-    (3, 5, 3, "records", "messages"), (3, 5, 3, "running sums", "messages"),
-    (3, 4, 3, "records", "nodes of 2"), (3, 5, 3, "running sums", "nodes of 2"),
-    (2, 5, 3, None, "nodes of 2")])
+@pytest.mark.parametrize("speed,batch,ranks,reduction,memory,slow", [
+    (3, 4, 2, "records", "shared", True), (3, 5, 2, "records", "messages", False),
+    (2, 4, 2, None, "shared", True), (2, 5, 3, None, "messages", False),
+    (3, 2, 3, "running sums", "shared", False), (3, 2, 3, "records", "nodes of 1", False),
+    (3, 5, 3, "running sums", "messages", False), (3, 5, 3, "running sums", "shared", True),
+    (3, 4, 3, "records", "nodes of 2", True), (3, 5, 3, "running sums", "nodes of 2", False),
+    (2, 5, 3, None, "nodes of 2", False)])
 def test_mpi_checkpoints_equal_one_process(refs, tmp_path, speed, batch, ranks, reduction,
-                                           memory):
+                                           memory, slow):
     """Speed 3 either moves the windows' records or passes running sums (the run
     chooses: records when they weigh less, always on one node sharing memory;
     HSLM_MPI_REDUCTION forces one); speeds 0-2 pass running sums. The ranks of a
     node share one copy of the model and the records, and the nodes pass messages
     (HSLM_MPI_TEST_NODE_SIZE pretends that there are several nodes);
-    HSLM_MPI_SHARED=0 makes every rank pass messages."""
+    HSLM_MPI_SHARED=0 makes every rank pass messages. Checkpoints at steps 2 and 4
+    (saved mid-run, from the shared copy where there is one) are one process's.
+
+    `slow`: rank 1 sleeps before its windows and before its optimiser writes (a test
+    hook): were a barrier missing, the others would read records or parameters it
+    has not written yet, or it would read what they already overwrote (taking out
+    the barrier after the windows fails these cases, and others)."""
     d = tmp_path / "mpi"
     words, env = MEMORY[memory]
     if reduction:
         env = {**env, "HSLM_MPI_REDUCTION": reduction}
-    stdout = train(d, "--batch", batch, "--steps", 4, "--speed", speed, ranks=ranks,
-                   extra_env=env)
+    if slow:
+        env = {**env, "HSLM_MPI_TEST_SKEW": "1:0.15"}
+    stdout = train(d, "--batch", batch, "--steps", 4, "--speed", speed, "--save-every", 2,
+                   ranks=ranks, extra_env=env)
+    same_bytes(refs[batch], d, 2)
     same_bytes(refs[batch], d, 4)
     assert "MB sent per step" in stdout
     assert words in stdout and sum(w in stdout for w in {w for w, _ in MEMORY.values()}) == 1, stdout
     if reduction:  # the summary names the reduction the steps took
         assert ("records to" in stdout) == (reduction == "records"), stdout
         assert ("running sums to" in stdout) == (reduction == "running sums"), stdout
-    assert sorted(p.name for p in d.glob("ckpt_*")) == ["ckpt_4.bin", "ckpt_4.state"]
+    assert sorted(p.name for p in d.glob("ckpt_*")) == [
+        "ckpt_2.bin", "ckpt_2.state", "ckpt_4.bin", "ckpt_4.state"]
 
 
 @needs_mpi
-@pytest.mark.parametrize("speed,shared", [(3, True), (3, False), (2, True)])
+def test_too_little_shared_memory_falls_back_to_messages(refs, tmp_path):
+    """A node whose /dev/shm cannot hold the model and the records (a container's 64
+    MB): one notice, then every rank passes messages, with the same bytes."""
+    code, stdout, err = hslm("train", *TINY, "--out", tmp_path, "--threads", 1, "--batch", 4,
+                             "--steps", 4, ranks=2, extra_env={"HSLM_MPI_TEST_SHM_ROOM": "1000"})
+    assert code == 0, err
+    assert "free in /dev/shm" in stdout and stdout.count("passes messages") == 1, stdout
+    assert "updated parameters to all" in stdout, stdout
+    same_bytes(refs[4], tmp_path, 4)
+
+
+@needs_mpi
+@pytest.mark.parametrize("speed,shared", [(3, False), (2, True)])
 def test_mpi_metrics_equal_one_process(tmp_path, speed, shared):
     """Every figure of the metrics file but the timings (loss, learning rate, gradient
     norm, the ternary zero share, the validation loss) is one process's: the ranks
@@ -254,10 +276,18 @@ def rank_pids(marker):
             envs = open(f"/proc/{d}/environ", "rb").read().split(b"\0")
         except (OSError, ValueError):
             continue
-        rank = [e for e in envs if e.startswith(b"PMI_RANK=")]
+        rank = [e for e in envs if e.startswith((b"PMI_RANK=", b"OMPI_COMM_WORLD_RANK="))]
         if marker.encode() in cmd and rank:
             pids[int(rank[0].split(b"=")[1])] = int(d)
     return pids
+
+
+def running(pid):
+    """Whether a process is alive (a zombie waiting to be reaped is not)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 @needs_mpi
@@ -290,7 +320,7 @@ def test_a_killed_rank_stops_every_rank(tmp_path, memory):
     assert p.returncode != 0
     assert "Traceback" not in err
     assert not list(out.glob("ckpt_*"))
-    assert not any(os.path.exists(f"/proc/{pid}") for pid in pids.values())
+    assert not any(running(pid) for pid in pids.values())
 
 
 @needs_mpi
