@@ -338,23 +338,22 @@ def attention_position(q, K, Vc, p, H, dh, scale, Ap, o):
 def attention_position_backward(q, K, Vc, Ap, p, H, dh, scale, do, dq, dk, dv):
     """Gradient of position p's attention through its own q, k_p and v_p only:
     earlier keys and values are constants of position p's backward (docs/model.md, 7)."""
+    da = np.empty(p + 1)  # da_j, kept for the second pass rather than made again
     for h in range(H):
         c0 = h * dh
         # da_j = do . v_j ; sum_ad = sum_j a_j da_j
         sum_ad = 0.0
         for j in range(p + 1):
-            da = 0.0
+            a = 0.0
             for e in range(dh):
-                da += do[c0 + e] * Vc[j, c0 + e]
-            sum_ad += Ap[h, j] * da
+                a += do[c0 + e] * Vc[j, c0 + e]
+            da[j] = a
+            sum_ad += Ap[h, j] * a
         for e in range(dh):
             dq[c0 + e] = 0.0
         gp = 0.0
         for j in range(p + 1):
-            da = 0.0
-            for e in range(dh):
-                da += do[c0 + e] * Vc[j, c0 + e]
-            g = (Ap[h, j] * (da - sum_ad)) * scale
+            g = (Ap[h, j] * (da[j] - sum_ad)) * scale
             for e in range(dh):
                 dq[c0 + e] += g * K[j, c0 + e]
             gp = g
