@@ -191,7 +191,7 @@ def profile_layerwise(cfg, hyper, corpus, steps=3):
     return [(name, 1e3 * t) for name, t in rows]
 
 
-WEIGHT_GRADIENTS = "weight gradients (all windows, once per step; zeroing G)"
+WEIGHT_GRADIENTS = "weight gradients (all windows; zeroing G)"
 
 
 def phase_work(cfg, hyper):
