@@ -198,9 +198,10 @@ def phase_work(cfg, hyper):
     """What each profiled phase must do per step: {phase: (amount, unit)}. The matrix
     phases in FLOPs (2 per multiply-add; the forward over all positions, the backward and
     the weight gradients over the scored ones; "unfused FLOP" for the weight gradients,
-    whose products are not exact, so they multiply and add without FMA), the optimiser in bytes moved (AdamW reads
-    the gradient twice and theta, m, v once, writes theta, m, v; requantisation reads
-    theta and writes two float32 panel layouts of the ternary matrices)."""
+    whose products are not exact, so they multiply and add without FMA), the optimiser
+    in bytes moved (AdamW reads the gradient twice and theta, m, v once, writes theta,
+    m, v; requantisation reads theta and writes two float32 panel layouts of the
+    ternary matrices)."""
     d, F, V, nb = cfg.width, cfg.mlp, cfg.vocab, cfg.blocks
     macs = nb * (4 * d * d + 2 * d * F) + d * V
     tokens = hyper.batch * cfg.window

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from numba import njit
 
-from .micro import MICRO_KERNELS, TERNARY_PANEL, compile_micro, ternary_panel_matmul
-from .micro import WGRAD_PANEL, panel_matmul_add
+from .micro import (MICRO_KERNELS, TERNARY_PANEL, WGRAD_PANEL, compile_micro, panel_matmul_add,
+                    ternary_panel_matmul)
 
 COL_TILE = 256  # columns per tile: a pass's 4 matrix-row slices (8 KB) stay in L1
 
