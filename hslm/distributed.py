@@ -192,7 +192,8 @@ class World:
         # "RANK:SECONDS" (tests): that rank sleeps before its windows and before its
         # optimiser writes, so that a missing barrier would show as other bytes
         skew = os.environ.get("HSLM_MPI_TEST_SKEW", "")
-        self.skew = float(skew.split(":")[1]) if skew and int(skew.split(":")[0]) == self.rank else 0
+        who, _, seconds = skew.partition(":")
+        self.skew = float(seconds) if skew and int(who) == self.rank else 0.0
         if self.rank != 0:  # rank 0 alone prints: the others' stdout goes nowhere
             sys.stdout = open(os.devnull, "w")
 
@@ -334,7 +335,8 @@ class World:
     def _records_work(self, runner, B, k):
         """Per tensor, a rank's work when records move: the weight gradients of its
         units over every window, and its AdamW step (about 50 multiply-adds' time an
-        element updated; with shared memory also its requantising). Made once per batch shape."""
+        element updated; with shared memory also its requantising). Made once per
+        batch shape."""
         if getattr(self, "_work_for", None) != (B, k):
             work = np.diff(runner.cfg.offsets()) * 50.0
             if self.shared:  # each rank also requantises its own tensors (about half as long)
@@ -363,8 +365,9 @@ class World:
 
     def records_pay(self, cfg, B):
         """Whether to move the windows' records rather than running sums: each rank
-        (sharing memory: each node) receives (B - B/P) windows' records, against about 16 n_params bytes for the
-        running sums and finished pieces (and no pipeline to wait on)."""
+        (sharing memory: each node, P nodes) receives (B - B/P) windows' records,
+        against about 16 n_params bytes for the running sums and finished pieces (and
+        no pipeline to wait on)."""
         from .layers import WEIGHT_GRAD_ACTS, WEIGHT_GRAD_RECORDS, ACT_FIELDS, RECORD_FIELDS
         if self.forced_reduction is not None:  # the tests run both
             return self.forced_reduction == "records"
@@ -651,7 +654,8 @@ class World:
     @staticmethod
     def _records_bytes(cfg, B):
         from .layers import ACT_FIELDS, RECORD_FIELDS
-        return 8 * B * sum(int(np.prod(shape(cfg.dims()))) for _, shape in ACT_FIELDS + RECORD_FIELDS)
+        fields = ACT_FIELDS + RECORD_FIELDS
+        return 8 * B * sum(int(np.prod(shape(cfg.dims()))) for _, shape in fields)
 
     def close(self):
         """End the shared-memory epochs and free the windows. Collective: only where

@@ -181,7 +181,8 @@ def test_mpi_checkpoints_equal_one_process(refs, tmp_path, speed, batch, ranks, 
     same_bytes(refs[batch], d, 2)
     same_bytes(refs[batch], d, 4)
     assert "MB sent per step" in stdout
-    assert words in stdout and sum(w in stdout for w in {w for w, _ in MEMORY.values()}) == 1, stdout
+    assert words in stdout, stdout
+    assert sum(w in stdout for w in {w for w, _ in MEMORY.values()}) == 1, stdout
     if reduction:  # the summary names the reduction the steps took
         assert ("records to" in stdout) == (reduction == "records"), stdout
         assert ("running sums to" in stdout) == (reduction == "running sums"), stdout

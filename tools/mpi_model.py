@@ -8,8 +8,8 @@ on 16 (linear in cores: optimistic), its 1/P of the AdamW step and the whole
 model's requantising (every node requantises the tensors the other nodes updated
 too); both measured on one core and memory-bound, so taken at 4 cores' worth of
 bandwidth. The node's 16 cores may be 16 threads of one rank or 16 ranks sharing
-the node's memory: the same work. Communication over one link per node, whichever reduction moves less
-(hslm/distributed.py chooses the same way):
+the node's memory: the same work. Communication over one link per node, whichever
+reduction moves less (hslm/distributed.py chooses the same way):
 * running sums: 8n bytes through the pipeline (pipelined in 1 MB chunks: a fill of
   (P - 1) chunks), the last node's 8n (P - 1) / P finished pieces to their owners;
 * records: each node receives (B - B/P) windows' records (2.78 MB each for hslm-3);
@@ -44,19 +44,21 @@ def main():
     ap.add_argument("--adam-ms", type=float, default=10.4)
     ap.add_argument("--requantise-ms", type=float, default=5.6)
     a = ap.parse_args()
+
+    def tok_s(B, P, gbit):
+        return B * 27 / step_seconds(B, P, gbit, a.core_tok_s, a.adam_ms / 1e3,
+                                     a.requantise_ms / 1e3)
+
     nodes = (1, 4, 16, 64)
     print("| batch | link | " + " | ".join(f"{p} node{'s' if p > 1 else ''}" for p in nodes)
           + " |")
     print("|---|---|" + "---|" * len(nodes))
     for B in (8, 64, 512):
         for gbit in (10, 100):
-            row = [B * 27 / step_seconds(B, p, gbit, a.core_tok_s, a.adam_ms / 1e3, a.requantise_ms / 1e3)
-                   for p in nodes]
+            row = [tok_s(B, p, gbit) for p in nodes]
             print(f"| {B} | {gbit} Gb/s | " + " | ".join(f"{t / 1e3:.1f}k" for t in row) + " |")
     for gbit in (10, 100):
-        one = lambda B: B * 27 / step_seconds(B, 1, gbit, a.core_tok_s, a.adam_ms / 1e3, a.requantise_ms / 1e3)
-        four = lambda B: B * 27 / step_seconds(B, 4, gbit, a.core_tok_s, a.adam_ms / 1e3, a.requantise_ms / 1e3)
-        b = next((B for B in range(1, 4096) if four(B) > one(B)), None)
+        b = next((B for B in range(1, 4096) if tok_s(B, 4, gbit) > tok_s(B, 1, gbit)), None)
         print(f"4 nodes beat one over {gbit} Gb/s " + ("at every batch" if b == 1 else f"from batch {b}"))
 
 
