@@ -203,16 +203,21 @@ class World:
         None elsewhere). The nodes share memory (self.shared) unless HSLM_MPI_SHARED=0,
         or some node's ranks are not consecutive (then a node's windows and tensors
         would not be one run: every rank passes messages). HSLM_MPI_TEST_NODE_SIZE=k
-        (tests) pretends that each k consecutive ranks are a node."""
+        (tests) pretends that each k consecutive ranks are a node, and =rrk that the
+        nodes take ranks in turn (rank r on node r mod k)."""
         pretend = os.environ.get("HSLM_MPI_TEST_NODE_SIZE")
         if pretend:
-            self.node = comm.Split(self.rank // max(1, int(pretend)), self.rank)
+            k = max(1, int(pretend.removeprefix("rr")))
+            color = self.rank % k if pretend.startswith("rr") else self.rank // k
+            self.node = comm.Split(color, self.rank)
         else:
             self.node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         node_ranks = self.node.allgather(self.rank)
         every = comm.allgather(node_ranks)  # per rank: the world ranks of its node
         consecutive = all(r == list(range(r[0], r[0] + len(r))) for r in every)
         self.shared = consecutive and os.environ.get("HSLM_MPI_SHARED", "1") != "0"
+        # said once the run starts (share_state): a placement that keeps nodes apart
+        self.scattered = not consecutive
         if not self.shared:  # every rank its own copy: a node of one, for node_span
             every = [[r] for r in range(self.size)]
         self.node_first = [r[0] for r in every]                 # per rank
@@ -624,6 +629,10 @@ class World:
         more). So each node first checks that the model and `batch` windows' records
         fit; if any node's do not, every rank passes messages instead."""
         if not self.shared:
+            if self.scattered and echo is not None and self.rank == 0:
+                echo("MPI: the ranks of a node are not numbered consecutively (a round-robin "
+                     "placement such as --map-by node?): each rank keeps its own copy and passes "
+                     "messages; a block placement lets the ranks of a node share memory")
             return
         names = ("theta", "Tf", "Tb", "alpha", "zeros", "Pf", "Pb")
         need = sum(getattr(state, n).nbytes for n in names) + self._records_bytes(state.cfg, batch)
