@@ -638,7 +638,7 @@ class World:
         need = sum(getattr(state, n).nbytes for n in names) + self._records_bytes(state.cfg, batch)
         room = shm_room() if self.node.Get_rank() == 0 else None
         short = [(r, x) for r, x in enumerate(self.comm.allgather(room))
-                 if x is not None and x < need + (64 << 20)]  # and a margin for MPI itself
+                 if x is not None and x < need + (16 << 20)]  # and a margin for MPI itself
         if short:
             self.shared = False
             self.node_ranks = [(r, r + 1) for r in range(self.size)]
