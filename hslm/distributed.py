@@ -39,8 +39,8 @@ rank requantises the whole model itself (cheaper than moving the trits). Adam's
 moments stay with their owners; rank 0 gathers them only to write a `.state`.
 
 The ranks of a node share memory (MPI-3 Win.Allocate_shared; HSLM_MPI_SHARED=0
-forbids it, and so does a node whose ranks are not consecutive or whose /dev/shm
-cannot hold it): they hold one copy of the model (theta, its trits, alpha, zero
+forbids it, and so does a node whose /dev/shm cannot hold it; ranks placed on the
+nodes in turn are renumbered, so that each node's are consecutive): they hold one copy of the model (theta, its trits, alpha, zero
 counts: share_state) and of the windows' records. Each rank writes its windows'
 records; a node barrier; with several nodes, each node's first rank allgathers
 the node's records with the other nodes' first ranks, and a barrier; each rank
@@ -200,11 +200,13 @@ class World:
     def _nodes(self, comm, MPI):
         """The ranks that share a node's memory (self.node), the node of every rank and
         its first rank, and a communicator of each node's first rank (self.leaders,
-        None elsewhere). The nodes share memory (self.shared) unless HSLM_MPI_SHARED=0,
-        or some node's ranks are not consecutive (then a node's windows and tensors
-        would not be one run: every rank passes messages). HSLM_MPI_TEST_NODE_SIZE=k
-        (tests) pretends that each k consecutive ranks are a node, and =rrk that the
-        nodes take ranks in turn (rank r on node r mod k)."""
+        None elsewhere). The nodes share memory (self.shared) unless HSLM_MPI_SHARED=0.
+        A node's windows and tensors must be one run, so its ranks must be consecutive:
+        where the launcher placed them in turn (--map-by node, Slurm's cyclic
+        distribution), hslm renumbers them (self.comm; world rank 0 stays rank 0, the
+        one that writes). HSLM_MPI_TEST_NODE_SIZE=k (tests) pretends that each k
+        consecutive ranks are a node, and =rrk that the nodes take ranks in turn (rank
+        r on node r mod k)."""
         pretend = os.environ.get("HSLM_MPI_TEST_NODE_SIZE")
         if pretend:
             k = max(1, int(pretend.removeprefix("rr")))
@@ -212,12 +214,16 @@ class World:
             self.node = comm.Split(color, self.rank)
         else:
             self.node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-        node_ranks = self.node.allgather(self.rank)
-        every = comm.allgather(node_ranks)  # per rank: the world ranks of its node
-        consecutive = all(r == list(range(r[0], r[0] + len(r))) for r in every)
-        self.shared = consecutive and os.environ.get("HSLM_MPI_SHARED", "1") != "0"
-        # said once the run starts (share_state): a placement that keeps nodes apart
-        self.scattered = not consecutive
+        self.shared = os.environ.get("HSLM_MPI_SHARED", "1") != "0"
+        every = comm.allgather(self.node.allgather(self.rank))  # per rank: its node's ranks
+        self.renumbered = False
+        if self.shared and not all(r == list(range(r[0], r[0] + len(r))) for r in every):
+            first = every[self.rank][0]  # nodes in the order of their first rank
+            self.comm = comm = comm.Split(0, key=first * self.size + self.rank)
+            self.rank = comm.Get_rank()
+            self.node = comm.Split(first, self.rank)
+            every = comm.allgather(self.node.allgather(self.rank))
+            self.renumbered = True
         if not self.shared:  # every rank its own copy: a node of one, for node_span
             every = [[r] for r in range(self.size)]
         self.node_first = [r[0] for r in every]                 # per rank
@@ -629,10 +635,6 @@ class World:
         more). So each node first checks that the model and `batch` windows' records
         fit; if any node's do not, every rank passes messages instead."""
         if not self.shared:
-            if self.scattered and echo is not None and self.rank == 0:
-                echo("MPI: the ranks of a node are not numbered consecutively (a round-robin "
-                     "placement such as --map-by node?): each rank keeps its own copy and passes "
-                     "messages; a block placement lets the ranks of a node share memory")
             return
         names = ("theta", "Tf", "Tb", "alpha", "zeros", "Pf", "Pb")
         need = sum(getattr(state, n).nbytes for n in names) + self._records_bytes(state.cfg, batch)

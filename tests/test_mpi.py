@@ -189,19 +189,27 @@ def test_mpi_checkpoints_equal_one_process(refs, tmp_path, speed, batch, ranks, 
 
 
 @needs_mpi
-@pytest.mark.parametrize("why,ranks,env", [
-    ("free in /dev/shm", 2, {"HSLM_MPI_TEST_SHM_ROOM": "1000"}),
-    ("not numbered consecutively", 3, {"HSLM_MPI_TEST_NODE_SIZE": "rr2"})])
-def test_where_memory_cannot_be_shared_the_ranks_pass_messages(refs, tmp_path, why, ranks, env):
+def test_too_little_shared_memory_falls_back_to_messages(refs, tmp_path):
     """A node whose /dev/shm cannot hold the model and the records (a container's 64
-    MB), or nodes that take ranks in turn (--map-by node): one notice, then every rank
-    passes messages, with the same bytes."""
+    MB): one notice, then every rank passes messages, with the same bytes."""
     code, stdout, err = hslm("train", *TINY, "--out", tmp_path, "--threads", 1, "--batch", 4,
-                             "--steps", 4, ranks=ranks, extra_env=env)
+                             "--steps", 4, ranks=2, extra_env={"HSLM_MPI_TEST_SHM_ROOM": "1000"})
     assert code == 0, err
-    assert why in stdout and stdout.count("passes messages") == 1, stdout
+    assert "free in /dev/shm" in stdout and stdout.count("passes messages") == 1, stdout
     assert "updated parameters to all" in stdout, stdout
     same_bytes(refs[4], tmp_path, 4)
+
+
+@needs_mpi
+def test_ranks_placed_in_turn_are_renumbered_by_node(refs, tmp_path):
+    """Nodes that take ranks in turn (--map-by node; pretended: ranks 0 and 2 on one
+    node, 1 on the other): hslm renumbers them so that each node's are consecutive,
+    the ranks of a node share memory, and the bytes are one process's."""
+    stdout = train(tmp_path, "--batch", 5, "--steps", 4, "--save-every", 2, ranks=3,
+                   extra_env={"HSLM_MPI_TEST_NODE_SIZE": "rr2", "HSLM_MPI_TEST_SKEW": "1:0.1"})
+    assert "the ranks of a node share memory" in stdout and "2 nodes" in stdout, stdout
+    same_bytes(refs[5], tmp_path, 2)
+    same_bytes(refs[5], tmp_path, 4)
 
 
 @needs_mpi
