@@ -20,28 +20,36 @@ from .step import StepRunner, warm_up
 from .train import Run
 
 
+def cpu_info() -> dict:
+    """The first core's /proc/cpuinfo fields (empty where there is none)."""
+    info = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, sep, value = line.partition(":")
+                if not sep:
+                    if info:
+                        break  # the first core's block ends at its blank line
+                    continue
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return info
+
+
 def machine_peak_gflops_per_core():
     """Theoretical f64 peak of one core: GHz x flops/cycle (2 FMA pipes x vector width).
 
     Returns (gflops, description). The ternary kernels may use FMA (exact there);
     the weight-gradient kernel multiplies and adds separately, which on cores with
     separate add pipes (Zen) still runs at full rate and elsewhere at half."""
-    mhz, flags, model = None, "", platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("cpu MHz") and mhz is None:
-                    mhz = float(line.split(":")[1])
-                elif line.startswith("flags") and not flags:
-                    flags = line
-                elif line.startswith("model name") and not model:
-                    model = line.split(":")[1].strip()
-    except OSError:
-        pass
-    lanes = 8 if "avx512f" in flags else (4 if "avx2" in flags else 2)
-    fma = 2 if (" fma" in flags or "avx512f" in flags) else 1
+    info = cpu_info()
+    flags = " " + info.get("flags", "") + " "
+    model = info.get("model name") or platform.processor()
+    lanes = 8 if " avx512f " in flags else (4 if " avx2 " in flags else 2)
+    fma = 2 if (" fma " in flags or " avx512f " in flags) else 1
     flops_per_cycle = 2 * lanes * fma if fma > 1 else 2 * lanes
-    ghz = (mhz or 2000.0) / 1000.0
+    ghz = float(info.get("cpu MHz", 2000.0)) / 1000.0
     return ghz * flops_per_cycle, (f"{model or 'cpu'}, {ghz:.2f} GHz x {flops_per_cycle} f64 "
                                    f"flops/cycle ({lanes}-wide, 2 FMA pipes)")
 
@@ -51,14 +59,8 @@ def separate_add_pipes() -> bool:
     pipes of their own (AMD Zen: two FMA/multiply and two add pipes), so that an
     unfused multiply-add costs no more than an FMA. Intel cores run both on the
     FMA pipes: there it takes two of them."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read(8192)
-    except OSError:
-        return False
-    family = next((int(line.split(":")[1]) for line in info.splitlines()
-                   if line.startswith("cpu family")), 0)
-    return "AuthenticAMD" in info and family >= 0x17
+    info = cpu_info()
+    return info.get("vendor_id") == "AuthenticAMD" and int(info.get("cpu family", 0)) >= 0x17
 
 
 def checkpoint_digest(run: Run):

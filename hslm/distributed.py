@@ -40,8 +40,9 @@ moments stay with their owners; rank 0 gathers them only to write a `.state`.
 
 The ranks of a node share memory (MPI-3 Win.Allocate_shared; HSLM_MPI_SHARED=0
 forbids it, and so does a node whose /dev/shm cannot hold it; ranks placed on the
-nodes in turn are renumbered, so that each node's are consecutive): they hold one copy of the model (theta, its trits, alpha, zero
-counts: share_state) and of the windows' records. Each rank writes its windows'
+nodes in turn are renumbered, so that each node's are consecutive): they hold
+one copy of the model (theta, its trits, alpha, zero counts: share_state) and of
+the windows' records. Each rank writes its windows'
 records; a node barrier; with several nodes, each node's first rank allgathers
 the node's records with the other nodes' first ranks, and a barrier; each rank
 adds every window into its own units, takes the AdamW step of its own tensors and
@@ -166,6 +167,12 @@ def unit_chunks(cfg, units, target=CHUNK_ELEMENTS):
     return chunks
 
 
+def record_specs(dims, B):
+    """[(shape, dtype)] of B windows' Acts and Record fields (hslm.layers), in order."""
+    from .layers import ACT_FIELDS, RECORD_FIELDS
+    return [((B,) + shape(dims), np.float64) for _, shape in ACT_FIELDS + RECORD_FIELDS]
+
+
 def one_line(e) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
@@ -224,15 +231,20 @@ class World:
             self.node = comm.Split(first, self.rank)
             every = comm.allgather(self.node.allgather(self.rank))
             self.renumbered = True
-        if not self.shared:  # every rank its own copy: a node of one, for node_span
+        self._copies(every if self.shared else None)
+        is_leader = self.node.Get_rank() == 0
+        leaders = comm.Split(0 if is_leader else MPI.UNDEFINED, self.rank)
+        self.leaders = leaders if is_leader else None
+
+    def _copies(self, every):
+        """Who holds which copy of the model: every[r] = the ranks of rank r's node
+        (consecutive), or None for a copy per rank (no shared memory)."""
+        if every is None:
             every = [[r] for r in range(self.size)]
         self.node_first = [r[0] for r in every]                 # per rank
         firsts = sorted(set(self.node_first))
         self.node_of = [firsts.index(f) for f in self.node_first]  # per rank
         self.node_ranks = [(f, f + len(every[f])) for f in firsts]  # per copy: [r0, r1)
-        is_leader = self.node.Get_rank() == 0
-        leaders = comm.Split(0 if is_leader else MPI.UNDEFINED, self.rank)
-        self.leaders = leaders if is_leader else None
 
     def node_span(self, per_rank):
         """Per node, the span [a, b) its ranks' consecutive spans per_rank cover."""
@@ -257,7 +269,8 @@ class World:
         scale = 1.0 / (k * B)
         losses = np.zeros(nb)
         self.finish_sends()  # the last step's sends read from G
-        time.sleep(self.skew)
+        if self.skew:
+            time.sleep(self.skew)
         if runner.speed.loop != PER_POSITION and self.records_pay(runner.cfg, B):
             self._ownership(runner.cfg, self._records_work(runner, B, k))
             self._by_records(runner, model, vsa_table, windows, k, scale, G, lo, hi)
@@ -515,7 +528,8 @@ class World:
         from .step import tensor_parts
         t0, t1 = self.owned[self.rank]
         parts = [p for p in tensor_parts(run.cfg, runner.threads, t0, t1) if p[0] < p[1]]
-        time.sleep(self.skew)
+        if self.skew:
+            time.sleep(self.skew)
         if self.shared:
             if self.last_reduction != "records":  # every rank is done reading the model
                 self.node_sync()               # (records: since the barrier after the windows)
@@ -637,15 +651,15 @@ class World:
         if not self.shared:
             return
         names = ("theta", "Tf", "Tb", "alpha", "zeros", "Pf", "Pb")
-        need = sum(getattr(state, n).nbytes for n in names) + self._records_bytes(state.cfg, batch)
+        records = record_specs(state.cfg.dims(), batch)
+        need = (sum(getattr(state, n).nbytes for n in names)
+                + sum(8 * int(np.prod(shape)) for shape, _ in records))
         room = shm_room() if self.node.Get_rank() == 0 else None
         short = [(r, x) for r, x in enumerate(self.comm.allgather(room))
                  if x is not None and x < need + (16 << 20)]  # and a margin for MPI itself
         if short:
             self.shared = False
-            self.node_ranks = [(r, r + 1) for r in range(self.size)]
-            self.node_of = list(range(self.size))
-            self.node_first = list(range(self.size))
+            self._copies(None)
             self._work_for = None
             if echo is not None and self.rank == 0:
                 r, x = short[0]
@@ -662,12 +676,6 @@ class World:
         for n, a in zip(names, arrays):
             setattr(state, n, a)
 
-    @staticmethod
-    def _records_bytes(cfg, B):
-        from .layers import ACT_FIELDS, RECORD_FIELDS
-        fields = ACT_FIELDS + RECORD_FIELDS
-        return 8 * B * sum(int(np.prod(shape(cfg.dims()))) for _, shape in fields)
-
     def close(self):
         """End the shared-memory epochs and free the windows. Collective: only where
         every rank ends together (a finished run, an agreed stop, an AllRanksError)."""
@@ -679,10 +687,8 @@ class World:
     def _shared_records(self, dims, B):
         """Acts and Record of B windows (hslm.layers.alloc_acts, alloc_record) in shared
         memory."""
-        from .layers import ACT_FIELDS, RECORD_FIELDS, Acts, Record
-        fields = ACT_FIELDS + RECORD_FIELDS
-        arrays = self.shared_arrays("records", [((B,) + shape(dims), np.float64)
-                                                for _, shape in fields])
+        from .layers import ACT_FIELDS, Acts, Record
+        arrays = self.shared_arrays("records", record_specs(dims, B))
         return Acts(*arrays[:len(ACT_FIELDS)]), Record(*arrays[len(ACT_FIELDS):])
 
     # -------------------------------------------------- agreement between ranks
