@@ -78,11 +78,12 @@ def test_every_ternary_tile_gives_the_plain_sums_bit_for_bit(n, a, b):
     assert a < 3 or (other * 0.37).tobytes() != plain.tobytes()
 
 
-@pytest.mark.parametrize("n,a,b", [(36, 27, 729), (7, 33, 101), (2, 10, 9), (13, 27, 17)])
+@pytest.mark.parametrize("n,a,b", [(36, 27, 729), (7, 33, 101), (2, 10, 9), (13, 27, 17),
+                                   (13, 27, 243), (5, 7, 32), (4, 9, 28)])
 def test_every_weight_gradient_tile_gives_the_plain_sums_bit_for_bit(n, a, b):
     """G += X . D for each tile: each sum over i in order from 0.0, then added to G
     (a multiply and an add per term, never fused), whatever rows and columns are
-    left over."""
+    left over, and on a narrow last panel (243, 32 and 28 columns end in one)."""
     rng = np.random.default_rng(n * a + b)
     X = rng.standard_normal((n, a))
     D = rng.standard_normal((a, b))
