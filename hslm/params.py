@@ -44,7 +44,7 @@ def ternary_mask(cfg: Config) -> np.ndarray:
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def quantize_into(theta, offs, rows, cols, is_ternary, alpha, plain, Tf, Tb, pf_offs, Pf,
-                  pb_offs, Pb, panel, abs_sums, sums_given, zeros, t0, t1):
+                  pb_offs, Pb, abs_sums, sums_given, zeros, t0, t1):
     """alpha = mean|W| (1 if <= 1e-6); T = sign(W) where |W| > alpha/2 (spec section 3),
     for tensors t0..t1-1, written in the layouts the kernels read. With sums_given,
     abs_sums[t] already holds sum |W| in element order (adamw_step makes it).
@@ -80,17 +80,19 @@ def quantize_into(theta, offs, rows, cols, is_ternary, alpha, plain, Tf, Tb, pf_
                 for j in range(n):
                     for i in range(i0, i1):
                         Tb[o + j * m + i] = Tf[o + i * n + j]
-        # Pf[q, i, c] = T[i, q panel + c] and Pb[q, j, c] = T[q panel + c, j], both from
-        # one pass over theta, a panel of rows at a time: their trits are made row by
+        # Pf[q, i, c] = T[i, q P + c] and Pb[q, j, c] = T[q P + c, j] (P = TERNARY_PANEL,
+        # a compile-time constant, so the copies below have fixed lengths and vectorise),
+        # both from one pass over theta, P rows at a time: their trits are made row by
         # row into `block` (vectorised), each row copied into its Pf panels (contiguous
-        # runs), then the block is written out as one Pb panel, `panel` trits per column
-        # in a contiguous run (the block's columns are read from cache). The zero padding
+        # runs), then the block is written out as one Pb panel, P trits per column in a
+        # contiguous run (the block's columns are read from cache). The zero padding
         # past the last column is never written.
+        P = TERNARY_PANEL
         pf, pb = pf_offs[t], pb_offs[t]
-        block = np.empty((panel, n), np.float32)
+        block = np.empty((P, n), np.float32)
         nz = 0
-        for i0 in range(0, m, panel):
-            rows_here = min(panel, m - i0)
+        for i0 in range(0, m, P):
+            rows_here = min(P, m - i0)
             for c in range(rows_here):
                 i = i0 + c
                 src, row = theta[o + i * n:o + (i + 1) * n], block[c]
@@ -99,15 +101,23 @@ def quantize_into(theta, offs, rows, cols, is_ternary, alpha, plain, Tf, Tb, pf_
                     row[j] = 1.0 if w > half else (-1.0 if w < -half else 0.0)
                 for j in range(n):
                     nz += 1 if row[j] == 0.0 else 0
-                for q in range((n + panel - 1) // panel):
-                    j0 = q * panel
-                    dst = pf + (q * m + i) * panel
-                    for cc in range(min(panel, n - j0)):
-                        Pf[dst + cc] = row[j0 + cc]
-            dst = pb + (i0 // panel) * n * panel
-            for j in range(n):
-                for c in range(rows_here):
-                    Pb[dst + j * panel + c] = block[c, j]
+                for q in range(n // P):
+                    dst = pf + (q * m + i) * P
+                    for cc in range(P):
+                        Pf[dst + cc] = row[q * P + cc]
+                j0 = n - n % P  # the last panel's real columns
+                dst = pf + (n // P * m + i) * P
+                for cc in range(n - j0):
+                    Pf[dst + cc] = row[j0 + cc]
+            dst = pb + (i0 // P) * n * P
+            if rows_here == P:
+                for j in range(n):
+                    for c in range(P):
+                        Pb[dst + j * P + c] = block[c, j]
+            else:
+                for j in range(n):
+                    for c in range(rows_here):
+                        Pb[dst + j * P + c] = block[c, j]
         zeros[t] = nz
 
 
@@ -148,7 +158,7 @@ class ModelState:
         t1 = len(self.rows) if t1 is None else t1
         quantize_into(self.theta, self.offs, self.rows, self.cols, self.is_ternary, self.alpha,
                       self.plain, self.Tf, self.Tb, self.pf_offs, self.Pf, self.pb_offs, self.Pb,
-                      TERNARY_PANEL, self.alpha if abs_sums is None else abs_sums,
+                      self.alpha if abs_sums is None else abs_sums,
                       abs_sums is not None, self.zeros, t0, t1)
 
     def kernel_model(self) -> Model:
