@@ -97,8 +97,9 @@ def kernel(name, flags, doc, out, value, op, tile, buffered, edge=0):
 
 
 def edge_tile(ROWS, EDGE, out, value, op, buffered):
-    """Lines for a last panel whose real columns fit in EDGE: tiles of ROWS x EDGE, then
-    the remaining rows one at a time; each sum the same chain as in the full tile."""
+    """Lines for a last panel whose real columns fit in EDGE: tiles of ROWS x EDGE (the
+    rows left over fall through to the one-row loop), each sum the same chain as in the
+    full tile."""
     L = [f"        if b - j <= {EDGE}:", f"            while r + {ROWS} <= n:"]
     for rr in range(ROWS):
         L.append("                " + "; ".join(f"y{rr}_{c} = 0.0" for c in range(EDGE)))
@@ -112,14 +113,6 @@ def edge_tile(ROWS, EDGE, out, value, op, buffered):
             L.append(f"                    y{rr}_{c} = y{rr}_{c} + x{rr} * t{c}")
     L += stores_past_last_column(ROWS, EDGE, "                ", "b - j", out, value, op, buffered)
     L.append(f"                r += {ROWS}")
-    L.append("            while r < n:")
-    L.append("                " + "; ".join(f"y0_{c} = 0.0" for c in range(EDGE)))
-    L += ["                for i in range(a):", "                    t = pan[i]",
-          "                    x0 = X[r, i]"]
-    for c in range(EDGE):
-        L.append(f"                    y0_{c} = y0_{c} + x0 * t[{c}]")
-    L += stores_past_last_column(1, EDGE, "                ", "b - j", out, value, op, buffered)
-    L += ["                r += 1", "            continue"]
     return L
 
 
