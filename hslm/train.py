@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -208,10 +209,14 @@ class Run:
             self.state.requantize(part[0], part[1], self.abs_sums)
 
         self.world = world = runner.world
+        t0 = time.perf_counter()
         if world is None:
             runner.map_parts(lambda part: (adam(part), requantize(part)), runner.optimiser_parts)
         else:  # MPI: each rank updates its own tensors, then all gather them
             world.optimizer_step(self, runner, adam, requantize)
+        if runner.timings is not None:  # (hslm bench's profile)
+            runner.timings["optimiser"] = (runner.timings.get("optimiser", 0.0)
+                                           + time.perf_counter() - t0)
         return loss
 
     def validation_loss(self, runner: StepRunner) -> float:
