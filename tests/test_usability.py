@@ -172,6 +172,7 @@ def test_bench_compares_speeds_threads_batches_and_torch_on_small_models(tmp_pat
     report = json.loads(report_path.read_text())
     assert [m["model"] for m in report["models"]] == ["hslm-tiny", str(narrow)]
     assert report["machine"] and report["numpy"] and len(report["models"][0]["rows"]) == 8
+    assert report["peak_measured"] and "f64 peak of one core, measured" in out
     assert all(r["memory_bytes"] > 0 and r["checkpoint_bytes"] > 0
                for m in report["models"] for r in m["rows"])
 
@@ -191,3 +192,20 @@ def test_a_bad_flag_on_a_first_run_is_told_before_anything_compiles(tmp_path):
         one_line_error(p.returncode, p.stdout, p.stderr)
         assert seconds < 10, (flags, seconds)  # (compiling takes 30 s or more)
         assert not list((tmp_path / "cache").rglob("*.nbi")), flags
+
+
+def test_measured_peaks_are_physical():
+    """hslm/peak.py's loops run, and their rates are ones a core can reach: at most 2 FMA
+    pipes x lanes x 2 flops at 6 GHz (a loop LLVM had folded or whose accumulators it had
+    merged would report many times that), an FMA at least as fast as a multiply and an
+    add, and both well above zero."""
+    from hslm.peak import ACCUMULATORS, _loop_ir, measured_peaks
+    peaks = measured_peaks(seconds=0.02)
+    assert peaks is not None
+    ceiling = 2 * peaks["lanes"] * 2 * 6.0
+    assert 1.0 < peaks["mul_add"] <= 1.15 * peaks["fma"] <= 1.15 * ceiling, peaks
+    # the loop holds ACCUMULATORS independent chains, each starting from its own value
+    ir = _loop_ir(8, True)
+    assert ir.count("call <8 x double> @llvm.fma") == ACCUMULATORS
+    assert len({l.split("<", 2)[2] for l in ir.splitlines() if "%init" in l and "fadd" in l}) \
+        == ACCUMULATORS

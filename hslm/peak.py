@@ -1,0 +1,115 @@
+"""This core's f64 arithmetic peaks, measured rather than derived from a clock.
+
+A nominal peak (GHz x flops per cycle) trusts the clock /proc/cpuinfo reports, and
+cores rarely run at it: on the 2-core Xeon of the README it says 2.60 GHz, while
+512-bit FMAs ran at 3.4 GHz and scalar code faster still, so a share of the nominal
+peak overstated how close a kernel came by a third. Here a loop of independent
+multiply-adds, written in LLVM IR and compiled for the CPU and features Numba
+compiles for (so an AVX2 build measures AVX2), runs long enough to settle the clock:
+
+* FMA: acc = fma(acc, x, c), the ternary kernels' operation;
+* multiply + add: acc = acc * x + c, unfused, the weight gradient's operation (two
+  FMA-pipe slots on Intel cores; full rate on cores with separate add pipes).
+
+Each uses 12 independent vector accumulators, enough to cover the latency of the
+pipes of every x86 core these machines have, and no more than 16 registers hold.
+"""
+from __future__ import annotations
+
+import ctypes
+import time
+
+ACCUMULATORS = 12
+
+
+def _loop_ir(lanes: int, fused: bool) -> str:
+    """double @peak(i64 n, double x, double c): n iterations of ACCUMULATORS vector
+    multiply-adds; returns a sum of the accumulators (so none is dead code)."""
+    vt = f"<{lanes} x double>"
+    splat = [f"  %{v}0 = insertelement {vt} undef, double %{v}s, i32 0\n"
+             f"  %{v} = shufflevector {vt} %{v}0, {vt} undef, <{lanes} x i32> zeroinitializer"
+             for v in "xc"]
+    # distinct starting values, or LLVM would merge identical accumulators into one
+    inits = [f"  %init{k} = fadd {vt} %x, <"
+             + ", ".join(f"double {1.0 + 0.001 * (k * lanes + j)}" for j in range(lanes)) + ">"
+             for k in range(ACCUMULATORS)]
+    phis = [f"  %a{k} = phi {vt} [ %init{k}, %entry ], [ %b{k}, %loop ]"
+            for k in range(ACCUMULATORS)]
+    if fused:
+        ops = [f"  %b{k} = call {vt} @llvm.fma.v{lanes}f64({vt} %a{k}, {vt} %x, {vt} %c)"
+               for k in range(ACCUMULATORS)]
+    else:
+        ops = [f"  %p{k} = fmul {vt} %a{k}, %x\n  %b{k} = fadd {vt} %p{k}, %c"
+               for k in range(ACCUMULATORS)]
+    sums = [f"  %s1 = fadd {vt} %b0, %b1"] + [f"  %s{k} = fadd {vt} %s{k - 1}, %b{k}"
+                                              for k in range(2, ACCUMULATORS)]
+    return "\n".join([
+        f"declare {vt} @llvm.fma.v{lanes}f64({vt}, {vt}, {vt})",
+        "define double @peak(i64 %n, double %xs, double %cs) {",
+        "entry:", *splat, *inits, "  br label %loop",
+        "loop:", *phis, "  %i = phi i64 [ 0, %entry ], [ %inext, %loop ]", *ops,
+        "  %inext = add i64 %i, 1", "  %done = icmp eq i64 %inext, %n",
+        "  br i1 %done, label %exit, label %loop",
+        "exit:", *sums, f"  %e = extractelement {vt} %s{ACCUMULATORS - 1}, i32 0",
+        "  ret double %e", "}"])
+
+
+def _compiled(lanes: int, fused: bool):
+    """The loop compiled by llvmlite for Numba's target machine; kept alive with its
+    engine (the function pointer dies with it)."""
+    import llvmlite.binding as llvm
+    from numba.core import config
+
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    mod = llvm.parse_assembly(_loop_ir(lanes, fused))
+    mod.verify()
+    cpu = config.CPU_NAME or llvm.get_host_cpu_name()
+    features = (config.CPU_FEATURES if config.CPU_FEATURES is not None
+                else llvm.get_host_cpu_features().flatten())
+    tm = llvm.Target.from_default_triple().create_target_machine(cpu=cpu, features=features,
+                                                                opt=3)
+    engine = llvm.create_mcjit_compiler(mod, tm)
+    engine.finalize_object()
+    fn = ctypes.CFUNCTYPE(ctypes.c_double, ctypes.c_int64, ctypes.c_double, ctypes.c_double)(
+        engine.get_function_address("peak"))
+    return engine, fn
+
+
+def _rate(fn, lanes: int, seconds: float) -> float:
+    """GFLOP/s of the loop (2 flops per lane and accumulator per iteration): the best of
+    three runs of about `seconds` each, after one that settles the clock."""
+    n = 1 << 16
+    while True:  # grow n until one run takes a tenth of the time wanted
+        t = time.perf_counter()
+        fn(n, 0.9999999, 1e-9)
+        dt = time.perf_counter() - t
+        if dt > seconds / 10 or n > 1 << 34:
+            break
+        n *= 4
+    n = max(int(n * seconds / max(dt, 1e-9)), 1)
+    fn(n, 0.9999999, 1e-9)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        fn(n, 0.9999999, 1e-9)
+        best = min(best, time.perf_counter() - t)
+    return 2.0 * lanes * ACCUMULATORS * n / best / 1e9
+
+
+def measured_peaks(seconds: float = 0.1):
+    """{"fma": GFLOP/s, "mul_add": GFLOP/s, "lanes": doubles per vector} of one core,
+    for the vector width Numba's kernels use here (hslm.micro.wide_vectors: 8, else 4),
+    or None where the loop cannot be built (an llvmlite without MCJIT, say)."""
+    from .micro import wide_vectors
+
+    lanes = 8 if wide_vectors() else 4
+    try:
+        rates = {}
+        for name, fused in (("fma", True), ("mul_add", False)):
+            engine, fn = _compiled(lanes, fused)
+            rates[name] = _rate(fn, lanes, seconds)
+            del engine, fn
+    except Exception:  # noqa: BLE001 - any failure: the bench falls back to the nominal peak
+        return None
+    return {**rates, "lanes": lanes}
