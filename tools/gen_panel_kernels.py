@@ -16,11 +16,16 @@ from pathlib import Path
 #   float32-to-float64 conversion of a panel row serves 9 multiply-adds (27 rows =
 #   3 tiles);
 # * 16 registers of 4 doubles (AVX2) or fewer: 3 x 12, 9 accumulators.
+# The ternary tiles' inner loops are written in LLVM IR with explicit vectors
+# (hslm/vector_tiles.py; VECTOR_LANES doubles per vector): the SLP vectoriser packed
+# the 9 x 16 tile's named scalars imperfectly (20 FMAs, 4 conversions and 3 inserts per
+# input index for 18 FMAs and 2 conversions). The weight gradient's packed cleanly.
 # The weight gradient (no contraction: a multiply and an add per term): 3 x 24 (9
 # accumulators) with 32 registers; with 16 registers 3 x 24 needs 18, so it spilled:
 # 3 x 12 ran 1.6x as fast compiled for Haswell and 3.2x for Zen 3 (timed on an Intel
 # core), while on AVX-512 3 x 24 is as fast as any other (2 x 24, 3 x 32, 4 x 16 ...).
 TERNARY_TILES = ((9, 16), (3, 12))
+VECTOR_LANES = {16: 8, 12: 4}  # panel width: doubles per vector of the ternary tile
 WGRAD_TILES = ((3, 24), (3, 12))
 WGRAD_WINDOWS = 8
 # The weight gradient's last panel, when its real columns fit in one vector (EDGES[panel]
@@ -42,6 +47,8 @@ chooses one of each for the machine).
 """
 import numpy as np
 from numba import njit
+
+from .vector_tiles import make_tile
 
 TERNARY_TILES = {tiles}
 WGRAD_TILES = {wtiles}
@@ -134,18 +141,52 @@ def stores_past_last_column(rows, panel, pad, columns, out, value, op, buffered)
 
 
 TERNARY_DOC = ("Y [n, b] = alpha * (X [n, a] . T), T ternary [a, b] in panels P (float32:\n"
-               "    -1, 0 and +1 convert to float64 exactly).\n\n"
-               "    FMA contraction is allowed: each product x * t with t in {-1, 0, +1} is exact,\n"
-               "    so fma(x, t, y) rounds once, exactly like y + x * t: the bits do not change,\n"
-               "    on machines with or without FMA. Never call it with a non-ternary matrix.")
+               "    -1, 0 and +1 convert to float64 exactly). Tiles of {rows} rows (then single\n"
+               "    rows) by one panel, each summed by an LLVM IR loop (hslm/vector_tiles.py)\n"
+               "    with FMA where the core has it: each product x * t with t in {{-1, 0, +1}}\n"
+               "    is exact, so fma(x, t, y) rounds once, exactly like y + x * t: the bits do\n"
+               "    not change, on machines with or without FMA. Never call it with a\n"
+               "    non-ternary matrix.")
+
+
+def ternary_kernel(rows, panel):
+    """The driver of one ternary tile: the IR loop sums a tile into `out`, the driver
+    scales it by alpha into Y, the columns before b only."""
+    lanes = VECTOR_LANES[panel]
+    tile, row = f"TILE_{rows}x{panel}", f"ROW_{panel}"
+    return f"""{tile} = make_tile({rows}, {panel // lanes}, {lanes}, fused=True, panel_f32=True)
+{row} = make_tile(1, {panel // lanes}, {lanes}, fused=True, panel_f32=True)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def ternary_panel_matmul_{rows}x{panel}(X, P, b, alpha, Y):
+    \"\"\"{TERNARY_DOC.format(rows=rows)}\"\"\"
+    n, a = X.shape
+    out = np.empty({rows * panel})
+    xs = X.strides[0] // 8
+    for q in range(P.shape[0]):  # a panel is reused by every row while it is in cache
+        j = q * {panel}
+        p = P.ctypes.data + q * P.strides[0]
+        cols = min({panel}, b - j)
+        r = 0
+        while r + {rows} <= n:
+            {tile}(X.ctypes.data + r * X.strides[0], xs, p, a, out.ctypes.data)
+            for rr in range({rows}):
+                for c in range(cols):
+                    Y[r + rr, j + c] = alpha * out[rr * {panel} + c]
+            r += {rows}
+        while r < n:
+            {row}(X.ctypes.data + r * X.strides[0], xs, p, a, out.ctypes.data)
+            for c in range(cols):
+                Y[r, j + c] = alpha * out[c]
+            r += 1
+"""
 
 
 def render() -> str:
     out = HEADER.format(tiles=TERNARY_TILES, wtiles=WGRAD_TILES, wwindows=WGRAD_WINDOWS)
     for rows, panel in TERNARY_TILES:
-        out += "\n\n" + kernel(
-            f"ternary_panel_matmul_{rows}x{panel}(X, P, b, alpha, Y)", ', fastmath={"contract"}',
-            TERNARY_DOC, "Y", lambda acc: f"alpha * {acc}", "=", (rows, panel), False)
+        out += "\n\n" + ternary_kernel(rows, panel)
     for rows, panel in WGRAD_TILES:
         out += "\n\n" + kernel(
             f"panel_matmul_add_{rows}x{panel}(X, P, b, G)", "",

@@ -1,0 +1,100 @@
+"""A register tile's inner loop written in LLVM IR with explicit vectors (a Numba
+intrinsic), for the ternary kernels of hslm/panel_kernels.py.
+
+Numba has no vector types, so the generated kernels hold a tile in named scalars and
+rely on LLVM's SLP vectoriser to pack them. For the ternary 9 x 16 tile it packed
+most of them but not all: its loop did 20 FMAs, 4 conversions and 3 lane inserts for
+the 18 FMAs and 2 conversions the tile needs (per input index), and the kernel ran at
+about 55% of this core's measured FMA peak. Here the loop is written as the tile
+means it: per input index, `vecs` panel vectors loaded (float32 trits widened to
+float64), each of `rows` inputs broadcast, and rows x vecs vector multiply-adds.
+
+The sums are the plain loops' sums: each output element starts at 0.0 and adds
+x[r, i] * t[i, c] for i = 0, 1, ... in order. With `fused` the multiply-add is
+llvm.fmuladd, which fuses where the core has FMA: exact for ternary t (the product
+x * t is exact, so one rounding or two give the same bits, on any core). Without it,
+a multiply and an add, each rounded (for products that are not exact).
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+
+def make_tile(rows: int, vecs: int, lanes: int, fused: bool, panel_f32: bool):
+    """An intrinsic tile(x_addr, x_stride, p_addr, a, out_addr), all intp:
+
+    X: float64 rows at x_addr, x_stride elements apart; P: `a` rows of vecs * lanes
+    panel values at p_addr (float32 if panel_f32, else float64), contiguous. For
+    i = 0 .. a-1 in order: acc[r, c] = acc[r, c] + X[r, i] P[i, c], from 0.0; then
+    out[r * vecs * lanes + c] = acc[r, c] (float64 at out_addr)."""
+    width = vecs * lanes
+
+    def codegen(context, builder, signature, args):
+        xa, xs, pa, n, oa = args
+        f64, i32, i64 = ir.DoubleType(), ir.IntType(32), ir.IntType(64)
+        vt = ir.VectorType(f64, lanes)
+        pt = ir.FloatType() if panel_f32 else f64
+        zero = ir.Constant(vt, [0.0] * lanes)
+        splat = ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)
+        xptr = builder.inttoptr(xa, f64.as_pointer())
+        pptr = builder.inttoptr(pa, pt.as_pointer())
+        optr = builder.inttoptr(oa, f64.as_pointer())
+        name = f"llvm.fmuladd.v{lanes}f64"
+        fmuladd = builder.module.globals.get(name) or ir.Function(
+            builder.module, ir.FunctionType(vt, [vt, vt, vt]), name=name)
+        entry = builder.block
+        loop = builder.function.append_basic_block("tile.loop")
+        done = builder.function.append_basic_block("tile.done")
+        builder.cbranch(builder.icmp_signed(">", n, ir.Constant(i64, 0)), loop, done)
+
+        builder.position_at_end(loop)  # one input index i per iteration
+        i = builder.phi(i64)
+        acc = [[builder.phi(vt) for _ in range(vecs)] for _ in range(rows)]
+        row_i = builder.mul(i, ir.Constant(i64, width))
+        t = []
+        for v in range(vecs):
+            p = builder.gep(pptr, [builder.add(row_i, ir.Constant(i64, v * lanes))])
+            tv = builder.load(builder.bitcast(p, ir.VectorType(pt, lanes).as_pointer()),
+                              align=4 if panel_f32 else 8)
+            t.append(builder.fpext(tv, vt) if panel_f32 else tv)
+        new = []
+        for r in range(rows):
+            x = builder.load(builder.gep(xptr, [builder.add(builder.mul(ir.Constant(i64, r), xs),
+                                                            i)]), align=8)
+            xv = builder.shuffle_vector(builder.insert_element(ir.Constant(vt, ir.Undefined), x,
+                                                               ir.Constant(i32, 0)),
+                                        ir.Constant(vt, ir.Undefined), splat)
+            if fused:
+                new.append([builder.call(fmuladd, [xv, t[v], acc[r][v]]) for v in range(vecs)])
+            else:
+                new.append([builder.fadd(acc[r][v], builder.fmul(xv, t[v]))
+                            for v in range(vecs)])
+        i_next = builder.add(i, ir.Constant(i64, 1))
+        i.add_incoming(ir.Constant(i64, 0), entry)
+        i.add_incoming(i_next, loop)
+        for r in range(rows):
+            for v in range(vecs):
+                acc[r][v].add_incoming(zero, entry)
+                acc[r][v].add_incoming(new[r][v], loop)
+        builder.cbranch(builder.icmp_signed("<", i_next, n), loop, done)
+
+        builder.position_at_end(done)  # the sums (0.0 when a = 0) out to memory
+        sums = []
+        for r in range(rows):
+            for v in range(vecs):
+                s = builder.phi(vt)
+                s.add_incoming(zero, entry)
+                s.add_incoming(new[r][v], loop)
+                sums.append(s)
+        for k, s in enumerate(sums):
+            p = builder.gep(optr, [ir.Constant(i64, k * lanes)])
+            builder.store(s, builder.bitcast(p, vt.as_pointer()), align=8)
+        return context.get_dummy_value()
+
+    def tile(typingctx, x_addr, x_stride, p_addr, a, out_addr):
+        return types.void(types.intp, types.intp, types.intp, types.intp, types.intp), codegen
+
+    tile.__name__ = f"tile_{rows}x{width}{'_fused' if fused else ''}"
+    return intrinsic(tile)
