@@ -46,8 +46,17 @@ def make_tile(rows: int, vecs: int, lanes: int, fused: bool, panel_f32: bool):
             builder.module, ir.FunctionType(vt, [vt, vt, vt]), name=name)
         entry = builder.block
         loop = builder.function.append_basic_block("tile.loop")
+        sums = builder.function.append_basic_block("tile.sums")
+        zeros = builder.function.append_basic_block("tile.zeros")
         done = builder.function.append_basic_block("tile.done")
-        builder.cbranch(builder.icmp_signed(">", n, ir.Constant(i64, 0)), loop, done)
+        builder.cbranch(builder.icmp_signed(">", n, ir.Constant(i64, 0)), loop, zeros)
+
+        def store_all(values):  # out[(r * vecs + v) * lanes ...] = values[r][v]
+            for r in range(rows):
+                for v in range(vecs):
+                    p = builder.gep(optr, [ir.Constant(i64, (r * vecs + v) * lanes)])
+                    builder.store(values[r][v], builder.bitcast(p, vt.as_pointer()), align=8)
+            builder.branch(done)
 
         builder.position_at_end(loop)  # one input index i per iteration
         i = builder.phi(i64)
@@ -78,19 +87,12 @@ def make_tile(rows: int, vecs: int, lanes: int, fused: bool, panel_f32: bool):
             for v in range(vecs):
                 acc[r][v].add_incoming(zero, entry)
                 acc[r][v].add_incoming(new[r][v], loop)
-        builder.cbranch(builder.icmp_signed("<", i_next, n), loop, done)
-
-        builder.position_at_end(done)  # the sums (0.0 when a = 0) out to memory
-        sums = []
-        for r in range(rows):
-            for v in range(vecs):
-                s = builder.phi(vt)
-                s.add_incoming(zero, entry)
-                s.add_incoming(new[r][v], loop)
-                sums.append(s)
-        for k, s in enumerate(sums):
-            p = builder.gep(optr, [ir.Constant(i64, k * lanes)])
-            builder.store(s, builder.bitcast(p, vt.as_pointer()), align=8)
+        builder.cbranch(builder.icmp_signed("<", i_next, n), loop, sums)
+        builder.position_at_end(sums)  # the sums out to memory
+        store_all(new)
+        builder.position_at_end(zeros)  # a = 0: every sum is 0.0
+        store_all([[zero] * vecs for _ in range(rows)])
+        builder.position_at_end(done)
         return context.get_dummy_value()
 
     def tile(typingctx, x_addr, x_stride, p_addr, a, out_addr):

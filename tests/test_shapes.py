@@ -51,7 +51,8 @@ def test_the_shapes_reach_the_kernels_edges():
     assert any(c.head_width % 2 for c in SHAPES.values())
 
 
-@pytest.mark.parametrize("n,a,b", [(27, 243, 729), (7, 33, 101), (2, 10, 9), (13, 50, 17)])
+@pytest.mark.parametrize("n,a,b", [(27, 243, 729), (7, 33, 101), (2, 10, 9), (13, 50, 17),
+                                   (26, 20, 40), (12, 5, 16), (9, 0, 16)])
 def test_every_ternary_tile_gives_the_plain_sums_bit_for_bit(n, a, b):
     """Each machine runs one tile; all must give the bits of the plain loop (each sum
     over i in order from 0.0), whatever rows and columns are left over."""

@@ -14,7 +14,9 @@ from pathlib import Path
 # depends on the register file (hslm/micro.py picks one when it loads):
 # * 32 registers of 8 doubles (AVX-512): 9 x 16 uses 18 accumulators, and one
 #   float32-to-float64 conversion of a panel row serves 9 multiply-adds (27 rows =
-#   3 tiles);
+#   3 tiles). 14 x 16 (27 = 14 + 13) ran 5-10% faster on hot caches and 2-3% in the
+#   forward here, but its 28 accumulators leave LLVM short of registers (it spilled
+#   some to the stack), which other AVX-512 cores may take worse: not used;
 # * 16 registers of 4 doubles (AVX2) or fewer: 3 x 12, 9 accumulators.
 # The ternary tiles' inner loops are written in LLVM IR with explicit vectors
 # (hslm/vector_tiles.py; VECTOR_LANES doubles per vector): the SLP vectoriser packed
