@@ -43,7 +43,8 @@ MICRO_KERNELS = {
 
 def compile_micro(name: str) -> None:
     """Compile a register-tiled kernel with LLVM's SLP vectoriser on (Numba turns it
-    off by default; it is what packs a tile's named scalars into vector registers).
+    off by default; it is what packs the weight-gradient tile's named scalars into
+    vector registers; the ternary tile's loop is vector IR already, hslm/vector_tiles).
     SLP never reorders arithmetic, so the bits are those of the plain loops. With
     cache=True a cached build loads instead. Other signatures are then refused,
     so a wrong-typed call fails loudly instead of building a slow scalar copy."""
