@@ -74,18 +74,7 @@ def kernel(name, flags, doc, out, value, op, tile, buffered, edge=0):
          f"        j = q * {PANEL}", "        pan = P[q]", "        r = 0"]
     if edge:  # a last panel with few real columns: a narrower tile, no work on the padding
         L += edge_tile(ROWS, edge, out, value, op, buffered)
-    L += [f"        while r + {ROWS} <= n:"]
-    for rr in range(ROWS):
-        L.append("            " + "; ".join(f"y{rr}_{c} = 0.0" for c in range(PANEL)))
-    L.append("            for i in range(a):")
-    L.append("                t = pan[i]")
-    for rr in range(ROWS):
-        L.append(f"                x{rr} = X[r + {rr}, i]")
-    for c in range(PANEL):
-        L.append(f"                t{c} = t[{c}]")
-    for rr in range(ROWS):
-        for c in range(PANEL):
-            L.append(f"                y{rr}_{c} = y{rr}_{c} + x{rr} * t{c}")
+    L += [f"        while r + {ROWS} <= n:"] + tile_sums(ROWS, PANEL, " " * 12)
     L.append(f"            if j + {PANEL} <= b:")
     for rr in range(ROWS):
         for c in range(PANEL):
@@ -105,21 +94,24 @@ def kernel(name, flags, doc, out, value, op, tile, buffered, edge=0):
     return "\n".join(L) + "\n"
 
 
+def tile_sums(rows, width, pad):
+    """Lines (indented by pad) that sum a tile of rows x width in named accumulators,
+    each from 0.0 over i = 0 .. a-1 in order."""
+    L = [pad + "; ".join(f"y{rr}_{c} = 0.0" for c in range(width)) for rr in range(rows)]
+    L += [f"{pad}for i in range(a):", f"{pad}    t = pan[i]"]
+    L += [f"{pad}    x{rr} = X[r + {rr}, i]" for rr in range(rows)]
+    L += [f"{pad}    t{c} = t[{c}]" for c in range(width)]
+    L += [f"{pad}    y{rr}_{c} = y{rr}_{c} + x{rr} * t{c}" for rr in range(rows)
+          for c in range(width)]
+    return L
+
+
 def edge_tile(ROWS, EDGE, out, value, op, buffered):
     """Lines for a last panel whose real columns fit in EDGE: tiles of ROWS x EDGE (the
     rows left over fall through to the one-row loop), each sum the same chain as in the
     full tile."""
     L = [f"        if b - j <= {EDGE}:", f"            while r + {ROWS} <= n:"]
-    for rr in range(ROWS):
-        L.append("                " + "; ".join(f"y{rr}_{c} = 0.0" for c in range(EDGE)))
-    L += ["                for i in range(a):", "                    t = pan[i]"]
-    for rr in range(ROWS):
-        L.append(f"                    x{rr} = X[r + {rr}, i]")
-    for c in range(EDGE):
-        L.append(f"                    t{c} = t[{c}]")
-    for rr in range(ROWS):
-        for c in range(EDGE):
-            L.append(f"                    y{rr}_{c} = y{rr}_{c} + x{rr} * t{c}")
+    L += tile_sums(ROWS, EDGE, " " * 16)
     L += stores_past_last_column(ROWS, EDGE, "                ", "b - j", out, value, op, buffered)
     L.append(f"                r += {ROWS}")
     return L
