@@ -18,8 +18,8 @@ WGRAD_TILES = ((3, 24), (3, 12))
 WGRAD_WINDOWS = 8  # windows whose output gradients a thread holds in panels at once
 
 
-TILE_9x16 = make_tile(9, 2, 8, fused=True, panel_f32=True)
-ROW_16 = make_tile(1, 2, 8, fused=True, panel_f32=True)
+TILE_9x16 = make_tile(9, 2, 8)
+ROW_16 = make_tile(1, 2, 8)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -52,8 +52,8 @@ def ternary_panel_matmul_9x16(X, P, b, alpha, Y):
             r += 1
 
 
-TILE_3x12 = make_tile(3, 3, 4, fused=True, panel_f32=True)
-ROW_12 = make_tile(1, 3, 4, fused=True, panel_f32=True)
+TILE_3x12 = make_tile(3, 3, 4)
+ROW_12 = make_tile(1, 3, 4)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")

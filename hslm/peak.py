@@ -7,7 +7,8 @@ peak overstated how close a kernel came by a third. Here a loop of independent
 multiply-adds, written in LLVM IR and compiled for the CPU and features Numba
 compiles for (so an AVX2 build measures AVX2), runs long enough to settle the clock:
 
-* FMA: acc = fma(acc, x, c), the ternary kernels' operation;
+* FMA: acc = fmuladd(acc, x, c), the ternary kernels' operation (fused where the
+  core has FMA, as in the kernels);
 * multiply + add: acc = acc * x + c, unfused, the weight gradient's operation (two
   FMA-pipe slots on Intel cores; full rate on cores with separate add pipes).
 
@@ -36,7 +37,7 @@ def _loop_ir(lanes: int, fused: bool) -> str:
     phis = [f"  %a{k} = phi {vt} [ %init{k}, %entry ], [ %b{k}, %loop ]"
             for k in range(ACCUMULATORS)]
     if fused:
-        ops = [f"  %b{k} = call {vt} @llvm.fma.v{lanes}f64({vt} %a{k}, {vt} %x, {vt} %c)"
+        ops = [f"  %b{k} = call {vt} @llvm.fmuladd.v{lanes}f64({vt} %a{k}, {vt} %x, {vt} %c)"
                for k in range(ACCUMULATORS)]
     else:
         ops = [f"  %p{k} = fmul {vt} %a{k}, %x\n  %b{k} = fadd {vt} %p{k}, %c"
@@ -44,7 +45,7 @@ def _loop_ir(lanes: int, fused: bool) -> str:
     sums = [f"  %s1 = fadd {vt} %b0, %b1"] + [f"  %s{k} = fadd {vt} %s{k - 1}, %b{k}"
                                               for k in range(2, ACCUMULATORS)]
     return "\n".join([
-        f"declare {vt} @llvm.fma.v{lanes}f64({vt}, {vt}, {vt})",
+        f"declare {vt} @llvm.fmuladd.v{lanes}f64({vt}, {vt}, {vt})",
         "define double @peak(i64 %n, double %xs, double %cs) {",
         "entry:", *splat, *inits, "  br label %loop",
         "loop:", *phis, "  %i = phi i64 [ 0, %entry ], [ %inext, %loop ]", *ops,

@@ -10,10 +10,10 @@ means it: per input index, `vecs` panel vectors loaded (float32 trits widened to
 float64), each of `rows` inputs broadcast, and rows x vecs vector multiply-adds.
 
 The sums are the plain loops' sums: each output element starts at 0.0 and adds
-x[r, i] * t[i, c] for i = 0, 1, ... in order. With `fused` the multiply-add is
-llvm.fmuladd, which fuses where the core has FMA: exact for ternary t (the product
-x * t is exact, so one rounding or two give the same bits, on any core). Without it,
-a multiply and an add, each rounded (for products that are not exact).
+x[r, i] * t[i, c] for i = 0, 1, ... in order. The multiply-add is llvm.fmuladd,
+which fuses where the core has FMA: the product x * t is exact for t in {-1, 0, +1},
+so one rounding or two give the same bits, on any core. (Only for ternary panels:
+other products are not exact, and fusing them would change bits.)
 """
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ from numba import types
 from numba.extending import intrinsic
 
 
-def make_tile(rows: int, vecs: int, lanes: int, fused: bool, panel_f32: bool):
+def make_tile(rows: int, vecs: int, lanes: int):
     """An intrinsic tile(x_addr, x_stride, p_addr, a, out_addr), all intp:
 
     X: float64 rows at x_addr, x_stride elements apart; P: `a` rows of vecs * lanes
-    panel values at p_addr (float32 if panel_f32, else float64), contiguous. For
-    i = 0 .. a-1 in order: acc[r, c] = acc[r, c] + X[r, i] P[i, c], from 0.0; then
+    float32 trits (-1, 0, +1) at p_addr, contiguous. For i = 0 .. a-1 in order:
+    acc[r, c] = acc[r, c] + X[r, i] P[i, c], from 0.0; then
     out[r * vecs * lanes + c] = acc[r, c] (float64 at out_addr)."""
     width = vecs * lanes
 
@@ -35,7 +35,7 @@ def make_tile(rows: int, vecs: int, lanes: int, fused: bool, panel_f32: bool):
         xa, xs, pa, n, oa = args
         f64, i32, i64 = ir.DoubleType(), ir.IntType(32), ir.IntType(64)
         vt = ir.VectorType(f64, lanes)
-        pt = ir.FloatType() if panel_f32 else f64
+        pt = ir.FloatType()
         zero = ir.Constant(vt, [0.0] * lanes)
         splat = ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)
         xptr = builder.inttoptr(xa, f64.as_pointer())
@@ -66,8 +66,8 @@ def make_tile(rows: int, vecs: int, lanes: int, fused: bool, panel_f32: bool):
         for v in range(vecs):
             p = builder.gep(pptr, [builder.add(row_i, ir.Constant(i64, v * lanes))])
             tv = builder.load(builder.bitcast(p, ir.VectorType(pt, lanes).as_pointer()),
-                              align=4 if panel_f32 else 8)
-            t.append(builder.fpext(tv, vt) if panel_f32 else tv)
+                              align=4)
+            t.append(builder.fpext(tv, vt))
         new = []
         for r in range(rows):
             x = builder.load(builder.gep(xptr, [builder.add(builder.mul(ir.Constant(i64, r), xs),
@@ -75,11 +75,7 @@ def make_tile(rows: int, vecs: int, lanes: int, fused: bool, panel_f32: bool):
             xv = builder.shuffle_vector(builder.insert_element(ir.Constant(vt, ir.Undefined), x,
                                                                ir.Constant(i32, 0)),
                                         ir.Constant(vt, ir.Undefined), splat)
-            if fused:
-                new.append([builder.call(fmuladd, [xv, t[v], acc[r][v]]) for v in range(vecs)])
-            else:
-                new.append([builder.fadd(acc[r][v], builder.fmul(xv, t[v]))
-                            for v in range(vecs)])
+            new.append([builder.call(fmuladd, [xv, t[v], acc[r][v]]) for v in range(vecs)])
         i_next = builder.add(i, ir.Constant(i64, 1))
         i.add_incoming(ir.Constant(i64, 0), entry)
         i.add_incoming(i_next, loop)
@@ -98,5 +94,5 @@ def make_tile(rows: int, vecs: int, lanes: int, fused: bool, panel_f32: bool):
     def tile(typingctx, x_addr, x_stride, p_addr, a, out_addr):
         return types.void(types.intp, types.intp, types.intp, types.intp, types.intp), codegen
 
-    tile.__name__ = f"tile_{rows}x{width}{'_fused' if fused else ''}"
+    tile.__name__ = f"ternary_tile_{rows}x{width}"
     return intrinsic(tile)

@@ -206,6 +206,6 @@ def test_measured_peaks_are_physical():
     assert 1.0 < peaks["mul_add"] <= 1.15 * peaks["fma"] <= 1.15 * ceiling, peaks
     # the loop holds ACCUMULATORS independent chains, each starting from its own value
     ir = _loop_ir(8, True)
-    assert ir.count("call <8 x double> @llvm.fma") == ACCUMULATORS
+    assert ir.count("call <8 x double> @llvm.fmuladd") == ACCUMULATORS
     assert len({l.split("<", 2)[2] for l in ir.splitlines() if "%init" in l and "fadd" in l}) \
         == ACCUMULATORS

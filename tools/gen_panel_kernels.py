@@ -148,8 +148,8 @@ def ternary_kernel(rows, panel):
     scales it by alpha into Y, the columns before b only."""
     lanes = VECTOR_LANES[panel]
     tile, row = f"TILE_{rows}x{panel}", f"ROW_{panel}"
-    return f"""{tile} = make_tile({rows}, {panel // lanes}, {lanes}, fused=True, panel_f32=True)
-{row} = make_tile(1, {panel // lanes}, {lanes}, fused=True, panel_f32=True)
+    return f"""{tile} = make_tile({rows}, {panel // lanes}, {lanes})
+{row} = make_tile(1, {panel // lanes}, {lanes})
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
