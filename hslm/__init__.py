@@ -35,5 +35,35 @@ def _prefer_512_bit_vectors():
         _os.environ["NUMBA_CPU_FEATURES"] = features.flatten() + ",-prefer-256-bit"
 
 
+def _tolerate_stale_kernel_caches():
+    """Numba unpickles a kernel cache's index before it checks that the index belongs to
+    this source, so an index left by another hslm version whose kernels' argument types
+    name a class since moved (hslm.layers.Model, now in hslm.params) stopped the run with
+    a traceback instead of compiling afresh. Such an index is stale: read it as empty
+    (Numba then compiles and writes a new one). Runs after the two settings above, which
+    must precede Numba's import."""
+    import pickle
+
+    try:
+        from numba.core import caching
+        load_index = caching.IndexDataCacheFile._load_index
+    except (ImportError, AttributeError):  # another Numba: leave it as it is
+        return
+    if getattr(load_index, "hslm_tolerant", False):
+        return
+
+    def tolerant_load_index(self):
+        try:
+            return load_index(self)
+        except (AttributeError, ImportError, EOFError, TypeError, ValueError,
+                pickle.UnpicklingError):
+            return {}
+
+    tolerant_load_index.hslm_tolerant = True
+    tolerant_load_index.numba_load_index = load_index  # (a test's negative control)
+    caching.IndexDataCacheFile._load_index = tolerant_load_index
+
+
 _writable_kernel_cache()
 _prefer_512_bit_vectors()
+_tolerate_stale_kernel_caches()
