@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -46,7 +47,9 @@ def row(python: str, numpy_pin: str | None, work: Path):
     versions = sh([py, "-c", "import numpy, numba; print(numpy.__version__, numba.__version__)"]
                   ).stdout.split()
     out = work / f"run-{tag}"
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(work / f"cache-{tag}"))
+    cache = work / f"cache-{tag}"
+    shutil.rmtree(cache, ignore_errors=True)  # cold: every kernel compiled by this row's numba
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(cache))
     t = time.perf_counter()
     p = subprocess.run([str(venv / "bin" / "hslm"), "train", *TINY_ARGS, "--out", str(out),
                         "--quiet"], capture_output=True, text=True, env=env, cwd=str(work))
