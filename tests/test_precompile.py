@@ -178,8 +178,7 @@ def test_sigterm_while_compiling_leaves_no_helper_and_no_folder(tmp_path):
 
 
 STALE_INDEX = r"""
-import pickle, sys
-import numpy as np
+import pickle
 import hslm.layers
 from hslm.mathfn import log
 from numba.core import caching
