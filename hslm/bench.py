@@ -194,7 +194,7 @@ def phase_work(cfg, hyper):
     the weight gradients over the scored ones; "unfused FLOP" for the weight gradients,
     whose products are not exact, so they multiply and add without FMA), the optimiser
     in bytes moved (AdamW reads the gradient twice and theta, m, v once, writes theta,
-    m, v; requantisation reads theta and writes two float32 panel layouts of the
+    m, v; requantisation reads theta and writes two int8 panel layouts of the
     ternary matrices)."""
     d, F, V, nb = cfg.width, cfg.mlp, cfg.vocab, cfg.blocks
     macs = nb * (4 * d * d + 2 * d * F) + d * V
@@ -205,7 +205,7 @@ def phase_work(cfg, hyper):
     return {"forward": (2.0 * macs * tokens, "FLOP"),
             "backward through the layers' inputs": (2.0 * macs * scored, "FLOP"),
             WEIGHT_GRADIENTS: (2.0 * macs * scored, "unfused FLOP"),
-            "optimiser + requantise": (8.0 * 8 * P + 8 * P + 2 * 4 * ternary, "B")}
+            "optimiser + requantise": (8.0 * 8 * P + 8 * P + 2 * 1 * ternary, "B")}
 
 
 def memory_bandwidth_gbs() -> float:

@@ -31,11 +31,11 @@ ternary_panel_matmul = getattr(panel_kernels,
 WGRAD_ROWS, WGRAD_PANEL = panel_kernels.WGRAD_TILES[0 if wide_vectors() else 1]
 panel_matmul_add = getattr(panel_kernels, f"panel_matmul_add_{WGRAD_ROWS}x{WGRAD_PANEL}")
 
-# name: (kernel, the one signature it is compiled for). Ternary panels are float32
+# name: (kernel, the one signature it is compiled for). Ternary panels are int8
 # (exact for -1, 0, +1; half the memory traffic).
 MICRO_KERNELS = {
     "ternary tile": (ternary_panel_matmul,
-                     "(float64[:, ::1], float32[:, :, ::1], int64, float64, float64[:, ::1])"),
+                     "(float64[:, ::1], int8[:, :, ::1], int64, float64, float64[:, ::1])"),
     "weight-gradient tile": (panel_matmul_add,
                              "(float64[:, ::1], float64[:, :, ::1], int64, float64[:, ::1])"),
 }

@@ -24,7 +24,7 @@ ROW_16 = make_tile(1, 2, 8)
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def ternary_panel_matmul_9x16(X, P, b, alpha, Y):
-    """Y [n, b] = alpha * (X [n, a] . T), T ternary [a, b] in panels P (float32:
+    """Y [n, b] = alpha * (X [n, a] . T), T ternary [a, b] in panels P (int8:
     -1, 0 and +1 convert to float64 exactly). Tiles of 9 rows (then single
     rows) by one panel, each summed by an LLVM IR loop (hslm/vector_tiles.py)
     with FMA where the core has it: each product x * t with t in {-1, 0, +1}
@@ -58,7 +58,7 @@ ROW_12 = make_tile(1, 3, 4)
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def ternary_panel_matmul_3x12(X, P, b, alpha, Y):
-    """Y [n, b] = alpha * (X [n, a] . T), T ternary [a, b] in panels P (float32:
+    """Y [n, b] = alpha * (X [n, a] . T), T ternary [a, b] in panels P (int8:
     -1, 0 and +1 convert to float64 exactly). Tiles of 3 rows (then single
     rows) by one panel, each summed by an LLVM IR loop (hslm/vector_tiles.py)
     with FMA where the core has it: each product x * t with t in {-1, 0, +1}

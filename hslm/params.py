@@ -89,7 +89,7 @@ def quantize_into(theta, offs, rows, cols, is_ternary, alpha, plain, Tf, Tb, pf_
         # past the last column is never written.
         P = TERNARY_PANEL
         pf, pb = pf_offs[t], pb_offs[t]
-        block = np.empty((P, n), np.float32)
+        block = np.empty((P, n), np.int8)
         nz = 0
         for i0 in range(0, m, P):
             rows_here = min(P, m - i0)
@@ -98,9 +98,9 @@ def quantize_into(theta, offs, rows, cols, is_ternary, alpha, plain, Tf, Tb, pf_
                 src, row = theta[o + i * n:o + (i + 1) * n], block[c]
                 for j in range(n):
                     w = src[j]
-                    row[j] = 1.0 if w > half else (-1.0 if w < -half else 0.0)
+                    row[j] = 1 if w > half else (-1 if w < -half else 0)
                 for j in range(n):
-                    nz += 1 if row[j] == 0.0 else 0
+                    nz += 1 if row[j] == 0 else 0
                 for q in range(n // P):
                     dst = pf + (q * m + i) * P
                     for cc in range(P):
@@ -147,9 +147,10 @@ class ModelState:
         # speed 3's layouts: Tf and Tb again, in column panels (hslm.panel_kernels)
         self.pf_offs = panel_offsets(self.rows, self.cols, self.is_ternary, TERNARY_PANEL)
         self.pb_offs = panel_offsets(self.cols, self.rows, self.is_ternary, TERNARY_PANEL)
-        # float32 holds -1, 0, +1 exactly and halves the memory the kernels stream
-        self.Pf = np.zeros(self.pf_offs[-1], np.float32)
-        self.Pb = np.zeros(self.pb_offs[-1], np.float32)
+        # int8 holds -1, 0, +1 exactly, in a quarter of float32's bytes: the kernels
+        # stream the panels of every layer each window, and requantisation writes them
+        self.Pf = np.zeros(self.pf_offs[-1], np.int8)
+        self.Pb = np.zeros(self.pb_offs[-1], np.int8)
         self.requantize()
 
     def requantize(self, t0=0, t1=None, abs_sums=None):

@@ -181,7 +181,7 @@ def memory_estimate(cfg, batch=0, threads=1, speed=3, training=True) -> int:
     P = cfg.n_params
     f64 = 8
     total = P * f64  # theta
-    total += 2 * P * 4  # the ternary panels (f32)
+    total += 2 * P  # the ternary panels (int8)
     total += V * cfg.vsa_dim * 9  # the VSA table (drawn as int64, kept as int8)
     per_window = L * (nb * (17 * d + 3 * F + H * L + 1) + 3 * V + 3 * d + 1) * f64
     # per thread; the weight gradient's output-gradient panels for a group of windows

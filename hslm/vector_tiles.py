@@ -6,7 +6,7 @@ rely on LLVM's SLP vectoriser to pack them. For the ternary 9 x 16 tile it packe
 most of them but not all: its loop did 20 FMAs, 4 conversions and 3 lane inserts for
 the 18 FMAs and 2 conversions the tile needs (per input index), and the kernel ran at
 about 55% of this core's measured FMA peak. Here the loop is written as the tile
-means it: per input index, `vecs` panel vectors loaded (float32 trits widened to
+means it: per input index, `vecs` panel vectors loaded (int8 trits converted to
 float64), each of `rows` inputs broadcast, and rows x vecs vector multiply-adds.
 
 The sums are the plain loops' sums: each output element starts at 0.0 and adds
@@ -26,7 +26,7 @@ def make_tile(rows: int, vecs: int, lanes: int):
     """An intrinsic tile(x_addr, x_stride, p_addr, a, out_addr), all intp:
 
     X: float64 rows at x_addr, x_stride elements apart; P: `a` rows of vecs * lanes
-    float32 trits (-1, 0, +1) at p_addr, contiguous. For i = 0 .. a-1 in order:
+    int8 trits (-1, 0, +1) at p_addr, contiguous. For i = 0 .. a-1 in order:
     acc[r, c] = acc[r, c] + X[r, i] P[i, c], from 0.0; then
     out[r * vecs * lanes + c] = acc[r, c] (float64 at out_addr)."""
     width = vecs * lanes
@@ -35,7 +35,7 @@ def make_tile(rows: int, vecs: int, lanes: int):
         xa, xs, pa, n, oa = args
         f64, i32, i64 = ir.DoubleType(), ir.IntType(32), ir.IntType(64)
         vt = ir.VectorType(f64, lanes)
-        pt = ir.FloatType()
+        pt = ir.IntType(8)
         zero = ir.Constant(vt, [0.0] * lanes)
         splat = ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)
         xptr = builder.inttoptr(xa, f64.as_pointer())
@@ -66,8 +66,8 @@ def make_tile(rows: int, vecs: int, lanes: int):
         for v in range(vecs):
             p = builder.gep(pptr, [builder.add(row_i, ir.Constant(i64, v * lanes))])
             tv = builder.load(builder.bitcast(p, ir.VectorType(pt, lanes).as_pointer()),
-                              align=4)
-            t.append(builder.fpext(tv, vt))
+                              align=1)
+            t.append(builder.sitofp(tv, vt))
         new = []
         for r in range(rows):
             x = builder.load(builder.gep(xptr, [builder.add(builder.mul(ir.Constant(i64, r), xs),

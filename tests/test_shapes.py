@@ -65,7 +65,7 @@ def test_every_ternary_tile_gives_the_plain_sums_bit_for_bit(n, a, b):
     plain *= 0.37
     for rows, panel in TERNARY_TILES:
         npan = -(-b // panel)
-        P = np.zeros((npan, a, panel), np.float32)
+        P = np.zeros((npan, a, panel), np.int8)
         for q in range(npan):
             cols = T[:, q * panel:(q + 1) * panel]
             P[q, :, :cols.shape[1]] = cols

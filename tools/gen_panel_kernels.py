@@ -13,7 +13,7 @@ from pathlib import Path
 # its columns. A tile's ROWS x PANEL sums live in vector registers, so the best tile
 # depends on the register file (hslm/micro.py picks one when it loads):
 # * 32 registers of 8 doubles (AVX-512): 9 x 16 uses 18 accumulators, and one
-#   float32-to-float64 conversion of a panel row serves 9 multiply-adds (27 rows =
+#   int8-to-float64 conversion of a panel row serves 9 multiply-adds (27 rows =
 #   3 tiles). 14 x 16 (27 = 14 + 13) ran 5-10% faster on hot caches and 2-3% in the
 #   forward here, but its 28 accumulators leave LLVM short of registers (it spilled
 #   some to the stack), which other AVX-512 cores may take worse: not used;
@@ -134,7 +134,7 @@ def stores_past_last_column(rows, panel, pad, columns, out, value, op, buffered)
                f"{pad}        {out}[r + rr, j + c] {op} part[rr, c]"])
 
 
-TERNARY_DOC = ("Y [n, b] = alpha * (X [n, a] . T), T ternary [a, b] in panels P (float32:\n"
+TERNARY_DOC = ("Y [n, b] = alpha * (X [n, a] . T), T ternary [a, b] in panels P (int8:\n"
                "    -1, 0 and +1 convert to float64 exactly). Tiles of {rows} rows (then single\n"
                "    rows) by one panel, each summed by an LLVM IR loop (hslm/vector_tiles.py)\n"
                "    with FMA where the core has it: each product x * t with t in {{-1, 0, +1}}\n"
