@@ -32,7 +32,7 @@ WGRAD_ROWS, WGRAD_PANEL = panel_kernels.WGRAD_TILES[0 if wide_vectors() else 1]
 panel_matmul_add = getattr(panel_kernels, f"panel_matmul_add_{WGRAD_ROWS}x{WGRAD_PANEL}")
 
 # name: (kernel, the one signature it is compiled for). Ternary panels are int8
-# (exact for -1, 0, +1; half the memory traffic).
+# (exact for -1, 0, +1; an eighth of float64's memory traffic).
 MICRO_KERNELS = {
     "ternary tile": (ternary_panel_matmul,
                      "(float64[:, ::1], int8[:, :, ::1], int64, float64, float64[:, ::1])"),
