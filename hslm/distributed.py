@@ -352,7 +352,8 @@ class World:
             def run_units(j):
                 scr = runner.workers[j].scr
                 gradients_from_records(model, self.acts, self.rec, mine, k, runner.units,
-                                       parts[j][0], parts[j][1], G, scr.xt, scr.dy_panels)
+                                       parts[j][0], parts[j][1], G, scr.xt, scr.dy_panels,
+                                       False)
             runner._map(run_units, N)
         return fold
 
@@ -410,7 +411,7 @@ class World:
         rank sums every window, in window order, into the gradient units of the
         tensors it owns: G is final there, with no pipeline to wait on."""
         from .layers import Acts, Record, alloc_acts, alloc_record
-        from .step import split_by_cost, zero_units
+        from .step import split_by_cost
         from .windows import gradients_from_records, windows_layerwise
         cfg, N = runner.cfg, runner.threads
         B = windows.shape[0]
@@ -452,9 +453,8 @@ class World:
 
         def run_units(j):
             scr = runner.workers[j].scr
-            zero_units(G, runner.spans, parts[j][0], parts[j][1])
             gradients_from_records(model, A, R, windows, k, units, parts[j][0], parts[j][1], G,
-                                   scr.xt, scr.dy_panels)
+                                   scr.xt, scr.dy_panels, True)
 
         runner._map(run_units, N)
 

@@ -128,7 +128,7 @@ def _run_job(name: str, vocab: int) -> None:
         from .step import gradient_units
         units, _ = gradient_units(cfg)
         gradients_from_records(model, A, R, windows, k, units, 0, len(units),
-                               np.zeros(cfg.n_params), S.xt, S.dy_panels)
+                               np.zeros(cfg.n_params), S.xt, S.dy_panels, True)
     else:
         raise ValueError(f"unknown compile job {name!r}")
 

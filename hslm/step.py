@@ -17,8 +17,8 @@ the weight layouts it reads and which of two reductions it uses:
 * "gradient units" (the layerwise loop) runs in two phases. (1) Each window's forward and backward through
   the layers' inputs, on any thread, into that window's own record. (2) The
   weight-gradient phase: the gradient is cut into units (a block of 36 rows of
-  a matrix, or a whole small tensor), and each unit adds every window's sum in
-  window order; threads take contiguous runs of units. G is written once per
+  a matrix, or a whole small tensor), and each unit zeroes its part of G, then adds
+  every window's sum in window order; threads take contiguous runs of units. G is written once per
   step, and no thread needs a copy of it. With more threads than windows the
   phases overlap (StepRunner._gradient_staged): each window's backward runs in
   stages, and the threads without a window take a stage's units as soon as every
@@ -90,13 +90,6 @@ def unit_spans(cfg, units):
     return spans
 
 
-def zero_units(G, spans, lo, hi):
-    """Zero the elements of units lo..hi-1 (each thread its own, just before it sums
-    into them: the memset is split between threads and leaves them in cache)."""
-    if hi > lo:
-        G[spans[lo][0]:spans[hi - 1][1]] = 0.0
-
-
 def split_by_cost(cost, n):
     """n contiguous ranges of units with about equal cost: [(lo, hi)]."""
     cum = np.concatenate([[0.0], np.cumsum(cost)])
@@ -140,7 +133,7 @@ class Worker:
         windows_layerwise(model, vsa_table, windows, self.vsa.reshape((1,) + self.vsa.shape), k,
                           scale, self.acts, self.rec, self.scr, 0, 1, losses, sp.kernel)
         gradients_from_records(model, self.acts, self.rec, windows, k, self.units, 0,
-                               len(self.units), out, self.scr.xt, self.scr.dy_panels)
+                               len(self.units), out, self.scr.xt, self.scr.dy_panels, False)
         return losses[0]
 
     @property
@@ -193,7 +186,6 @@ class StepRunner:
             self.bufs = np.zeros((self.threads, cfg.n_params))
         self.batch = 0  # layerwise: per-window activations and records, for the batch size
         self.units, self.unit_cost = gradient_units(cfg)
-        self.spans = unit_spans(cfg, self.units)
         self.parts = split_by_cost(self.unit_cost, self.threads)
         self.optimiser_parts = tensor_parts(cfg, self.threads)  # the optimiser's, per thread
         self.timings = None  # set to a dict to collect per-phase seconds (layerwise)
@@ -222,7 +214,7 @@ class StepRunner:
         scale = 1.0 / (k * B)
         losses = np.zeros(B)
         if self.speed.reduction != "gradient units":
-            G[:] = 0.0  # (by gradient units, each thread zeroes its units' part)
+            G[:] = 0.0  # (by gradient units, each unit zeroes its part, in cache)
         if self.speed.reduction == "gradient units":
             self._gradient_layerwise(model, vsa_table, windows, k, scale, G, losses)
         elif self.threads == 1:
@@ -262,10 +254,9 @@ class StepRunner:
 
         def run_units(j):
             lo, hi = self.parts[j]
-            zero_units(G, self.spans, lo, hi)
             scr = self.workers[j].scr
             gradients_from_records(model, self.acts_b, self.rec_b, windows, k, self.units, lo, hi,
-                                   G, scr.xt, scr.dy_panels)
+                                   G, scr.xt, scr.dy_panels, True)
 
         t0 = time.perf_counter()
         self._map(run_windows, N)
@@ -279,18 +270,16 @@ class StepRunner:
     def _gradient_staged(self, model, vsa_table, windows, k, scale, G, losses):
         """The layerwise gradient when threads outnumber the windows (N > B). Slot j < B
         runs window j's forward, then its backward in stages (the head, then each block
-        from the last down); the other slots zero G meanwhile. A weight-gradient chunk
-        (a run of units of one stage's tensors) is ready once every window has passed
-        its stage, since its records are then final; every slot takes ready chunks,
-        the head's first, until none is left. Each unit still adds its windows in window
-        order into zeroed G: who computes it, and when, changes no bit."""
+        from the last down). A weight-gradient chunk (a run of units of one stage's
+        tensors) is ready once every window has passed its stage, since its records are
+        then final; every slot takes ready chunks, the head's first, until none is left.
+        Each unit still zeroes its part of G and adds its windows in window order: who
+        computes it, and when, changes no bit."""
         B, N, nb = windows.shape[0], self.threads, self.cfg.blocks
         kernel = self.speed.kernel
         chunks, chunk_stage = self.staged_chunks
-        idle = N - B
         cond = threading.Condition()
-        st = {"passed": [0] * (nb + 1), "done": -1, "zeroed": 0, "next": len(chunks) - 1,
-              "failed": False}
+        st = {"passed": [0] * (nb + 1), "done": -1, "next": len(chunks) - 1, "failed": False}
 
         def take():  # the next ready chunk (from the head backwards), or None when all taken
             with cond:
@@ -298,7 +287,7 @@ class StepRunner:
                     c = st["next"]
                     if c < 0 or st["failed"]:
                         return None
-                    if st["zeroed"] == idle and chunk_stage[c] <= st["done"]:
+                    if chunk_stage[c] <= st["done"]:
                         st["next"] = c - 1
                         return chunks[c]
                     cond.wait()
@@ -310,7 +299,7 @@ class StepRunner:
                     while st["done"] < nb and st["passed"][st["done"] + 1] == B:
                         st["done"] += 1
                 else:
-                    st[key] = st[key] + 1 if key == "zeroed" else True
+                    st[key] = True
                 cond.notify_all()
 
         def slot(j):
@@ -324,15 +313,11 @@ class StepRunner:
                                          self.workers[j].scr, j, N, losses, kernel, stage == 0,
                                          b1, nb - stage)
                         report("passed", stage)
-                else:
-                    P = G.shape[0]
-                    G[P * (j - B) // idle:P * (j - B + 1) // idle] = 0.0
-                    report("zeroed")
                 scr = self.workers[j].scr
                 while (chunk := take()) is not None:
                     gradients_from_records(model, self.acts_b, self.rec_b, windows, k,
                                            self.units, chunk[0], chunk[1], G, scr.xt,
-                                           scr.dy_panels)
+                                           scr.dy_panels, True)
             except BaseException:
                 report("failed")  # the others stop waiting; the error surfaces from the map
                 raise

@@ -155,7 +155,7 @@ def windows_backward(model, windows, k, scale, A, R, S, first, step, losses, ker
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG):
+def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, fresh):
     """Speed 3's weight-gradient phase for a batch of windows.
 
     A, R and tokens hold every window of the batch. For each unit u0..u1-1
@@ -166,7 +166,11 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG):
     who computes what. A matrix's consecutive units share its output gradients in
     panels: for each group of windows (as many as WG has rows) the panels are made
     once, then every unit adds that group's windows, so each element still gets
-    its windows in order."""
+    its windows in order. fresh: each unit's part of `out` is zeroed just before its
+    first window adds into it, while that part is in cache (out then holds the batch's
+    sums there, whatever it held); else the sums are added to what out holds (a
+    pipeline's earlier windows). Zeroing all of G up front cost 2.5-3 ms a step here:
+    by the time a unit's rows were summed, the 17 MB memset had gone to memory."""
     D = model.dims
     offs = model.offs
     s = D.window - k
@@ -177,22 +181,29 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG):
         ue = u + 1  # this tensor's units in the range: u .. ue-1
         while ue < u1 and units[ue, 0] == t:
             ue += 1
-        if weight_grad_operands(model, A, R, 0, t, s, k)[0] == MATRIX:
+        operands = weight_grad_operands(model, A, R, 0, t, s, k)
+        if operands[0] == MATRIX:
+            m, n = operands[3], operands[4]
+            G = view2(out, offs, t, m, n)
             for w0 in range(0, B, WG.shape[0]):
                 w1 = min(w0 + WG.shape[0], B)
                 for w in range(w0, w1):
-                    _, X, DY, m, n = weight_grad_operands(model, A, R, w, t, s, k)
-                    output_grad_panels(DY, WG[w - w0])
+                    output_grad_panels(weight_grad_operands(model, A, R, w, t, s, k)[2],
+                                       WG[w - w0])
+                npan = (n + WGRAD_PANEL - 1) // WGRAD_PANEL
                 for v in range(u, ue):
                     r0, r1 = units[v, 1], units[v, 2]
+                    if fresh and w0 == 0:
+                        G[r0:r1] = 0.0
                     for w in range(w0, w1):
-                        _, X, DY, m, n = weight_grad_operands(model, A, R, w, t, s, k)
-                        npan = (n + WGRAD_PANEL - 1) // WGRAD_PANEL
+                        X = weight_grad_operands(model, A, R, w, t, s, k)[1]
                         pd = WG[w - w0, :npan * k * WGRAD_PANEL].reshape((npan, k, WGRAD_PANEL))
-                        weight_grad_rows(X, r0, r1, pd, n, view2(out, offs, t, m, n), XT)
+                        weight_grad_rows(X, r0, r1, pd, n, G, XT)
             u = ue
             continue
-        for v in range(u, ue):
+        for v in range(u, ue):  # a whole tensor a unit
+            if fresh:
+                view1(out, offs, t)[:] = 0.0
             for w in range(B):
                 kind, X, DY, m, n = weight_grad_operands(model, A, R, w, t, s, k)
                 if kind == COLUMN_SUM:

@@ -129,6 +129,39 @@ def test_staged_weight_gradients_wait_for_their_stage(monkeypatch):
     assert not (gradient(3) == ref).all()
 
 
+def test_speed3_gradient_overwrites_what_G_held():
+    """Speed 3 zeroes each gradient unit's part of G just before summing into it, so
+    nothing G held before the step survives: G filled with NaN gets the bytes of the
+    windows' sums added one window at a time into zeros (Worker.window, which adds into
+    what its output holds), at 1, 2 and 3 threads (3: threads beyond the batch, the
+    staged path). The control: the per-window path into NaN keeps NaN everywhere."""
+    from hslm import step as step_module
+    from hslm.config import PRESETS
+    from hslm.params import ModelState, init_params
+    from hslm.tables import Tables
+    cfg = PRESETS["hslm-tiny"]
+    tables = Tables(cfg)
+    model = ModelState(cfg, init_params(cfg, 7), tables, plain=False).kernel_model()
+    B, k = 2, cfg.window
+    windows = np.random.default_rng(7).integers(0, cfg.vocab, (B, cfg.window + 1))
+
+    def per_window(start):
+        out = np.full(cfg.n_params, start)
+        worker = step_module.Worker(cfg, 3)
+        for w in range(B):
+            worker.window(model, tables.vsa, windows[w], k, 1.0 / (k * B), out)
+        return out
+
+    ref = per_window(0.0)
+    assert np.isnan(per_window(np.nan)).all()  # adding into what out holds keeps it
+    for threads in (1, 2, 3):
+        runner = step_module.StepRunner(cfg, 3, threads)
+        G = np.full(cfg.n_params, np.nan)
+        runner.gradient(model, tables.vsa, windows, k, G)
+        runner.close()
+        assert G.tobytes() == ref.tobytes(), f"{threads} threads"
+
+
 def test_resume_is_byte_identical_to_an_uninterrupted_run(tmp_path, capsys):
     full, _ = train(capsys, tmp_path, "full", "--save-every", 2, steps=5)
     part, _ = train(capsys, tmp_path, "part", steps=2)
