@@ -546,12 +546,12 @@ def loss_forward_backward(z, target, scale, dz):
     for j in range(V):
         if z[j] > m:
             m = z[j]
+    for j in range(V):  # kept, so exp runs once per id; apart from the sums: it vectorises
+        dz[j] = exp(z[j] - m)
     se = 0.0
     zs = 0.0
     for j in range(V):
-        ex = exp(z[j] - m)
-        dz[j] = ex  # kept, so exp runs once per id
-        se += ex
+        se += dz[j]
         zs += z[j]
     lse = m + log(se)
     loss = (1.0 - eps) * (lse - z[target]) + eps * (lse - zs / V)
