@@ -10,10 +10,13 @@ import numpy as np
 from numba import njit
 
 from . import precise
+from .adam_loop import (B1, B2, CLIP, DECAY, EPS, N_PARAMS, ONE_MINUS_B1, ONE_MINUS_B2, SQRT_BC2,
+                        STEP_SIZE, make_adam_loop)
 
 BETA1, BETA2, ADAM_EPS = 0.9, 0.999, 1e-8
 CLIP_NORM = 1.0
-BLOCK = 512  # elements updated (vectorised) before their sums are taken (in order)
+# 4 doubles a vector on every core: on the AVX-512 Xeon of the README, 8 ran 15% slower
+ADAM_LOOP = make_adam_loop(4)
 
 
 def learning_rate(step: int, peak: float, warmup: int, decay_steps: int) -> float:
@@ -52,38 +55,58 @@ def adamw_step(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, norms
     gradient, parameter and moment of the tensor is (or, rarely, when a sum of finite
     values overflows), so the run's finiteness check needs no pass of its own.
     Updates tensors t0..t1-1: tensors are independent, so threads may split them.
-    error_model="numpy" (as on every float kernel of the step): a division is a plain
-    IEEE division, with no Python zero check in the loop, so the update vectorises
-    (same bits)."""
-    step_size = lr / bc1
-    sbc2 = math.sqrt(bc2)
+
+    The elementwise work and the three serial sums (the norm's sum of squares, sum |w|,
+    sum |m| + v, each in element order) run in one loop (hslm/adam_loop.py). A tensor's
+    norm must be whole before its update starts, so the norm's sum runs ahead: while
+    tensor t is updated, the loop sums the squares of the gradient that follows, as many
+    elements as it updates (a cursor, across tensors); only the first tensor's norm is
+    summed alone. Before (a pass for the norm, then the update and its sums in blocks)
+    the same update took 10.0 ms here, now 6.0, with the same bits."""
+    params = np.empty(N_PARAMS)
+    params[STEP_SIZE] = lr / bc1
+    params[SQRT_BC2] = math.sqrt(bc2)
+    params[B1] = BETA1
+    params[ONE_MINUS_B1] = 1.0 - BETA1
+    params[B2] = BETA2
+    params[ONE_MINUS_B2] = 1.0 - BETA2
+    params[EPS] = ADAM_EPS
+    sums = np.zeros(3)  # sum |w|, sum |m| + v of tensor t; the cursor's sum of squares
+    G, M, V, W = grad.ctypes.data, m.ctypes.data, v.ctypes.data, theta.ctypes.data
+    ct = t0  # the norm cursor: at element c of tensor ct
+    c = offs[t0]
     for t in range(t0, t1):
-        a, b = offs[t], offs[t + 1]
-        ss = 0.0
-        for e in range(a, b):
-            ss += grad[e] * grad[e]
-        norm = math.sqrt(ss)
-        norms[t] = norm
-        clip = 1.0 / norm if norm > CLIP_NORM else 1.0
-        wd = 1.0 - lr * weight_decay if decay[t] else 1.0
-        s = 0.0
-        sm = 0.0
-        for e0 in range(a, b, BLOCK):
-            n = min(BLOCK, b - e0)
-            gb, mb, vb, wb = grad[e0:e0 + n], m[e0:e0 + n], v[e0:e0 + n], theta[e0:e0 + n]
-            for i in range(n):  # elementwise over slice views: this loop vectorises
-                g = gb[i] * clip
-                me = BETA1 * mb[i] + (1.0 - BETA1) * g
-                ve = BETA2 * vb[i] + (1.0 - BETA2) * (g * g)
-                mb[i] = me
-                vb[i] = ve
-                w = wb[i] * wd
-                wb[i] = w - step_size * (me / (math.sqrt(ve) / sbc2 + ADAM_EPS))
-            for i in range(n):  # the sums in element order, on the block while it is in L1
-                s += abs(wb[i])
-                sm += abs(mb[i]) + vb[i]
-        abs_sums[t] = s
-        moment_sums[t] = sm
+        while ct <= t:  # a norm the cursor has not finished (the first one), alone
+            ss = sums[2]
+            for e in range(c, offs[ct + 1]):
+                ss += grad[e] * grad[e]
+            norms[ct] = math.sqrt(ss)
+            sums[2] = 0.0
+            ct += 1
+            c = offs[ct]
+        norm = norms[t]
+        params[CLIP] = 1.0 / norm if norm > CLIP_NORM else 1.0
+        params[DECAY] = 1.0 - lr * weight_decay if decay[t] else 1.0
+        sums[0] = 0.0
+        sums[1] = 0.0
+        e = offs[t]
+        while e < offs[t + 1]:  # in runs that end where the cursor's tensor ends
+            k = offs[t + 1] - e
+            h = e  # past the last norm, the third sum runs on this gradient, unused
+            if ct < t1:
+                k = min(k, offs[ct + 1] - c)
+                h = c
+            ADAM_LOOP(G + 8 * e, M + 8 * e, V + 8 * e, W + 8 * e, k, params.ctypes.data,
+                      sums.ctypes.data, G + 8 * h)
+            e += k
+            if ct < t1:
+                c += k
+                if c == offs[ct + 1]:
+                    norms[ct] = math.sqrt(sums[2])
+                    sums[2] = 0.0
+                    ct += 1
+        abs_sums[t] = sums[0]
+        moment_sums[t] = sums[1]
 
 
 def warm_up_optimiser() -> None:

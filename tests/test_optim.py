@@ -41,6 +41,64 @@ def test_adamw_matches_torch():
         assert np.allclose(norms, [np.linalg.norm(g[offs[i]:offs[i + 1]]) for i in range(3)])
 
 
+def reference_adamw(theta, g, m, v, offs, decay, bc1, bc2, lr, wd, t0, t1, norm_sum=None):
+    """adamw_step in plain Python floats, one element at a time (IEEE, no FMA): the bits
+    every implementation must give. norm_sum replaces the norm's in-order sum (the
+    negative control)."""
+    theta, m, v = theta.copy(), m.copy(), v.copy()
+    T = len(offs) - 1
+    norms, sums, moments = np.zeros(T), np.zeros(T), np.zeros(T)
+    step_size, sbc2 = lr / bc1, math.sqrt(bc2)
+    for t in range(t0, t1):
+        a, b = int(offs[t]), int(offs[t + 1])
+        ss = 0.0
+        for e in range(a, b):
+            ss += float(g[e]) * float(g[e])
+        if norm_sum is not None:
+            ss = norm_sum(g[a:b])
+        norms[t] = norm = math.sqrt(ss)
+        clip = 1.0 / norm if norm > 1.0 else 1.0
+        w_decay = 1.0 - lr * wd if decay[t] else 1.0
+        s = sm = 0.0
+        for e in range(a, b):
+            ge = float(g[e]) * clip
+            me = 0.9 * float(m[e]) + (1.0 - 0.9) * ge
+            ve = 0.999 * float(v[e]) + (1.0 - 0.999) * (ge * ge)
+            m[e], v[e] = me, ve
+            theta[e] = float(theta[e]) * w_decay - step_size * (me / (math.sqrt(ve) / sbc2 + 1e-8))
+            s += abs(float(theta[e]))
+            sm += abs(me) + ve
+        sums[t], moments[t] = s, sm
+    return theta, m, v, norms, sums, moments
+
+
+def test_adamw_is_the_plain_loops_to_the_bit():
+    """The vector loop with its three in-order sums (the norm's running ahead into the
+    next tensors) gives the plain loops' bits: awkward sizes (1, primes, a tail past the
+    vectors, a tensor longer than the one before, whose norm the cursor has not finished),
+    clipped and unclipped tensors, and the tensors split into ranges as threads split
+    them. The control: one norm summed pairwise (np.sum) instead of in order differs."""
+    rng = np.random.default_rng(3)
+    sizes = [5, 1, 13, 300, 2, 64, 3, 1031, 7]
+    offs = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    T = len(sizes)
+    decay = np.array([t % 3 != 1 for t in range(T)])
+    theta, m = rng.normal(size=offs[-1]), rng.normal(size=offs[-1]) * 1e-3
+    v = np.abs(rng.normal(size=offs[-1])) * 1e-6
+    g = rng.normal(size=offs[-1]) * np.repeat([0.01, 5.0, 0.3, 0.2, 9.0, 0.01, 1.0, 0.05, 3.0],
+                                              sizes)
+    args = (offs, decay, *bias_corrections(7), 0.003, 0.01)
+    ref = reference_adamw(theta, g, m, v, *args, 0, T)
+    for ranges in ([(0, T)], [(0, 3), (3, 4), (4, T)], [(0, 7), (7, T)]):
+        got = [theta.copy(), m.copy(), v.copy(), np.zeros(T), np.zeros(T), np.zeros(T)]
+        for t0, t1 in ranges:
+            adamw_step(got[0], g, got[1], got[2], *args, got[3], got[4], got[5], t0, t1)
+        for name, a, b in zip(("theta", "m", "v", "norms", "sum |w|", "moments"), got, ref):
+            assert a.tobytes() == b.tobytes(), f"{name} differs with ranges {ranges}"
+    control = reference_adamw(theta, g, m, v, *args, 0, T, norm_sum=lambda x: np.sum(x * x))
+    assert control[3].tobytes() != ref[3].tobytes()
+
+
 def test_schedule():
     assert learning_rate(1, 1.0, 10, 100) == 0.1
     assert learning_rate(10, 1.0, 10, 100) == 1.0

@@ -1,0 +1,118 @@
+"""AdamW's elementwise update and its two in-order sums, in one LLVM IR loop (a Numba
+intrinsic), for hslm/optim.py.
+
+The update vectorises; the sums it feeds (sum |w| and sum |m| + v, in element order)
+cannot, since reordering them would change their bits. As two loops (update a block,
+then sum it) the core ran the serial additions after the vector work, not beside it:
+one tensor's update took 4.5 ms and its sums 2.3 ms more on the README's Xeon. Here
+each iteration updates `lanes` elements as one vector and then adds them, lane by
+lane in element order, to the two running sums, so the out-of-order core overlaps the
+additions' latency with the next elements' loads, divisions and square roots.
+
+Every operation is the IEEE one the scalar code does, in the same order: fmul, fadd,
+fsub, fdiv and llvm.sqrt (correctly rounded), llvm.fabs, never contracted into an FMA.
+A second copy of the loop body with one lane takes the elements left over.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+# the order of the scalars in the parameter array (float64)
+CLIP, DECAY, STEP_SIZE, SQRT_BC2, B1, ONE_MINUS_B1, B2, ONE_MINUS_B2, EPS = range(9)
+N_PARAMS = 9
+
+
+def make_adam_loop(lanes: int):
+    """An intrinsic adam(g, m, v, w, n, params, sums, h), all intp addresses of float64
+    but n.
+
+    For i = 0 .. n-1 in order, with the scalars params[CLIP ...]:
+        g = g[i] clip;  m[i] = b1 m[i] + (1 - b1) g;  v[i] = b2 v[i] + (1 - b2) (g g)
+        w[i] = w[i] decay - step (m[i] / (sqrt(v[i]) / sqrt_bc2 + eps))
+        sums[0] = sums[0] + |w[i]|;  sums[1] = sums[1] + (|m[i]| + v[i])
+        sums[2] = sums[2] + h[i] h[i]
+    (sums[0..2] hold the running sums on entry and on return). h is the gradient of a
+    tensor ahead, whose norm the optimiser needs before it can update that tensor: its
+    sum of squares is a third serial chain, hidden in this one's vector work."""
+
+    def codegen(context, builder, signature, args):
+        ga, ma, va, wa, n, pa, sa, ha = args
+        f64, i32, i64 = ir.DoubleType(), ir.IntType(32), ir.IntType(64)
+        fn = builder.function
+        ptr = [builder.inttoptr(a, f64.as_pointer()) for a in (ga, ma, va, wa, ha)]
+        params = builder.inttoptr(pa, f64.as_pointer())
+        sums_ptr = builder.inttoptr(sa, f64.as_pointer())
+        scalar = [builder.load(builder.gep(params, [ir.Constant(i64, k)])) for k in range(N_PARAMS)]
+        sum_ptrs = [builder.gep(sums_ptr, [ir.Constant(i64, k)]) for k in range(3)]
+        sums0 = [builder.load(p) for p in sum_ptrs]
+        n_vec = builder.mul(builder.sdiv(n, ir.Constant(i64, lanes)), ir.Constant(i64, lanes))
+
+        def intrinsic_fn(name, vt, nargs):
+            full = f"llvm.{name}.{'v%df64' % vt.count if isinstance(vt, ir.VectorType) else 'f64'}"
+            return builder.module.globals.get(full) or ir.Function(
+                builder.module, ir.FunctionType(vt, [vt] * nargs), name=full)
+
+        def loop(width, start, stop, sums_in):
+            """Elements start .. stop-1, `width` at a time; returns the sums at the exit."""
+            vt = ir.VectorType(f64, width) if width > 1 else f64
+            pre = builder.block
+            body = fn.append_basic_block(f"adam.body{width}")
+            done = fn.append_basic_block(f"adam.done{width}")
+            builder.cbranch(builder.icmp_signed("<", start, stop), body, done)
+            builder.position_at_end(body)
+            i = builder.phi(i64)
+            sums = [builder.phi(f64) for _ in range(3)]
+
+            def splat(x):
+                if width == 1:
+                    return x
+                v = builder.insert_element(ir.Constant(vt, ir.Undefined), x, ir.Constant(i32, 0))
+                return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined),
+                                              ir.Constant(ir.VectorType(i32, width), [0] * width))
+
+            c = [splat(x) for x in scalar]
+            addr = [builder.bitcast(builder.gep(p, [i]), vt.as_pointer()) for p in ptr]
+            g, m, v, w, h = [builder.load(a, align=8) for a in addr]
+            g = builder.fmul(g, c[CLIP])
+            m = builder.fadd(builder.fmul(c[B1], m), builder.fmul(c[ONE_MINUS_B1], g))
+            v = builder.fadd(builder.fmul(c[B2], v),
+                             builder.fmul(c[ONE_MINUS_B2], builder.fmul(g, g)))
+            den = builder.fadd(builder.fdiv(builder.call(intrinsic_fn("sqrt", vt, 1), [v]),
+                                            c[SQRT_BC2]), c[EPS])
+            w = builder.fsub(builder.fmul(w, c[DECAY]),
+                             builder.fmul(c[STEP_SIZE], builder.fdiv(m, den)))
+            for a, x in zip(addr[1:4], (m, v, w)):
+                builder.store(x, a, align=8)
+            fabs = intrinsic_fn("fabs", vt, 1)
+            aw = builder.call(fabs, [w])
+            terms = (aw, builder.fadd(builder.call(fabs, [m]), v), builder.fmul(h, h))
+            nxt = list(sums)
+            for lane in range(width):  # the sums, one element at a time, in order
+                for k in range(3):
+                    x = terms[k] if width == 1 else builder.extract_element(
+                        terms[k], ir.Constant(i32, lane))
+                    nxt[k] = builder.fadd(nxt[k], x)
+            i_next = builder.add(i, ir.Constant(i64, width))
+            for phi, first, last in zip([i] + sums, [start] + sums_in, [i_next] + nxt):
+                phi.add_incoming(first, pre)
+                phi.add_incoming(last, body)
+            builder.cbranch(builder.icmp_signed("<", i_next, stop), body, done)
+            builder.position_at_end(done)
+            out = [builder.phi(f64) for _ in range(3)]
+            for phi, first, last in zip(out, sums_in, nxt):
+                phi.add_incoming(first, pre)
+                phi.add_incoming(last, body)
+            return out
+
+        sums1 = loop(lanes, ir.Constant(i64, 0), n_vec, sums0)
+        for p, x in zip(sum_ptrs, loop(1, n_vec, n, sums1)):
+            builder.store(x, p)
+        return context.get_dummy_value()
+
+    def adam(typingctx, g, m, v, w, n, params, sums, h):
+        return types.void(*[types.intp] * 8), codegen
+
+    adam.__name__ = f"adam_loop_{lanes}"
+    return intrinsic(adam)
