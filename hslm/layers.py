@@ -38,12 +38,24 @@ from numba import njit
 from .config import (BDOWN, BUP, GAMMA, TENSORS_PER_BLOCK, WDOWN, WK, WO, WQ, WUP, WV, Dims)
 from .kernels import ternary_matmul_rows, ternary_panels
 from .mathfn import exp, log
-from .micro import WGRAD_PANEL
+from .micro import WGRAD_PANEL, wide_vectors
 from .panel_kernels import WGRAD_WINDOWS
+from .vector_tiles import make_tile
 from .speeds import KERNEL_PANELS, KERNEL_ROWS
 
 RMS_EPS = 1e-6
 LABEL_SMOOTH = 0.1  # epsilon of the K-position objective
+
+# Attention's rows: one row (a query, or a row of probabilities) times a panel of
+# ATTN_PANEL columns (keys, or value components), summed in order in vector registers
+# (hslm/vector_tiles.py, products rounded then added, as the plain loops).
+ATTN_LANES = 8 if wide_vectors() else 4
+ATTN_PANEL = 3 * ATTN_LANES
+ATTN_ROW = make_tile(1, 3, ATTN_LANES, ternary=False)
+
+
+def _panels(n):
+    return (n + ATTN_PANEL - 1) // ATTN_PANEL
 
 
 # ------------------------------------------------------------- buffers
@@ -57,6 +69,13 @@ ACT_FIELDS = (
     ("q", lambda D: (D.blocks, D.window, D.width)),        # rotated queries
     ("k", lambda D: (D.blocks, D.window, D.width)),        # rotated keys (the KV cache)
     ("v", lambda D: (D.blocks, D.window, D.width)),        # values (the KV cache)
+    # the cache again, in the panels attention reads (cache_panels): by column, a panel
+    # holds P positions [b, h, q, e, c] = k[q P + c, h dh + e] (the scores, and da);
+    # by row, P components [b, h, q, j, c] = v[j, h dh + q P + c] (o, and dq)
+    ("k_cols", lambda D: (D.blocks, D.heads, _panels(D.window), D.head_width, ATTN_PANEL)),
+    ("v_rows", lambda D: (D.blocks, D.heads, _panels(D.head_width), D.window, ATTN_PANEL)),
+    ("v_cols", lambda D: (D.blocks, D.heads, _panels(D.window), D.head_width, ATTN_PANEL)),
+    ("k_rows", lambda D: (D.blocks, D.heads, _panels(D.head_width), D.window, ATTN_PANEL)),
     ("attn", lambda D: (D.blocks, D.window, D.heads, D.window)),  # probabilities [b, p, h, j]
     ("attn_out", lambda D: (D.blocks, D.window, D.width)),  # o = sum_j a_j v_j
     ("h", lambda D: (D.blocks, D.window, D.width)),        # x + o Wo
@@ -306,59 +325,79 @@ def rotary_backward(dv, cos, sin, p, H, dh):
 
 # ------------------------------------------------------ causal attention
 @njit(cache=True, nogil=True, error_model="numpy")
-def attention_position(q, K, Vc, p, H, dh, scale, Ap, o):
-    """Causal attention of position p over rows 0..p.
-    q [d], K/Vc [>= p+1, d] -> Ap [H, >= p+1] (probabilities), o [d]."""
+def cache_panels(A, w, b, p, H, dh):
+    """Position p's key and value into the cache's panels (A.k_cols ... A.k_rows)."""
+    P = ATTN_PANEL
+    k, v = A.k[w, b, p], A.v[w, b, p]
+    KC, VR, VC, KR = A.k_cols[w, b], A.v_rows[w, b], A.v_cols[w, b], A.k_rows[w, b]
     for h in range(H):
-        c0 = h * dh
-        m = -np.inf
-        for j in range(p + 1):
-            s = 0.0
-            for e in range(dh):
-                s += q[c0 + e] * K[j, c0 + e]
-            s = s * scale
-            Ap[h, j] = s
-            if s > m:
-                m = s
-        z = 0.0
-        for j in range(p + 1):
-            ex = exp(Ap[h, j] - m)
-            Ap[h, j] = ex
-            z += ex
-        for j in range(p + 1):
-            Ap[h, j] = Ap[h, j] / z
         for e in range(dh):
-            acc = 0.0
-            for j in range(p + 1):
-                acc += Ap[h, j] * Vc[j, c0 + e]
-            o[c0 + e] = acc
+            KC[h, p // P, e, p % P] = k[h * dh + e]
+            VC[h, p // P, e, p % P] = v[h * dh + e]
+            VR[h, e // P, p, e % P] = v[h * dh + e]
+            KR[h, e // P, p, e % P] = k[h * dh + e]
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def attention_position_backward(q, K, Vc, Ap, p, H, dh, scale, do, dq, dk, dv):
-    """Gradient of position p's attention through its own q, k_p and v_p only:
-    earlier keys and values are constants of position p's backward (docs/model.md, 7)."""
-    da = np.empty(p + 1)  # da_j, kept for the second pass rather than made again
+def attention_position(q, KC, VR, p, H, dh, scale, Ap, o):
+    """Causal attention of position p over rows 0..p.
+    q [d], the cache in panels (cache_panels) -> Ap [H, >= p+1] (probabilities), o [d].
+
+    Each score s_j = (sum_e q_e k_je) * scale and each o_e = sum_j a_j v_je, summed in
+    order from 0.0, a panel of them at once in vector registers (ATTN_ROW); a panel's
+    columns past p (keys not yet causal) are summed too, and never read."""
+    P = ATTN_PANEL
+    sums = np.empty(P)
+    S = sums.ctypes.data
     for h in range(H):
         c0 = h * dh
-        # da_j = do . v_j ; sum_ad = sum_j a_j da_j
-        sum_ad = 0.0
+        m = -np.inf
+        for qq in range(p // P + 1):  # scores of keys qq P .. qq P + P - 1
+            ATTN_ROW(q.ctypes.data + 8 * c0, 0, KC[h, qq].ctypes.data, dh, S)
+            for c in range(min(P, p + 1 - qq * P)):
+                sj = sums[c] * scale
+                Ap[h, qq * P + c] = sj
+                if sj > m:
+                    m = sj
+        for j in range(p + 1):  # apart from the sum, so that exp vectorises
+            Ap[h, j] = exp(Ap[h, j] - m)
+        z = 0.0
         for j in range(p + 1):
-            a = 0.0
-            for e in range(dh):
-                a += do[c0 + e] * Vc[j, c0 + e]
-            da[j] = a
-            sum_ad += Ap[h, j] * a
-        for e in range(dh):
-            dq[c0 + e] = 0.0
-        gp = 0.0
+            z += Ap[h, j]
         for j in range(p + 1):
-            g = (Ap[h, j] * (da[j] - sum_ad)) * scale
-            for e in range(dh):
-                dq[c0 + e] += g * K[j, c0 + e]
-            gp = g
+            Ap[h, j] = Ap[h, j] / z
+        for qq in range(VR.shape[1]):  # o's components qq P .. qq P + P - 1
+            ATTN_ROW(Ap[h].ctypes.data, 0, VR[h, qq].ctypes.data, p + 1, S)
+            for c in range(min(P, dh - qq * P)):
+                o[c0 + qq * P + c] = sums[c]
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def attention_position_backward(q, VC, KR, Ap, p, H, dh, scale, do, dq, dk, dv):
+    """Gradient of position p's attention through its own q, k_p and v_p only:
+    earlier keys and values are constants of position p's backward (docs/model.md, 7).
+    The cache in panels (cache_panels): da_j = do . v_j and dq_e = sum_j g_j k_je, each
+    summed in order from 0.0, a panel of them at once (ATTN_ROW)."""
+    P = ATTN_PANEL
+    sums = np.empty(P)
+    S = sums.ctypes.data
+    g = np.empty(p + 1)  # da_j, then the scores' gradients g_j
+    for h in range(H):
+        c0 = h * dh
+        sum_ad = 0.0  # sum_j a_j da_j
+        for qq in range(p // P + 1):
+            ATTN_ROW(do.ctypes.data + 8 * c0, 0, VC[h, qq].ctypes.data, dh, S)
+            for c in range(min(P, p + 1 - qq * P)):
+                g[qq * P + c] = sums[c]
+                sum_ad += Ap[h, qq * P + c] * sums[c]
+        for j in range(p + 1):
+            g[j] = (Ap[h, j] * (g[j] - sum_ad)) * scale
+        for qq in range(KR.shape[1]):
+            ATTN_ROW(g.ctypes.data, 0, KR[h, qq].ctypes.data, p + 1, S)
+            for c in range(min(P, dh - qq * P)):
+                dq[c0 + qq * P + c] = sums[c]
         for e in range(dh):
-            dk[c0 + e] = gp * q[c0 + e]
+            dk[c0 + e] = g[p] * q[c0 + e]
             dv[c0 + e] = Ap[h, p] * do[c0 + e]
 
 
@@ -374,14 +413,15 @@ def qkv_attention_forward(model, A, w, b, p0, p1, s, kernel):
     ternary_forward(model, tensor_index(D, b, WV), d, d, N[p0:p1], A.v[w, b, p0:p1], kernel)
     for p in range(p0, p1):
         rotary_forward(A.k[w, b, p], model.cos, model.sin, p, H, dh)
+        cache_panels(A, w, b, p, H, dh)
     q0 = max(p0, s)
     if q0 >= p1:
         return
     ternary_forward(model, tensor_index(D, b, WQ), d, d, N[q0:p1], A.q[w, b, q0:p1], kernel)
     for p in range(q0, p1):
         rotary_forward(A.q[w, b, p], model.cos, model.sin, p, H, dh)
-        attention_position(A.q[w, b, p], A.k[w, b], A.v[w, b], p, H, dh, model.attn_scale,
-                           A.attn[w, b, p], A.attn_out[w, b, p])
+        attention_position(A.q[w, b, p], A.k_cols[w, b], A.v_rows[w, b], p, H, dh,
+                           model.attn_scale, A.attn[w, b, p], A.attn_out[w, b, p])
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -395,9 +435,9 @@ def qkv_attention_backward(model, A, R, S, w, b, s, r0, r1, kernel):
                        kernel)
     for r in range(r0, r1):
         p = s + r
-        attention_position_backward(A.q[w, b, p], A.k[w, b], A.v[w, b], A.attn[w, b, p], p, H,
-                                    dh, model.attn_scale, dO[r], R.d_q[w, b, r], R.d_k[w, b, r],
-                                    R.d_v[w, b, r])
+        attention_position_backward(A.q[w, b, p], A.v_cols[w, b], A.k_rows[w, b],
+                                    A.attn[w, b, p], p, H, dh, model.attn_scale, dO[r],
+                                    R.d_q[w, b, r], R.d_k[w, b, r], R.d_v[w, b, r])
         rotary_backward(R.d_q[w, b, r], model.cos, model.sin, p, H, dh)
         rotary_backward(R.d_k[w, b, r], model.cos, model.sin, p, H, dh)
     ternary_input_grad(model, tensor_index(D, b, WQ), d, d, R.d_q[w, b, r0:r1], S.tmp1[r0:r1],

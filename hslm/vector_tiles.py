@@ -1,5 +1,6 @@
 """A register tile's inner loop written in LLVM IR with explicit vectors (a Numba
-intrinsic), for the ternary kernels of hslm/panel_kernels.py.
+intrinsic), for the ternary kernels of hslm/panel_kernels.py and attention's rows
+(hslm/layers.py).
 
 Numba has no vector types, so the generated kernels hold a tile in named scalars and
 rely on LLVM's SLP vectoriser to pack them. For the ternary 9 x 16 tile it packed
@@ -13,7 +14,8 @@ The sums are the plain loops' sums: each output element starts at 0.0 and adds
 x[r, i] * t[i, c] for i = 0, 1, ... in order. The multiply-add is llvm.fmuladd,
 which fuses where the core has FMA: the product x * t is exact for t in {-1, 0, +1},
 so one rounding or two give the same bits, on any core. (Only for ternary panels:
-other products are not exact, and fusing them would change bits.)
+other products are not exact, and fusing them would change bits. The float64 tile,
+for attention's scores and outputs, multiplies and then adds, as the plain loops do.)
 """
 from __future__ import annotations
 
@@ -22,12 +24,13 @@ from numba import types
 from numba.extending import intrinsic
 
 
-def make_tile(rows: int, vecs: int, lanes: int):
+def make_tile(rows: int, vecs: int, lanes: int, ternary: bool = True):
     """An intrinsic tile(x_addr, x_stride, p_addr, a, out_addr), all intp:
 
     X: float64 rows at x_addr, x_stride elements apart; P: `a` rows of vecs * lanes
-    int8 trits (-1, 0, +1) at p_addr, contiguous. For i = 0 .. a-1 in order:
-    acc[r, c] = acc[r, c] + X[r, i] P[i, c], from 0.0; then
+    int8 trits (-1, 0, +1) at p_addr, contiguous (float64 values if not ternary). For
+    i = 0 .. a-1 in order: acc[r, c] = acc[r, c] + X[r, i] P[i, c], from 0.0 (fused
+    for trits, else the product rounded and then added); then
     out[r * vecs * lanes + c] = acc[r, c] (float64 at out_addr)."""
     width = vecs * lanes
 
@@ -35,7 +38,7 @@ def make_tile(rows: int, vecs: int, lanes: int):
         xa, xs, pa, n, oa = args
         f64, i32, i64 = ir.DoubleType(), ir.IntType(32), ir.IntType(64)
         vt = ir.VectorType(f64, lanes)
-        pt = ir.IntType(8)
+        pt = ir.IntType(8) if ternary else f64
         zero = ir.Constant(vt, [0.0] * lanes)
         splat = ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)
         xptr = builder.inttoptr(xa, f64.as_pointer())
@@ -66,8 +69,8 @@ def make_tile(rows: int, vecs: int, lanes: int):
         for v in range(vecs):
             p = builder.gep(pptr, [builder.add(row_i, ir.Constant(i64, v * lanes))])
             tv = builder.load(builder.bitcast(p, ir.VectorType(pt, lanes).as_pointer()),
-                              align=1)
-            t.append(builder.sitofp(tv, vt))
+                              align=1 if ternary else 8)
+            t.append(builder.sitofp(tv, vt) if ternary else tv)
         new = []
         for r in range(rows):
             x = builder.load(builder.gep(xptr, [builder.add(builder.mul(ir.Constant(i64, r), xs),
@@ -75,7 +78,8 @@ def make_tile(rows: int, vecs: int, lanes: int):
             xv = builder.shuffle_vector(builder.insert_element(ir.Constant(vt, ir.Undefined), x,
                                                                ir.Constant(i32, 0)),
                                         ir.Constant(vt, ir.Undefined), splat)
-            new.append([builder.call(fmuladd, [xv, t[v], acc[r][v]]) for v in range(vecs)])
+            new.append([builder.call(fmuladd, [xv, t[v], acc[r][v]]) if ternary else
+                        builder.fadd(acc[r][v], builder.fmul(xv, t[v])) for v in range(vecs)])
         i_next = builder.add(i, ir.Constant(i64, 1))
         i.add_incoming(ir.Constant(i64, 0), entry)
         i.add_incoming(i_next, loop)
@@ -94,5 +98,5 @@ def make_tile(rows: int, vecs: int, lanes: int):
     def tile(typingctx, x_addr, x_stride, p_addr, a, out_addr):
         return types.void(types.intp, types.intp, types.intp, types.intp, types.intp), codegen
 
-    tile.__name__ = f"ternary_tile_{rows}x{width}"
+    tile.__name__ = f"{'ternary' if ternary else 'float64'}_tile_{rows}x{width}"
     return intrinsic(tile)
