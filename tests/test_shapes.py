@@ -113,6 +113,85 @@ def test_every_weight_gradient_tile_gives_the_plain_sums_bit_for_bit(n, a, b):
     assert straight.tobytes() != plain.tobytes()
 
 
+def plain_attention(q, K, V, do, p, H, dh, scale, e_order=None):
+    """Position p's attention and its backward as plain Python loops, every sum in order
+    from 0.0 (the scores' over e_order, when given: the negative control)."""
+    from hslm.mathfn import exp
+    A = np.zeros((H, p + 1))
+    o, dq, dk, dv = (np.zeros(H * dh) for _ in range(4))
+    for h in range(H):
+        c0 = h * dh
+        for j in range(p + 1):
+            s = 0.0
+            for e in (range(dh) if e_order is None else e_order):
+                s += q[c0 + e] * K[j, c0 + e]
+            A[h, j] = s * scale
+        m = max(A[h])
+        for j in range(p + 1):
+            A[h, j] = exp(A[h, j] - m)
+        z = 0.0
+        for j in range(p + 1):
+            z += A[h, j]
+        for j in range(p + 1):
+            A[h, j] = A[h, j] / z
+        for e in range(dh):
+            acc = 0.0
+            for j in range(p + 1):
+                acc += A[h, j] * V[j, c0 + e]
+            o[c0 + e] = acc
+        da, sum_ad = np.zeros(p + 1), 0.0
+        for j in range(p + 1):
+            acc = 0.0
+            for e in range(dh):
+                acc += do[c0 + e] * V[j, c0 + e]
+            da[j] = acc
+            sum_ad += A[h, j] * acc
+        g = [(A[h, j] * (da[j] - sum_ad)) * scale for j in range(p + 1)]
+        for e in range(dh):
+            acc = 0.0
+            for j in range(p + 1):
+                acc += g[j] * K[j, c0 + e]
+            dq[c0 + e] = acc
+            dk[c0 + e] = g[p] * q[c0 + e]
+            dv[c0 + e] = A[h, p] * do[c0 + e]
+    return A, o, dq, dk, dv
+
+
+@pytest.mark.parametrize("heads,head_width,window", [(3, 81, 27), (3, 11, 13), (2, 7, 5),
+                                                     (1, 27, 30), (2, 25, 49)])
+def test_attention_in_panels_gives_the_plain_sums_bit_for_bit(heads, head_width, window):
+    """attention_position and its backward, reading the cache from its panels
+    (cache_panels), against the plain loops at every position: head widths and windows
+    below, at and past a panel (ATTN_PANEL columns) and past two. The control: the
+    scores summed over e in reverse give other bits."""
+    from hslm.layers import (alloc_acts, attention_position, attention_position_backward,
+                             cache_panels)
+    d = heads * head_width
+    cfg = Config(vocab=31, width=d, heads=heads, head_width=head_width, mlp=9, blocks=1,
+                 window=window, vsa_dim=4 * d)
+    A = alloc_acts(cfg.dims(), 1)
+    rng = np.random.default_rng(window)
+    A.q[0, 0], A.k[0, 0], A.v[0, 0] = (rng.standard_normal((window, d)) for _ in range(3))
+    do = rng.standard_normal(d)
+    for p in range(window):
+        cache_panels(A, 0, 0, p, heads, head_width)
+    scale = 1.0 / np.sqrt(head_width)
+    for p in range(window):
+        o, dq, dk, dv = (np.zeros(d) for _ in range(4))
+        attention_position(A.q[0, 0, p], A.k_cols[0, 0], A.v_rows[0, 0], p, heads, head_width,
+                           scale, A.attn[0, 0, p], o)
+        attention_position_backward(A.q[0, 0, p], A.v_cols[0, 0], A.k_rows[0, 0],
+                                    A.attn[0, 0, p], p, heads, head_width, scale, do, dq, dk, dv)
+        ref = plain_attention(A.q[0, 0, p], A.k[0, 0], A.v[0, 0], do, p, heads, head_width,
+                              scale)
+        got = (A.attn[0, 0, p][:, :p + 1].copy(), o, dq, dk, dv)
+        for name, a, b in zip(("probabilities", "o", "dq", "dk", "dv"), got, ref):
+            assert a.tobytes() == b.tobytes(), f"{name} at position {p}"
+    control = plain_attention(A.q[0, 0, p], A.k[0, 0], A.v[0, 0], do, p, heads, head_width,
+                              scale, e_order=range(head_width - 1, -1, -1))
+    assert control[0].tobytes() != got[0].tobytes()
+
+
 _cache = {}
 
 
