@@ -94,10 +94,10 @@ def output_grad_panels(DY, PD):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def weight_grad_rows(X, i0, i1, pd, b, G, XT):
+def weight_grad_rows(X, i0, i1, pd, b, G, XT, fresh):
     """G[i0:i1] += (X^T . DY)[i0:i1]: G [a, b], X [n, a], DY [n, b] given in panels
     (pd, output_grad_panels); each element summed over the positions r = 0, 1, ...
-    in increasing order from 0.0.
+    in increasing order from 0.0. fresh: G[i0:i1] = 0.0 + that sum instead.
 
     A tile of gradient rows is held in registers while every position adds to
     it, then added into G: each element is the same chain of additions as the
@@ -109,7 +109,7 @@ def weight_grad_rows(X, i0, i1, pd, b, G, XT):
     for r in range(n):
         for i in range(m):
             xt[i, r] = X[r, i0 + i]
-    panel_matmul_add(xt, pd, b, G[i0:i1])
+    panel_matmul_add(xt, pd, b, G[i0:i1], fresh)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")

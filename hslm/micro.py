@@ -37,7 +37,8 @@ MICRO_KERNELS = {
     "ternary tile": (ternary_panel_matmul,
                      "(float64[:, ::1], int8[:, :, ::1], int64, float64, float64[:, ::1])"),
     "weight-gradient tile": (panel_matmul_add,
-                             "(float64[:, ::1], float64[:, :, ::1], int64, float64[:, ::1])"),
+                             "(float64[:, ::1], float64[:, :, ::1], int64, float64[:, ::1], "
+                             "boolean)"),
 }
 
 

@@ -87,10 +87,12 @@ def ternary_panel_matmul_3x12(X, P, b, alpha, Y):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def panel_matmul_add_3x24(X, P, b, G):
+def panel_matmul_add_3x24(X, P, b, G, fresh):
     """G [n, b] += X [n, a] . D, D [a, b] in panels P: the weight gradient, X the
     layer input transposed (gradient rows x positions), D the output gradient
-    (positions x columns). No contraction: these products are not exact."""
+    (positions x columns). No contraction: these products are not exact.
+    fresh: G = 0.0 + X . D instead, whatever G held (the bits of G zeroed
+    and then added to, without a pass that zeroes it)."""
     n, a = X.shape
     npan = P.shape[0]
     part = np.empty((3, 24))
@@ -166,7 +168,7 @@ def panel_matmul_add_3x24(X, P, b, G):
                 part[2, 7] = y2_7
                 for rr in range(3):
                     for c in range(b - j):
-                        G[r + rr, j + c] += part[rr, c]
+                        G[r + rr, j + c] = (0.0 if fresh else G[r + rr, j + c]) + part[rr, c]
                 r += 3
         while r + 3 <= n:
             y0_0 = 0.0; y0_1 = 0.0; y0_2 = 0.0; y0_3 = 0.0; y0_4 = 0.0; y0_5 = 0.0; y0_6 = 0.0; y0_7 = 0.0; y0_8 = 0.0; y0_9 = 0.0; y0_10 = 0.0; y0_11 = 0.0; y0_12 = 0.0; y0_13 = 0.0; y0_14 = 0.0; y0_15 = 0.0; y0_16 = 0.0; y0_17 = 0.0; y0_18 = 0.0; y0_19 = 0.0; y0_20 = 0.0; y0_21 = 0.0; y0_22 = 0.0; y0_23 = 0.0
@@ -274,78 +276,78 @@ def panel_matmul_add_3x24(X, P, b, G):
                 y2_22 = y2_22 + x2 * t22
                 y2_23 = y2_23 + x2 * t23
             if j + 24 <= b:
-                G[r + 0, j + 0] += y0_0
-                G[r + 0, j + 1] += y0_1
-                G[r + 0, j + 2] += y0_2
-                G[r + 0, j + 3] += y0_3
-                G[r + 0, j + 4] += y0_4
-                G[r + 0, j + 5] += y0_5
-                G[r + 0, j + 6] += y0_6
-                G[r + 0, j + 7] += y0_7
-                G[r + 0, j + 8] += y0_8
-                G[r + 0, j + 9] += y0_9
-                G[r + 0, j + 10] += y0_10
-                G[r + 0, j + 11] += y0_11
-                G[r + 0, j + 12] += y0_12
-                G[r + 0, j + 13] += y0_13
-                G[r + 0, j + 14] += y0_14
-                G[r + 0, j + 15] += y0_15
-                G[r + 0, j + 16] += y0_16
-                G[r + 0, j + 17] += y0_17
-                G[r + 0, j + 18] += y0_18
-                G[r + 0, j + 19] += y0_19
-                G[r + 0, j + 20] += y0_20
-                G[r + 0, j + 21] += y0_21
-                G[r + 0, j + 22] += y0_22
-                G[r + 0, j + 23] += y0_23
-                G[r + 1, j + 0] += y1_0
-                G[r + 1, j + 1] += y1_1
-                G[r + 1, j + 2] += y1_2
-                G[r + 1, j + 3] += y1_3
-                G[r + 1, j + 4] += y1_4
-                G[r + 1, j + 5] += y1_5
-                G[r + 1, j + 6] += y1_6
-                G[r + 1, j + 7] += y1_7
-                G[r + 1, j + 8] += y1_8
-                G[r + 1, j + 9] += y1_9
-                G[r + 1, j + 10] += y1_10
-                G[r + 1, j + 11] += y1_11
-                G[r + 1, j + 12] += y1_12
-                G[r + 1, j + 13] += y1_13
-                G[r + 1, j + 14] += y1_14
-                G[r + 1, j + 15] += y1_15
-                G[r + 1, j + 16] += y1_16
-                G[r + 1, j + 17] += y1_17
-                G[r + 1, j + 18] += y1_18
-                G[r + 1, j + 19] += y1_19
-                G[r + 1, j + 20] += y1_20
-                G[r + 1, j + 21] += y1_21
-                G[r + 1, j + 22] += y1_22
-                G[r + 1, j + 23] += y1_23
-                G[r + 2, j + 0] += y2_0
-                G[r + 2, j + 1] += y2_1
-                G[r + 2, j + 2] += y2_2
-                G[r + 2, j + 3] += y2_3
-                G[r + 2, j + 4] += y2_4
-                G[r + 2, j + 5] += y2_5
-                G[r + 2, j + 6] += y2_6
-                G[r + 2, j + 7] += y2_7
-                G[r + 2, j + 8] += y2_8
-                G[r + 2, j + 9] += y2_9
-                G[r + 2, j + 10] += y2_10
-                G[r + 2, j + 11] += y2_11
-                G[r + 2, j + 12] += y2_12
-                G[r + 2, j + 13] += y2_13
-                G[r + 2, j + 14] += y2_14
-                G[r + 2, j + 15] += y2_15
-                G[r + 2, j + 16] += y2_16
-                G[r + 2, j + 17] += y2_17
-                G[r + 2, j + 18] += y2_18
-                G[r + 2, j + 19] += y2_19
-                G[r + 2, j + 20] += y2_20
-                G[r + 2, j + 21] += y2_21
-                G[r + 2, j + 22] += y2_22
-                G[r + 2, j + 23] += y2_23
+                G[r + 0, j + 0] = (0.0 if fresh else G[r + 0, j + 0]) + y0_0
+                G[r + 0, j + 1] = (0.0 if fresh else G[r + 0, j + 1]) + y0_1
+                G[r + 0, j + 2] = (0.0 if fresh else G[r + 0, j + 2]) + y0_2
+                G[r + 0, j + 3] = (0.0 if fresh else G[r + 0, j + 3]) + y0_3
+                G[r + 0, j + 4] = (0.0 if fresh else G[r + 0, j + 4]) + y0_4
+                G[r + 0, j + 5] = (0.0 if fresh else G[r + 0, j + 5]) + y0_5
+                G[r + 0, j + 6] = (0.0 if fresh else G[r + 0, j + 6]) + y0_6
+                G[r + 0, j + 7] = (0.0 if fresh else G[r + 0, j + 7]) + y0_7
+                G[r + 0, j + 8] = (0.0 if fresh else G[r + 0, j + 8]) + y0_8
+                G[r + 0, j + 9] = (0.0 if fresh else G[r + 0, j + 9]) + y0_9
+                G[r + 0, j + 10] = (0.0 if fresh else G[r + 0, j + 10]) + y0_10
+                G[r + 0, j + 11] = (0.0 if fresh else G[r + 0, j + 11]) + y0_11
+                G[r + 0, j + 12] = (0.0 if fresh else G[r + 0, j + 12]) + y0_12
+                G[r + 0, j + 13] = (0.0 if fresh else G[r + 0, j + 13]) + y0_13
+                G[r + 0, j + 14] = (0.0 if fresh else G[r + 0, j + 14]) + y0_14
+                G[r + 0, j + 15] = (0.0 if fresh else G[r + 0, j + 15]) + y0_15
+                G[r + 0, j + 16] = (0.0 if fresh else G[r + 0, j + 16]) + y0_16
+                G[r + 0, j + 17] = (0.0 if fresh else G[r + 0, j + 17]) + y0_17
+                G[r + 0, j + 18] = (0.0 if fresh else G[r + 0, j + 18]) + y0_18
+                G[r + 0, j + 19] = (0.0 if fresh else G[r + 0, j + 19]) + y0_19
+                G[r + 0, j + 20] = (0.0 if fresh else G[r + 0, j + 20]) + y0_20
+                G[r + 0, j + 21] = (0.0 if fresh else G[r + 0, j + 21]) + y0_21
+                G[r + 0, j + 22] = (0.0 if fresh else G[r + 0, j + 22]) + y0_22
+                G[r + 0, j + 23] = (0.0 if fresh else G[r + 0, j + 23]) + y0_23
+                G[r + 1, j + 0] = (0.0 if fresh else G[r + 1, j + 0]) + y1_0
+                G[r + 1, j + 1] = (0.0 if fresh else G[r + 1, j + 1]) + y1_1
+                G[r + 1, j + 2] = (0.0 if fresh else G[r + 1, j + 2]) + y1_2
+                G[r + 1, j + 3] = (0.0 if fresh else G[r + 1, j + 3]) + y1_3
+                G[r + 1, j + 4] = (0.0 if fresh else G[r + 1, j + 4]) + y1_4
+                G[r + 1, j + 5] = (0.0 if fresh else G[r + 1, j + 5]) + y1_5
+                G[r + 1, j + 6] = (0.0 if fresh else G[r + 1, j + 6]) + y1_6
+                G[r + 1, j + 7] = (0.0 if fresh else G[r + 1, j + 7]) + y1_7
+                G[r + 1, j + 8] = (0.0 if fresh else G[r + 1, j + 8]) + y1_8
+                G[r + 1, j + 9] = (0.0 if fresh else G[r + 1, j + 9]) + y1_9
+                G[r + 1, j + 10] = (0.0 if fresh else G[r + 1, j + 10]) + y1_10
+                G[r + 1, j + 11] = (0.0 if fresh else G[r + 1, j + 11]) + y1_11
+                G[r + 1, j + 12] = (0.0 if fresh else G[r + 1, j + 12]) + y1_12
+                G[r + 1, j + 13] = (0.0 if fresh else G[r + 1, j + 13]) + y1_13
+                G[r + 1, j + 14] = (0.0 if fresh else G[r + 1, j + 14]) + y1_14
+                G[r + 1, j + 15] = (0.0 if fresh else G[r + 1, j + 15]) + y1_15
+                G[r + 1, j + 16] = (0.0 if fresh else G[r + 1, j + 16]) + y1_16
+                G[r + 1, j + 17] = (0.0 if fresh else G[r + 1, j + 17]) + y1_17
+                G[r + 1, j + 18] = (0.0 if fresh else G[r + 1, j + 18]) + y1_18
+                G[r + 1, j + 19] = (0.0 if fresh else G[r + 1, j + 19]) + y1_19
+                G[r + 1, j + 20] = (0.0 if fresh else G[r + 1, j + 20]) + y1_20
+                G[r + 1, j + 21] = (0.0 if fresh else G[r + 1, j + 21]) + y1_21
+                G[r + 1, j + 22] = (0.0 if fresh else G[r + 1, j + 22]) + y1_22
+                G[r + 1, j + 23] = (0.0 if fresh else G[r + 1, j + 23]) + y1_23
+                G[r + 2, j + 0] = (0.0 if fresh else G[r + 2, j + 0]) + y2_0
+                G[r + 2, j + 1] = (0.0 if fresh else G[r + 2, j + 1]) + y2_1
+                G[r + 2, j + 2] = (0.0 if fresh else G[r + 2, j + 2]) + y2_2
+                G[r + 2, j + 3] = (0.0 if fresh else G[r + 2, j + 3]) + y2_3
+                G[r + 2, j + 4] = (0.0 if fresh else G[r + 2, j + 4]) + y2_4
+                G[r + 2, j + 5] = (0.0 if fresh else G[r + 2, j + 5]) + y2_5
+                G[r + 2, j + 6] = (0.0 if fresh else G[r + 2, j + 6]) + y2_6
+                G[r + 2, j + 7] = (0.0 if fresh else G[r + 2, j + 7]) + y2_7
+                G[r + 2, j + 8] = (0.0 if fresh else G[r + 2, j + 8]) + y2_8
+                G[r + 2, j + 9] = (0.0 if fresh else G[r + 2, j + 9]) + y2_9
+                G[r + 2, j + 10] = (0.0 if fresh else G[r + 2, j + 10]) + y2_10
+                G[r + 2, j + 11] = (0.0 if fresh else G[r + 2, j + 11]) + y2_11
+                G[r + 2, j + 12] = (0.0 if fresh else G[r + 2, j + 12]) + y2_12
+                G[r + 2, j + 13] = (0.0 if fresh else G[r + 2, j + 13]) + y2_13
+                G[r + 2, j + 14] = (0.0 if fresh else G[r + 2, j + 14]) + y2_14
+                G[r + 2, j + 15] = (0.0 if fresh else G[r + 2, j + 15]) + y2_15
+                G[r + 2, j + 16] = (0.0 if fresh else G[r + 2, j + 16]) + y2_16
+                G[r + 2, j + 17] = (0.0 if fresh else G[r + 2, j + 17]) + y2_17
+                G[r + 2, j + 18] = (0.0 if fresh else G[r + 2, j + 18]) + y2_18
+                G[r + 2, j + 19] = (0.0 if fresh else G[r + 2, j + 19]) + y2_19
+                G[r + 2, j + 20] = (0.0 if fresh else G[r + 2, j + 20]) + y2_20
+                G[r + 2, j + 21] = (0.0 if fresh else G[r + 2, j + 21]) + y2_21
+                G[r + 2, j + 22] = (0.0 if fresh else G[r + 2, j + 22]) + y2_22
+                G[r + 2, j + 23] = (0.0 if fresh else G[r + 2, j + 23]) + y2_23
             else:
                 part[0, 0] = y0_0
                 part[0, 1] = y0_1
@@ -421,7 +423,7 @@ def panel_matmul_add_3x24(X, P, b, G):
                 part[2, 23] = y2_23
                 for rr in range(3):
                     for c in range(b - j):
-                        G[r + rr, j + c] += part[rr, c]
+                        G[r + rr, j + c] = (0.0 if fresh else G[r + rr, j + c]) + part[rr, c]
             r += 3
         while r < n:
             y0_0 = 0.0; y0_1 = 0.0; y0_2 = 0.0; y0_3 = 0.0; y0_4 = 0.0; y0_5 = 0.0; y0_6 = 0.0; y0_7 = 0.0; y0_8 = 0.0; y0_9 = 0.0; y0_10 = 0.0; y0_11 = 0.0; y0_12 = 0.0; y0_13 = 0.0; y0_14 = 0.0; y0_15 = 0.0; y0_16 = 0.0; y0_17 = 0.0; y0_18 = 0.0; y0_19 = 0.0; y0_20 = 0.0; y0_21 = 0.0; y0_22 = 0.0; y0_23 = 0.0
@@ -478,15 +480,17 @@ def panel_matmul_add_3x24(X, P, b, G):
             part[0, 23] = y0_23
             for rr in range(1):
                 for c in range(min(24, b - j)):
-                    G[r + rr, j + c] += part[rr, c]
+                    G[r + rr, j + c] = (0.0 if fresh else G[r + rr, j + c]) + part[rr, c]
             r += 1
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def panel_matmul_add_3x12(X, P, b, G):
+def panel_matmul_add_3x12(X, P, b, G, fresh):
     """G [n, b] += X [n, a] . D, D [a, b] in panels P: the weight gradient, X the
     layer input transposed (gradient rows x positions), D the output gradient
-    (positions x columns). No contraction: these products are not exact."""
+    (positions x columns). No contraction: these products are not exact.
+    fresh: G = 0.0 + X . D instead, whatever G held (the bits of G zeroed
+    and then added to, without a pass that zeroes it)."""
     n, a = X.shape
     npan = P.shape[0]
     part = np.empty((3, 12))
@@ -534,7 +538,7 @@ def panel_matmul_add_3x12(X, P, b, G):
                 part[2, 3] = y2_3
                 for rr in range(3):
                     for c in range(b - j):
-                        G[r + rr, j + c] += part[rr, c]
+                        G[r + rr, j + c] = (0.0 if fresh else G[r + rr, j + c]) + part[rr, c]
                 r += 3
         while r + 3 <= n:
             y0_0 = 0.0; y0_1 = 0.0; y0_2 = 0.0; y0_3 = 0.0; y0_4 = 0.0; y0_5 = 0.0; y0_6 = 0.0; y0_7 = 0.0; y0_8 = 0.0; y0_9 = 0.0; y0_10 = 0.0; y0_11 = 0.0
@@ -594,42 +598,42 @@ def panel_matmul_add_3x12(X, P, b, G):
                 y2_10 = y2_10 + x2 * t10
                 y2_11 = y2_11 + x2 * t11
             if j + 12 <= b:
-                G[r + 0, j + 0] += y0_0
-                G[r + 0, j + 1] += y0_1
-                G[r + 0, j + 2] += y0_2
-                G[r + 0, j + 3] += y0_3
-                G[r + 0, j + 4] += y0_4
-                G[r + 0, j + 5] += y0_5
-                G[r + 0, j + 6] += y0_6
-                G[r + 0, j + 7] += y0_7
-                G[r + 0, j + 8] += y0_8
-                G[r + 0, j + 9] += y0_9
-                G[r + 0, j + 10] += y0_10
-                G[r + 0, j + 11] += y0_11
-                G[r + 1, j + 0] += y1_0
-                G[r + 1, j + 1] += y1_1
-                G[r + 1, j + 2] += y1_2
-                G[r + 1, j + 3] += y1_3
-                G[r + 1, j + 4] += y1_4
-                G[r + 1, j + 5] += y1_5
-                G[r + 1, j + 6] += y1_6
-                G[r + 1, j + 7] += y1_7
-                G[r + 1, j + 8] += y1_8
-                G[r + 1, j + 9] += y1_9
-                G[r + 1, j + 10] += y1_10
-                G[r + 1, j + 11] += y1_11
-                G[r + 2, j + 0] += y2_0
-                G[r + 2, j + 1] += y2_1
-                G[r + 2, j + 2] += y2_2
-                G[r + 2, j + 3] += y2_3
-                G[r + 2, j + 4] += y2_4
-                G[r + 2, j + 5] += y2_5
-                G[r + 2, j + 6] += y2_6
-                G[r + 2, j + 7] += y2_7
-                G[r + 2, j + 8] += y2_8
-                G[r + 2, j + 9] += y2_9
-                G[r + 2, j + 10] += y2_10
-                G[r + 2, j + 11] += y2_11
+                G[r + 0, j + 0] = (0.0 if fresh else G[r + 0, j + 0]) + y0_0
+                G[r + 0, j + 1] = (0.0 if fresh else G[r + 0, j + 1]) + y0_1
+                G[r + 0, j + 2] = (0.0 if fresh else G[r + 0, j + 2]) + y0_2
+                G[r + 0, j + 3] = (0.0 if fresh else G[r + 0, j + 3]) + y0_3
+                G[r + 0, j + 4] = (0.0 if fresh else G[r + 0, j + 4]) + y0_4
+                G[r + 0, j + 5] = (0.0 if fresh else G[r + 0, j + 5]) + y0_5
+                G[r + 0, j + 6] = (0.0 if fresh else G[r + 0, j + 6]) + y0_6
+                G[r + 0, j + 7] = (0.0 if fresh else G[r + 0, j + 7]) + y0_7
+                G[r + 0, j + 8] = (0.0 if fresh else G[r + 0, j + 8]) + y0_8
+                G[r + 0, j + 9] = (0.0 if fresh else G[r + 0, j + 9]) + y0_9
+                G[r + 0, j + 10] = (0.0 if fresh else G[r + 0, j + 10]) + y0_10
+                G[r + 0, j + 11] = (0.0 if fresh else G[r + 0, j + 11]) + y0_11
+                G[r + 1, j + 0] = (0.0 if fresh else G[r + 1, j + 0]) + y1_0
+                G[r + 1, j + 1] = (0.0 if fresh else G[r + 1, j + 1]) + y1_1
+                G[r + 1, j + 2] = (0.0 if fresh else G[r + 1, j + 2]) + y1_2
+                G[r + 1, j + 3] = (0.0 if fresh else G[r + 1, j + 3]) + y1_3
+                G[r + 1, j + 4] = (0.0 if fresh else G[r + 1, j + 4]) + y1_4
+                G[r + 1, j + 5] = (0.0 if fresh else G[r + 1, j + 5]) + y1_5
+                G[r + 1, j + 6] = (0.0 if fresh else G[r + 1, j + 6]) + y1_6
+                G[r + 1, j + 7] = (0.0 if fresh else G[r + 1, j + 7]) + y1_7
+                G[r + 1, j + 8] = (0.0 if fresh else G[r + 1, j + 8]) + y1_8
+                G[r + 1, j + 9] = (0.0 if fresh else G[r + 1, j + 9]) + y1_9
+                G[r + 1, j + 10] = (0.0 if fresh else G[r + 1, j + 10]) + y1_10
+                G[r + 1, j + 11] = (0.0 if fresh else G[r + 1, j + 11]) + y1_11
+                G[r + 2, j + 0] = (0.0 if fresh else G[r + 2, j + 0]) + y2_0
+                G[r + 2, j + 1] = (0.0 if fresh else G[r + 2, j + 1]) + y2_1
+                G[r + 2, j + 2] = (0.0 if fresh else G[r + 2, j + 2]) + y2_2
+                G[r + 2, j + 3] = (0.0 if fresh else G[r + 2, j + 3]) + y2_3
+                G[r + 2, j + 4] = (0.0 if fresh else G[r + 2, j + 4]) + y2_4
+                G[r + 2, j + 5] = (0.0 if fresh else G[r + 2, j + 5]) + y2_5
+                G[r + 2, j + 6] = (0.0 if fresh else G[r + 2, j + 6]) + y2_6
+                G[r + 2, j + 7] = (0.0 if fresh else G[r + 2, j + 7]) + y2_7
+                G[r + 2, j + 8] = (0.0 if fresh else G[r + 2, j + 8]) + y2_8
+                G[r + 2, j + 9] = (0.0 if fresh else G[r + 2, j + 9]) + y2_9
+                G[r + 2, j + 10] = (0.0 if fresh else G[r + 2, j + 10]) + y2_10
+                G[r + 2, j + 11] = (0.0 if fresh else G[r + 2, j + 11]) + y2_11
             else:
                 part[0, 0] = y0_0
                 part[0, 1] = y0_1
@@ -669,7 +673,7 @@ def panel_matmul_add_3x12(X, P, b, G):
                 part[2, 11] = y2_11
                 for rr in range(3):
                     for c in range(b - j):
-                        G[r + rr, j + c] += part[rr, c]
+                        G[r + rr, j + c] = (0.0 if fresh else G[r + rr, j + c]) + part[rr, c]
             r += 3
         while r < n:
             y0_0 = 0.0; y0_1 = 0.0; y0_2 = 0.0; y0_3 = 0.0; y0_4 = 0.0; y0_5 = 0.0; y0_6 = 0.0; y0_7 = 0.0; y0_8 = 0.0; y0_9 = 0.0; y0_10 = 0.0; y0_11 = 0.0
@@ -702,5 +706,5 @@ def panel_matmul_add_3x12(X, P, b, G):
             part[0, 11] = y0_11
             for rr in range(1):
                 for c in range(min(12, b - j)):
-                    G[r + rr, j + c] += part[rr, c]
+                    G[r + rr, j + c] = (0.0 if fresh else G[r + rr, j + c]) + part[rr, c]
             r += 1

@@ -84,7 +84,8 @@ def test_every_ternary_tile_gives_the_plain_sums_bit_for_bit(n, a, b):
 def test_every_weight_gradient_tile_gives_the_plain_sums_bit_for_bit(n, a, b):
     """G += X . D for each tile: each sum over i in order from 0.0, then added to G
     (a multiply and an add per term, never fused), whatever rows and columns are
-    left over, and on a narrow last panel (243, 32 and 28 columns end in one)."""
+    left over, and on a narrow last panel (243, 32 and 28 columns end in one); fresh,
+    G = 0.0 + X . D over G full of NaN."""
     rng = np.random.default_rng(n * a + b)
     X = rng.standard_normal((n, a))
     D = rng.standard_normal((a, b))
@@ -100,8 +101,12 @@ def test_every_weight_gradient_tile_gives_the_plain_sums_bit_for_bit(n, a, b):
             cols = D[:, q * panel:(q + 1) * panel]
             P[q, :, :cols.shape[1]] = cols
         G = G0.copy()
-        getattr(panel_kernels, f"panel_matmul_add_{rows}x{panel}")(X, P, b, G)
+        kernel = getattr(panel_kernels, f"panel_matmul_add_{rows}x{panel}")
+        kernel(X, P, b, G, False)
         assert G.tobytes() == plain.tobytes(), f"tile {rows}x{panel}"
+        G = np.full((n, b), np.nan)
+        kernel(X, P, b, G, True)
+        assert G.tobytes() == (0.0 + s).tobytes(), f"tile {rows}x{panel}, fresh"
     # negative controls: the terms in another order, or added straight into G
     other = np.zeros((n, b))
     for i in reversed(range(a)):

@@ -59,7 +59,7 @@ def reordered_wout_gradient(cfg, worker, k):
     DY = np.ascontiguousarray(worker.rec.d_head[0, :k][::-1])
     G = np.zeros((d, V))
     pd = output_grad_panels(DY, np.zeros(k * (V + 32)))
-    weight_grad_rows(X, 0, d, pd, V, G, np.zeros(d * k))
+    weight_grad_rows(X, 0, d, pd, V, G, np.zeros(d * k), False)
     return G.ravel()
 
 
