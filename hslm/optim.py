@@ -91,6 +91,10 @@ def adamw_step(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, norms
         sums[1] = 0.0
         e = offs[t]
         while e < offs[t + 1]:  # in runs that end where the cursor's tensor ends
+            while ct < t1 and c == offs[ct + 1]:  # the cursor's tensor summed (or empty)
+                norms[ct] = math.sqrt(sums[2])
+                sums[2] = 0.0
+                ct += 1
             k = offs[t + 1] - e
             h = e  # past the last norm, the third sum runs on this gradient, unused
             if ct < t1:
@@ -101,10 +105,6 @@ def adamw_step(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, norms
             e += k
             if ct < t1:
                 c += k
-                if c == offs[ct + 1]:
-                    norms[ct] = math.sqrt(sums[2])
-                    sums[2] = 0.0
-                    ct += 1
         abs_sums[t] = sums[0]
         moment_sums[t] = sums[1]
 

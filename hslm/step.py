@@ -17,13 +17,13 @@ the weight layouts it reads and which of two reductions it uses:
 * "gradient units" (the layerwise loop) runs in two phases. (1) Each window's forward and backward through
   the layers' inputs, on any thread, into that window's own record. (2) The
   weight-gradient phase: the gradient is cut into units (a block of 36 rows of
-  a matrix, or a whole small tensor), and each unit zeroes its part of G (in
-  cache, just before), then adds every window's sum in window order; threads
-  take contiguous runs of units. G is written once per step, and no thread needs
-  a copy of it. With more threads than windows the phases overlap
-  (StepRunner._gradient_staged): each window's backward runs in stages, the
-  threads without a window zero G meanwhile, then take a stage's units as soon
-  as every window has passed it.
+  a matrix, or a whole small tensor), and each unit writes its part of G: the
+  first window's sum stored as 0.0 + S, then every other window's added in window
+  order (a small tensor is zeroed just before); threads take contiguous runs of
+  units. G is written once per step, and no thread needs a copy of it. With more
+  threads than windows the phases overlap (StepRunner._gradient_staged): each
+  window's backward runs in stages, the threads without a window zero G
+  meanwhile, then take a stage's units as soon as every window has passed it.
 
 Threads are plain Python threads running nogil Numba kernels: no Numba
 threading layer is involved, so forking and Ctrl-C behave as in any Python
@@ -215,7 +215,7 @@ class StepRunner:
         scale = 1.0 / (k * B)
         losses = np.zeros(B)
         if self.speed.reduction != "gradient units":
-            G[:] = 0.0  # (by gradient units, each unit zeroes its part, in cache)
+            G[:] = 0.0  # (by gradient units, each unit writes its part whole)
         if self.speed.reduction == "gradient units":
             self._gradient_layerwise(model, vsa_table, windows, k, scale, G, losses)
         elif self.threads == 1:
@@ -275,9 +275,10 @@ class StepRunner:
         (a run of units of one stage's tensors) is ready once every window has passed
         its stage, since its records are then final; every slot takes ready chunks,
         the head's first, until none is left. Each unit still adds its windows in window
-        order into zeroed G: who computes it, and when, changes no bit. (The idle slots'
-        zeroing costs nothing on the way; a unit zeroing its own part, as in the phase
-        without stages, ran 2 threads at batch 1 10% slower here.)"""
+        order into zeroed G: who computes it, and when, changes no bit. (The idle slots
+        zero G for free during the forward; units zeroing their own rows instead ran 2
+        threads at batch 1 10% slower here, and units storing their first window's
+        sums, as in the phase without stages, no faster.)"""
         B, N, nb = windows.shape[0], self.threads, self.cfg.blocks
         kernel = self.speed.kernel
         chunks, chunk_stage = self.staged_chunks

@@ -74,22 +74,22 @@ def reference_adamw(theta, g, m, v, offs, decay, bc1, bc2, lr, wd, t0, t1, norm_
 
 def test_adamw_is_the_plain_loops_to_the_bit():
     """The vector loop with its three in-order sums (the norm's running ahead into the
-    next tensors) gives the plain loops' bits: awkward sizes (1, primes, a tail past the
-    vectors, a tensor longer than the one before, whose norm the cursor has not finished),
+    next tensors) gives the plain loops' bits: awkward sizes (0, 1, primes, a tail past
+    the vectors, a tensor longer than the one before, whose norm the cursor has not finished),
     clipped and unclipped tensors, and the tensors split into ranges as threads split
     them. The control: one norm summed pairwise (np.sum) instead of in order differs."""
     rng = np.random.default_rng(3)
-    sizes = [5, 1, 13, 300, 2, 64, 3, 1031, 7]
+    sizes = [5, 1, 13, 300, 2, 0, 64, 3, 1031, 7]
     offs = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     T = len(sizes)
     decay = np.array([t % 3 != 1 for t in range(T)])
     theta, m = rng.normal(size=offs[-1]), rng.normal(size=offs[-1]) * 1e-3
     v = np.abs(rng.normal(size=offs[-1])) * 1e-6
-    g = rng.normal(size=offs[-1]) * np.repeat([0.01, 5.0, 0.3, 0.2, 9.0, 0.01, 1.0, 0.05, 3.0],
+    g = rng.normal(size=offs[-1]) * np.repeat([0.01, 5.0, 0.3, 0.2, 9.0, 1, 0.01, 1.0, 0.05, 3.0],
                                               sizes)
     args = (offs, decay, *bias_corrections(7), 0.003, 0.01)
     ref = reference_adamw(theta, g, m, v, *args, 0, T)
-    for ranges in ([(0, T)], [(0, 3), (3, 4), (4, T)], [(0, 7), (7, T)]):
+    for ranges in ([(0, T)], [(0, 3), (3, 4), (4, T)], [(0, 5), (5, 6), (6, T)], [(0, 8), (8, T)]):
         got = [theta.copy(), m.copy(), v.copy(), np.zeros(T), np.zeros(T), np.zeros(T)]
         for t0, t1 in ranges:
             adamw_step(got[0], g, got[1], got[2], *args, got[3], got[4], got[5], t0, t1)
