@@ -22,25 +22,24 @@ def vsa_window(table, tokens, n_blocks, width, out):
     # trits in int32: the dot products (|.| <= D) vectorise 8 lanes wide
     tau = np.zeros((L, D), np.int32)
     nxt = np.zeros((L, D), np.int32)
-    for p in range(L):  # tau^0_p: table row of t_p rotated right by p
-        row = table[tokens[p]]
-        for i in range(D):
-            tau[p, (i + p) % D] = row[i]
+    for p in range(L):  # tau^0_p: table row of t_p rotated right by p (two plain copies:
+        row = table[tokens[p]]  # an integer division per element cost 40 us a window)
+        r = p % D
+        for i in range(D - r):
+            tau[p, i + r] = row[i]
+        for i in range(D - r, D):
+            tau[p, i + r - D] = row[i]
     g = np.zeros(L, np.int64)
     nrm = np.zeros(L, np.int64)
     acc = np.zeros(D, np.int32)
     for b in range(n_blocks):
-        for p in range(L):
-            s = np.int32(0)
-            for i in range(D):
-                s += tau[p, i] * tau[p, i]
-            nrm[p] = s
         for p in range(L):
             for j in range(p + 1):
                 s = np.int32(0)
                 for i in range(D):
                     s += tau[p, i] * tau[j, i]
                 g[j] = s
+            nrm[p] = g[p]  # tau_p . tau_p; the earlier rows' norms are their own g[p]
             # gate: the largest similarity to an earlier position (at p = 0: sim_0)
             gate = -2.0
             for j in range(p + 1):
