@@ -58,40 +58,45 @@ WGRAD_WINDOWS = {wwindows}  # windows whose output gradients a thread holds in p
 '''
 
 
-def kernel(name, flags, doc, out, value, store, tile, buffered, edge=0):
-    """out: the output array's name; value(acc): the expression a finished sum stores;
-    store(target, expr): the statement that stores it. A tile past the last column stores each sum behind a branch, or,
-    `buffered`, into `part` first, copying only its columns before b: no branch per
-    accumulator, a smaller function that compiles faster (the weight gradient; the
-    ternary kernels ran a third slower so)."""
-    ROWS, PANEL = tile
-    L = [f"@njit(cache=True, nogil=True, error_model=\"numpy\"{flags})", f"def {name}:", f'    """{doc}"""',
-         "    n, a = X.shape", "    npan = P.shape[0]"]
-    if buffered:
-        L.append(f"    part = np.empty(({ROWS}, {PANEL}))")
-    L += [
+WGRAD_DOC = ("G [n, b] += X [n, a] . D, D [a, b] in panels P: the weight gradient, X the\n"
+             "    layer input transposed (gradient rows x positions), D the output gradient\n"
+             "    (positions x columns). No contraction: these products are not exact.\n"
+             "    fresh: G = 0.0 + X . D instead, whatever G held (the bits of G zeroed\n"
+             "    and then added to, without a pass that zeroes it).")
+
+
+def store(target, expr):
+    """The statement that adds a finished sum into G (or stores 0.0 + it, fresh)."""
+    return f"{target} = (0.0 if fresh else {target}) + {expr}"
+
+
+def wgrad_kernel(ROWS, PANEL):
+    """panel_matmul_add_RxP: tiles of ROWS x PANEL sums (a narrower tile on a narrow last
+    panel, then single rows). A tile past the last column stores its sums into `part`
+    first and copies only its columns before b: no branch per accumulator, a smaller
+    function that compiles faster."""
+    L = ['@njit(cache=True, nogil=True, error_model="numpy")',
+         f"def panel_matmul_add_{ROWS}x{PANEL}(X, P, b, G, fresh):", f'    """{WGRAD_DOC}"""',
+         "    n, a = X.shape", "    npan = P.shape[0]", f"    part = np.empty(({ROWS}, {PANEL}))",
          "    for q in range(npan):  # a panel is reused by every row while it is in cache",
          f"        j = q * {PANEL}", "        pan = P[q]", "        r = 0"]
-    if edge:  # a last panel with few real columns: a narrower tile, no work on the padding
-        L += edge_tile(ROWS, edge, out, value, store, buffered)
+    L += edge_tile(ROWS, EDGES[PANEL])  # a narrow last panel: no work on the padding
     L += [f"        while r + {ROWS} <= n:"] + tile_sums(ROWS, PANEL, " " * 12)
     L.append(f"            if j + {PANEL} <= b:")
     for rr in range(ROWS):
         for c in range(PANEL):
-            L.append("                " + store(f"{out}[r + {rr}, j + {c}]",
-                                                  value(f"y{rr}_{c}")))
+            L.append("                " + store(f"G[r + {rr}, j + {c}]", f"y{rr}_{c}"))
     L.append("            else:")
-    L += stores_past_last_column(ROWS, PANEL, "                ", "b - j", out, value, store,
-                                 buffered)
+    L += stores_past_last_column(ROWS, PANEL, "                ", "b - j")
     L.append(f"            r += {ROWS}")
     # remaining rows, one at a time (every panel, the last one's columns as above)
     L += ["        while r < n:"]
     L.append("            " + "; ".join(f"y0_{c} = 0.0" for c in range(PANEL)))
-    L += ["            for i in range(a):", "                t = pan[i]", "                x0 = X[r, i]"]
+    L += ["            for i in range(a):", "                t = pan[i]",
+          "                x0 = X[r, i]"]
     for c in range(PANEL):
         L.append(f"                y0_{c} = y0_{c} + x0 * t[{c}]")
-    L += stores_past_last_column(1, PANEL, "            ", f"min({PANEL}, b - j)", out, value,
-                                 store, buffered)
+    L += stores_past_last_column(1, PANEL, "            ", f"min({PANEL}, b - j)")
     L.append("            r += 1")
     return "\n".join(L) + "\n"
 
@@ -108,33 +113,23 @@ def tile_sums(rows, width, pad):
     return L
 
 
-def edge_tile(ROWS, EDGE, out, value, store, buffered):
+def edge_tile(ROWS, EDGE):
     """Lines for a last panel whose real columns fit in EDGE: tiles of ROWS x EDGE (the
     rows left over fall through to the one-row loop), each sum the same chain as in the
     full tile."""
     L = [f"        if b - j <= {EDGE}:", f"            while r + {ROWS} <= n:"]
     L += tile_sums(ROWS, EDGE, " " * 16)
-    L += stores_past_last_column(ROWS, EDGE, "                ", "b - j", out, value, store,
-                                 buffered)
+    L += stores_past_last_column(ROWS, EDGE, "                ", "b - j")
     L.append(f"                r += {ROWS}")
     return L
 
 
-def stores_past_last_column(rows, panel, pad, columns, out, value, store, buffered):
+def stores_past_last_column(rows, panel, pad, columns):
     """The lines that store a tile of `rows` rows whose panel may end past column b
-    (`columns` of them are real): each sum behind a branch, or through `part`."""
-    def row(rr):
-        return "r" if rows == 1 else f"r + {rr}"
-
-    if not buffered:  # one branch per column, not per sum: a much smaller function
-        return [line for c in range(panel)
-                for line in [f"{pad}if j + {c} < b:"] + [
-                    f"{pad}    " + store(f"{out}[{row(rr)}, j + {c}]", value(f"y{rr}_{c}"))
-                    for rr in range(rows)]]
-    return ([f"{pad}part[{rr}, {c}] = {value(f'y{rr}_{c}')}"
-             for rr in range(rows) for c in range(panel)]
+    (`columns` of them are real), through `part`."""
+    return ([f"{pad}part[{rr}, {c}] = y{rr}_{c}" for rr in range(rows) for c in range(panel)]
             + [f"{pad}for rr in range({rows}):", f"{pad}    for c in range({columns}):",
-               f"{pad}        " + store(f"{out}[r + rr, j + c]", "part[rr, c]")])
+               f"{pad}        " + store("G[r + rr, j + c]", "part[rr, c]")])
 
 
 TERNARY_DOC = ("Y [n, b] = alpha * (X [n, a] . T), T ternary [a, b] in panels P (int8:\n"
@@ -185,15 +180,7 @@ def render() -> str:
     for rows, panel in TERNARY_TILES:
         out += "\n\n" + ternary_kernel(rows, panel)
     for rows, panel in WGRAD_TILES:
-        out += "\n\n" + kernel(
-            f"panel_matmul_add_{rows}x{panel}(X, P, b, G, fresh)", "",
-            "G [n, b] += X [n, a] . D, D [a, b] in panels P: the weight gradient, X the\n"
-            "    layer input transposed (gradient rows x positions), D the output gradient\n"
-            "    (positions x columns). No contraction: these products are not exact.\n"
-            "    fresh: G = 0.0 + X . D instead, whatever G held (the bits of G zeroed\n"
-            "    and then added to, without a pass that zeroes it).",
-            "G", lambda acc: acc, lambda g, x: f"{g} = (0.0 if fresh else {g}) + {x}",
-            (rows, panel), True, EDGES[panel])
+        out += "\n\n" + wgrad_kernel(rows, panel)
     return out
 
 
