@@ -20,6 +20,8 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from .vector_tiles import llvm_intrinsic, splat
+
 # the order of the scalars in the parameter array (float64)
 CLIP, DECAY, STEP_SIZE, SQRT_BC2, B1, ONE_MINUS_B1, B2, ONE_MINUS_B2, EPS = range(9)
 N_PARAMS = 9
@@ -51,11 +53,6 @@ def make_adam_loop(lanes: int):
         sums0 = [builder.load(p) for p in sum_ptrs]
         n_vec = builder.mul(builder.sdiv(n, ir.Constant(i64, lanes)), ir.Constant(i64, lanes))
 
-        def intrinsic_fn(name, vt, nargs):
-            full = f"llvm.{name}.{'v%df64' % vt.count if isinstance(vt, ir.VectorType) else 'f64'}"
-            return builder.module.globals.get(full) or ir.Function(
-                builder.module, ir.FunctionType(vt, [vt] * nargs), name=full)
-
         def loop(width, start, stop, sums_in):
             """Elements start .. stop-1, `width` at a time; returns the sums at the exit."""
             vt = ir.VectorType(f64, width) if width > 1 else f64
@@ -66,28 +63,20 @@ def make_adam_loop(lanes: int):
             builder.position_at_end(body)
             i = builder.phi(i64)
             sums = [builder.phi(f64) for _ in range(3)]
-
-            def splat(x):
-                if width == 1:
-                    return x
-                v = builder.insert_element(ir.Constant(vt, ir.Undefined), x, ir.Constant(i32, 0))
-                return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined),
-                                              ir.Constant(ir.VectorType(i32, width), [0] * width))
-
-            c = [splat(x) for x in scalar]
+            c = [splat(builder, x, vt) for x in scalar]
             addr = [builder.bitcast(builder.gep(p, [i]), vt.as_pointer()) for p in ptr]
             g, m, v, w, h = [builder.load(a, align=8) for a in addr]
             g = builder.fmul(g, c[CLIP])
             m = builder.fadd(builder.fmul(c[B1], m), builder.fmul(c[ONE_MINUS_B1], g))
             v = builder.fadd(builder.fmul(c[B2], v),
                              builder.fmul(c[ONE_MINUS_B2], builder.fmul(g, g)))
-            den = builder.fadd(builder.fdiv(builder.call(intrinsic_fn("sqrt", vt, 1), [v]),
+            den = builder.fadd(builder.fdiv(builder.call(llvm_intrinsic(builder, "sqrt", vt, 1), [v]),
                                             c[SQRT_BC2]), c[EPS])
             w = builder.fsub(builder.fmul(w, c[DECAY]),
                              builder.fmul(c[STEP_SIZE], builder.fdiv(m, den)))
             for a, x in zip(addr[1:4], (m, v, w)):
                 builder.store(x, a, align=8)
-            fabs = intrinsic_fn("fabs", vt, 1)
+            fabs = llvm_intrinsic(builder, "fabs", vt, 1)
             aw = builder.call(fabs, [w])
             terms = (aw, builder.fadd(builder.call(fabs, [m]), v), builder.fmul(h, h))
             nxt = list(sums)

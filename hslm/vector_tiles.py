@@ -24,6 +24,25 @@ from numba import types
 from numba.extending import intrinsic
 
 
+def llvm_intrinsic(builder, name: str, vt, nargs: int):
+    """The module's declaration of llvm.<name> for vt (a vector of doubles, or a double)
+    taking nargs of them, made on first use."""
+    suffix = f"v{vt.count}f64" if isinstance(vt, ir.VectorType) else "f64"
+    full = f"llvm.{name}.{suffix}"
+    return builder.module.globals.get(full) or ir.Function(
+        builder.module, ir.FunctionType(vt, [vt] * nargs), name=full)
+
+
+def splat(builder, x, vt):
+    """The double x in every lane of vt (x itself when vt is a double)."""
+    if not isinstance(vt, ir.VectorType):
+        return x
+    i32 = ir.IntType(32)
+    v = builder.insert_element(ir.Constant(vt, ir.Undefined), x, ir.Constant(i32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined),
+                                  ir.Constant(ir.VectorType(i32, vt.count), [0] * vt.count))
+
+
 def make_tile(rows: int, vecs: int, lanes: int, ternary: bool = True):
     """An intrinsic tile(x_addr, x_stride, p_addr, a, out_addr), all intp:
 
@@ -36,17 +55,14 @@ def make_tile(rows: int, vecs: int, lanes: int, ternary: bool = True):
 
     def codegen(context, builder, signature, args):
         xa, xs, pa, n, oa = args
-        f64, i32, i64 = ir.DoubleType(), ir.IntType(32), ir.IntType(64)
+        f64, i64 = ir.DoubleType(), ir.IntType(64)
         vt = ir.VectorType(f64, lanes)
         pt = ir.IntType(8) if ternary else f64
         zero = ir.Constant(vt, [0.0] * lanes)
-        splat = ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)
         xptr = builder.inttoptr(xa, f64.as_pointer())
         pptr = builder.inttoptr(pa, pt.as_pointer())
         optr = builder.inttoptr(oa, f64.as_pointer())
-        name = f"llvm.fmuladd.v{lanes}f64"
-        fmuladd = builder.module.globals.get(name) or ir.Function(
-            builder.module, ir.FunctionType(vt, [vt, vt, vt]), name=name)
+        fmuladd = llvm_intrinsic(builder, "fmuladd", vt, 3)
         entry = builder.block
         loop = builder.function.append_basic_block("tile.loop")
         sums = builder.function.append_basic_block("tile.sums")
@@ -75,9 +91,7 @@ def make_tile(rows: int, vecs: int, lanes: int, ternary: bool = True):
         for r in range(rows):
             x = builder.load(builder.gep(xptr, [builder.add(builder.mul(ir.Constant(i64, r), xs),
                                                             i)]), align=8)
-            xv = builder.shuffle_vector(builder.insert_element(ir.Constant(vt, ir.Undefined), x,
-                                                               ir.Constant(i32, 0)),
-                                        ir.Constant(vt, ir.Undefined), splat)
+            xv = splat(builder, x, vt)
             new.append([builder.call(fmuladd, [xv, t[v], acc[r][v]]) if ternary else
                         builder.fadd(acc[r][v], builder.fmul(xv, t[v])) for v in range(vecs)])
         i_next = builder.add(i, ir.Constant(i64, 1))
