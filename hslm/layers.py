@@ -406,6 +406,15 @@ def qkv_attention_forward(model, A, w, b, p0, p1, s, kernel):
     """k, v = rot(n Wk), n Wv for rows p0..p1-1 (they join the cache); for rows
     max(p0, s).. also q = rot(n Wq) and the attention output o.
     n [L, d] -> q, k, v, attn_out [L, d], attn [L, H, L]."""
+    keys_values_forward(model, A, w, b, p0, p1, kernel)
+    q0 = max(p0, s)
+    if q0 < p1:
+        queries_attention_forward(model, A, w, b, q0, p1, kernel)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def keys_values_forward(model, A, w, b, p0, p1, kernel):
+    """k = rot(n Wk), v = n Wv for rows p0..p1-1, into the cache and its panels."""
     D = model.dims
     d, H, dh = D.width, D.heads, D.head_width
     N = A.n[w, b]
@@ -414,10 +423,16 @@ def qkv_attention_forward(model, A, w, b, p0, p1, s, kernel):
     for p in range(p0, p1):
         rotary_forward(A.k[w, b, p], model.cos, model.sin, p, H, dh)
         cache_panels(A, w, b, p, H, dh)
-    q0 = max(p0, s)
-    if q0 >= p1:
-        return
-    ternary_forward(model, tensor_index(D, b, WQ), d, d, N[q0:p1], A.q[w, b, q0:p1], kernel)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def queries_attention_forward(model, A, w, b, q0, p1, kernel):
+    """q = rot(n Wq) and o = attention over the cache, for rows q0..p1-1 (every row up to
+    p1 - 1 has its key and value in the cache)."""
+    D = model.dims
+    d, H, dh = D.width, D.heads, D.head_width
+    ternary_forward(model, tensor_index(D, b, WQ), d, d, A.n[w, b, q0:p1], A.q[w, b, q0:p1],
+                    kernel)
     for p in range(q0, p1):
         rotary_forward(A.q[w, b, p], model.cos, model.sin, p, H, dh)
         attention_position(A.q[w, b, p], A.k_cols[w, b], A.v_rows[w, b], p, H, dh,

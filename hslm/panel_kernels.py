@@ -19,13 +19,15 @@ WGRAD_WINDOWS = 8  # windows whose output gradients a thread holds in panels at 
 
 
 TILE_9x16 = make_tile(9, 2, 8)
+TILE_6x16 = make_tile(6, 2, 8)
+TILE_3x16 = make_tile(3, 2, 8)
 ROW_16 = make_tile(1, 2, 8)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def ternary_panel_matmul_9x16(X, P, b, alpha, Y):
     """Y [n, b] = alpha * (X [n, a] . T), T ternary [a, b] in panels P (int8:
-    -1, 0 and +1 convert to float64 exactly). Tiles of 9 rows (then single
+    -1, 0 and +1 convert to float64 exactly). Tiles of 9, 6, 3 rows (then single
     rows) by one panel, each summed by an LLVM IR loop (hslm/vector_tiles.py)
     with FMA where the core has it: each product x * t with t in {-1, 0, +1}
     is exact, so fma(x, t, y) rounds once, exactly like y + x * t: the bits do
@@ -45,6 +47,18 @@ def ternary_panel_matmul_9x16(X, P, b, alpha, Y):
                 for c in range(cols):
                     Y[r + rr, j + c] = alpha * out[rr * 16 + c]
             r += 9
+        while r + 6 <= n:
+            TILE_6x16(X.ctypes.data + r * X.strides[0], xs, p, a, out.ctypes.data)
+            for rr in range(6):
+                for c in range(cols):
+                    Y[r + rr, j + c] = alpha * out[rr * 16 + c]
+            r += 6
+        while r + 3 <= n:
+            TILE_3x16(X.ctypes.data + r * X.strides[0], xs, p, a, out.ctypes.data)
+            for rr in range(3):
+                for c in range(cols):
+                    Y[r + rr, j + c] = alpha * out[rr * 16 + c]
+            r += 3
         while r < n:
             ROW_16(X.ctypes.data + r * X.strides[0], xs, p, a, out.ctypes.data)
             for c in range(cols):

@@ -48,6 +48,7 @@ JOBS = {
     "optimiser": (),
     "forward": ("ternary tile", "weight-gradient tile", "optimiser"),
     "backward": ("ternary tile", "weight-gradient tile", "optimiser"),
+    "team forward": ("ternary tile", "weight-gradient tile", "optimiser"),
     "per position": ("ternary tile", "weight-gradient tile", "optimiser"),
     "tokenizer": (),
     "weight gradients": ("ternary tile", "weight-gradient tile", "optimiser"),
@@ -66,7 +67,7 @@ def jobs_for(speeds) -> list[str]:
     if PER_POSITION not in loops:
         skip.add("per position")
     if loops == {PER_POSITION}:
-        skip |= {"backward", "weight gradients"}
+        skip |= {"backward", "team forward", "weight gradients"}
     return [j for j in JOBS if j not in skip]
 
 
@@ -117,13 +118,19 @@ def _run_job(name: str, vocab: int) -> None:
         from .step import Worker
         Worker(cfg, 3).window_loss(model, vsa_table, windows[0], k)
         return
-    from .windows import gradients_from_records, windows_backward, windows_forward
+    from .windows import (gradients_from_records, mean_losses, window_rows_forward,
+                          windows_backward, windows_forward)
     A, R, S, vsa = _layerwise_buffers(cfg)
     if name == "forward":
         windows_forward(model, vsa_table, windows, vsa, k, A, 0, 1, KERNEL_PANELS)
     elif name == "backward":
-        windows_backward(model, windows, k, 1.0, A, R, S, 0, 1, np.zeros(1), KERNEL_PANELS, True,
-                         cfg.blocks, 0)
+        row_losses = np.zeros((1, k))
+        windows_backward(model, windows, k, 1.0, A, R, S, 0, 1, 0, k, row_losses,
+                         KERNEL_PANELS, True, cfg.blocks, 0)
+        mean_losses(row_losses, k, 0, 1, np.zeros(1))
+    elif name == "team forward":  # threads beyond the batch: a window's rows, one member
+        window_rows_forward(model, vsa_table, windows[0], k, A, 0, vsa[0], 0, cfg.window,
+                            np.zeros(2, np.int64), 0, 0, 1, 0, KERNEL_PANELS)
     elif name == "weight gradients":
         from .step import gradient_units
         units, _ = gradient_units(cfg)

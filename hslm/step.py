@@ -21,9 +21,9 @@ the weight layouts it reads and which of two reductions it uses:
   first window's sum stored as 0.0 + S, then every other window's added in window
   order (a small tensor is zeroed just before); threads take contiguous runs of
   units. G is written once per step, and no thread needs a copy of it. With more
-  threads than windows the phases overlap (StepRunner._gradient_staged): each
-  window's backward runs in stages, the threads without a window zero G
-  meanwhile, then take a stage's units as soon as every window has passed it.
+  threads than windows (StepRunner._gradient_teams) the threads form a team per
+  window and split its rows; the backward runs in stages, and the threads take a
+  stage's units as soon as every row has passed it.
 
 Threads are plain Python threads running nogil Numba kernels: no Numba
 threading layer is involved, so forking and Ctrl-C behave as in any Python
@@ -43,8 +43,9 @@ from .kernels import WGRAD_ROW_BLOCK
 from .layers import alloc_acts, alloc_record, alloc_scratch
 from .speeds import KERNEL_PANELS, PER_POSITION, SPEEDS
 from .vsa import vsa_window
-from .windows import (gradients_from_records, window_per_position, windows_backward,
-                      windows_forward, windows_layerwise, windows_loss)
+from .windows import (gradients_from_records, mean_losses, window_per_position,
+                      window_rows_forward, windows_backward, windows_forward, windows_layerwise,
+                      windows_loss)
 
 def gradient_units(cfg):
     """[(tensor, row0, row1)] covering the gradient, and each unit's cost (multiply-adds
@@ -96,6 +97,23 @@ def split_by_cost(cost, n):
     cum = np.concatenate([[0.0], np.cumsum(cost)])
     cuts = [0] + [int(np.searchsorted(cum, cum[-1] * r / n)) for r in range(1, n)] + [len(cost)]
     return [(cuts[r], max(cuts[r], cuts[r + 1])) for r in range(n)]
+
+
+# A team member's rows: with fewer, the ternary kernels' row tiles run mostly empty, and
+# each member reads every matrix once more.
+MIN_TEAM_ROWS = 3
+# The cost of row p in team_rows: its forward, its backward if scored, and attention's,
+# which grows with the keys before it (TEAM_ATTENTION x (p + 1) / L; measured, see README).
+TEAM_ATTENTION = 1.0
+
+
+def team_rows(L, k, T):
+    """Consecutive row ranges [(p0, p1)] of a window for a team of T threads, of about
+    equal cost; at most L // MIN_TEAM_ROWS members get rows, the others (L, L)."""
+    s = L - k
+    n = min(T, max(1, L // MIN_TEAM_ROWS))
+    cost = np.array([1.0 + (p >= s) + TEAM_ATTENTION * (p + 1) / L for p in range(L)])
+    return split_by_cost(cost, n) + [(L, L)] * (T - n)
 
 
 def tensor_parts(cfg, n, t0=0, t1=None):
@@ -191,6 +209,7 @@ class StepRunner:
         self.optimiser_parts = tensor_parts(cfg, self.threads)  # the optimiser's, per thread
         self.timings = None  # set to a dict to collect per-phase seconds (layerwise)
         self._staged_chunks = None
+        self._team_rows_for = None  # (batch, k) of the team rows below
 
     def close(self):
         if self.pool is not None:
@@ -247,7 +266,7 @@ class StepRunner:
             self.batch = B
         kernel = self.speed.kernel
         if N > B:  # threads beyond the batch: weight gradients start during the backward
-            return self._gradient_staged(model, vsa_table, windows, k, scale, G, losses)
+            return self._gradient_teams(model, vsa_table, windows, k, scale, G, losses)
 
         def run_windows(j):  # thread slot j takes windows j, j + N, ...
             windows_layerwise(model, vsa_table, windows, self.vsa_b, k, scale, self.acts_b,
@@ -268,24 +287,26 @@ class StepRunner:
             self.timings["weight gradients"] = (self.timings.get("weight gradients", 0.0)
                                                 + time.perf_counter() - t1)
 
-    def _gradient_staged(self, model, vsa_table, windows, k, scale, G, losses):
-        """The layerwise gradient when threads outnumber the windows (N > B). Slot j < B
-        runs window j's forward, then its backward in stages (the head, then each block
-        from the last down); the other slots zero G meanwhile. A weight-gradient chunk
-        (a run of units of one stage's tensors) is ready once every window has passed
-        its stage, since its records are then final; every slot takes ready chunks,
-        the head's first, until none is left. Each unit still adds its windows in window
-        order into zeroed G: who computes it, and when, changes no bit. (The idle slots
-        zero G for free during the forward; units zeroing their own rows instead ran 2
-        threads at batch 1 10% slower here, and units storing their first window's
-        sums, as in the phase without stages, no faster.)"""
-        B, N, nb = windows.shape[0], self.threads, self.cfg.blocks
+    def _gradient_teams(self, model, vsa_table, windows, k, scale, G, losses):
+        """The layerwise gradient when threads outnumber the windows (N > B): slot j joins
+        window j % B's team as member j // B. The members split the window's rows
+        (team_rows) and run the forward over them (window_rows_forward: a member waits,
+        inside the kernel, for the members before it to put each block's keys and values
+        into the cache), then their rows' backward in stages (the head, then each block
+        from the last down). A weight-gradient chunk (a run of units of one stage's
+        tensors) is ready once every slot has passed its stage, since its records are
+        then final; every slot takes ready chunks, the head's first, until none is left.
+        Every row gets the bits of the whole window's layers, each unit its windows in
+        window order: who computes what, and when, changes no bit."""
+        B, N, nb, L = windows.shape[0], self.threads, self.cfg.blocks, self.cfg.window
+        s = L - k
         kernel = self.speed.kernel
         chunks, chunk_stage = self.staged_chunks
-        idle = N - B
+        rows = self.team_slot_rows(B, k)
+        progress = np.zeros(N + 1, np.int64)  # per slot: blocks whose keys are cached; abort
+        row_losses = np.empty((B, k))
         cond = threading.Condition()
-        st = {"passed": [0] * (nb + 1), "done": -1, "zeroed": 0, "next": len(chunks) - 1,
-              "failed": False}
+        st = {"passed": [0] * (nb + 1), "done": -1, "next": len(chunks) - 1, "failed": False}
 
         def take():  # the next ready chunk (from the head backwards), or None when all taken
             with cond:
@@ -293,46 +314,60 @@ class StepRunner:
                     c = st["next"]
                     if c < 0 or st["failed"]:
                         return None
-                    if st["zeroed"] == idle and chunk_stage[c] <= st["done"]:
+                    if chunk_stage[c] <= st["done"]:
                         st["next"] = c - 1
                         return chunks[c]
                     cond.wait()
 
-        def report(key, stage=None):
+        def report(stage):  # None: this slot failed
             with cond:
-                if key == "passed":
-                    st["passed"][stage] += 1
-                    while st["done"] < nb and st["passed"][st["done"] + 1] == B:
-                        st["done"] += 1
+                if stage is None:
+                    st["failed"] = True
                 else:
-                    st[key] = st[key] + 1 if key == "zeroed" else True
+                    st["passed"][stage] += 1
+                    while st["done"] < nb and st["passed"][st["done"] + 1] == N:
+                        st["done"] += 1
                 cond.notify_all()
 
         def slot(j):
+            w, member = j % B, j // B
+            p0, p1 = rows[j]
+            r0, r1 = max(p0, s) - s, max(p1, s) - s
+            worker = self.workers[j]
             try:
-                if j < B:
-                    windows_forward(model, vsa_table, windows, self.vsa_b, k, self.acts_b, j, N,
-                                    kernel)
-                    for stage in range(nb + 1):  # 0: loss and head; then block nb - stage
+                if p1 > p0:
+                    vsa = worker.vsa.reshape(-1)[:worker.vsa[:, :p1].size].reshape(nb, p1, -1)
+                    if not window_rows_forward(model, vsa_table, windows[w], k, self.acts_b, w,
+                                               vsa, p0, p1, progress, j, w, B, member, kernel):
+                        return  # a member before this one failed; its error surfaces
+                for stage in range(nb + 1):  # 0: loss and head; then block nb - stage
+                    if r1 > r0:
                         b1 = nb if stage == 0 else nb - stage + 1
                         windows_backward(model, windows, k, scale, self.acts_b, self.rec_b,
-                                         self.workers[j].scr, j, N, losses, kernel, stage == 0,
-                                         b1, nb - stage)
-                        report("passed", stage)
-                else:
-                    P = G.shape[0]
-                    G[P * (j - B) // idle:P * (j - B + 1) // idle] = 0.0
-                    report("zeroed")
-                scr = self.workers[j].scr
+                                         worker.scr, w, B, r0, r1, row_losses, kernel,
+                                         stage == 0, b1, nb - stage)
+                    report(stage)
                 while (chunk := take()) is not None:
                     gradients_from_records(model, self.acts_b, self.rec_b, windows, k,
-                                           self.units, chunk[0], chunk[1], G, scr.xt,
-                                           scr.dy_panels, False)
+                                           self.units, chunk[0], chunk[1], G, worker.scr.xt,
+                                           worker.scr.dy_panels, True)
             except BaseException:
-                report("failed")  # the others stop waiting; the error surfaces from the map
+                progress[N] = 1  # the members waiting in the forward stop waiting
+                report(None)  # and the others waiting for chunks
                 raise
 
         self._map(slot, N)
+        mean_losses(row_losses, k, 0, 1, losses)
+
+    def team_slot_rows(self, B, k):
+        """Per thread slot j: the rows (p0, p1) of window j % B that it runs (team_rows)."""
+        key = (B, k)
+        if self._team_rows_for != key:
+            N, L = self.threads, self.cfg.window
+            teams = [team_rows(L, k, len(range(w, N, B))) for w in range(B)]
+            self._team_rows = [teams[j % B][j // B] for j in range(N)]
+            self._team_rows_for = key
+        return self._team_rows
 
     @property
     def staged_chunks(self):
@@ -380,7 +415,8 @@ def kernels_cached(speed: int) -> bool:
     sp = SPEEDS[speed]
     kernels = [adamw_step, windows_forward, windows_loss]
     kernels += ([window_per_position] if sp.loop == PER_POSITION
-                else [windows_backward, gradients_from_records])
+                else [windows_backward, mean_losses, window_rows_forward,
+                      gradients_from_records])
     return in_cache(*kernels)
 
 

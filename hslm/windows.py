@@ -15,16 +15,23 @@ the scored positions in position order from 0.0).
                    thread's windows) before the next, forward then backward;
                    the weight gradients afterwards from the windows' records,
                    a held block of gradient rows at a time (gradients_from_records).
+    rows of a      layerwise, for a team of threads sharing one window (threads
+    window         beyond the batch): each member the layers over its own rows,
+                   waiting before each block's attention for the members whose
+                   rows come first (window_rows_forward); the backward by rows.
 """
 from __future__ import annotations
 
+import numpy as np
 from numba import njit
 
 from .kernels import column_sum_rows, output_grad_panels, weight_grad_rows
 from .micro import WGRAD_PANEL
-from .layers import (COLUMN_SUM, MATRIX, block_backward, block_forward,
-                     embed_forward, head_backward, head_forward, loss_forward_backward, loss_rows,
-                     view1, view2, weight_grad_operands)
+from .layers import (COLUMN_SUM, MATRIX, attn_residual_forward, block_backward, block_forward,
+                     embed_forward, head_backward, head_forward, keys_values_forward,
+                     loss_forward_backward, loss_rows, mlp_forward, norm_gain_forward,
+                     queries_attention_forward, view1, view2, weight_grad_operands)
+from .spin import publish, wait_for
 from .vsa import vsa_window
 
 
@@ -111,9 +118,11 @@ def windows_layerwise(model, vsa_table, windows, vsa, k, scale, A, R, S, first, 
     through every layer's input; the weight gradients come later, from the
     records (gradients_from_records). losses[w] gets window w's mean loss.
     (Two kernels, so that a first run can compile them in two processes.)"""
+    row_losses = np.empty((windows.shape[0], k))
     windows_forward(model, vsa_table, windows, vsa, k, A, first, step, kernel)
-    windows_backward(model, windows, k, scale, A, R, S, first, step, losses, kernel, True,
-                     model.dims.blocks, 0)
+    windows_backward(model, windows, k, scale, A, R, S, first, step, 0, k, row_losses, kernel,
+                     True, model.dims.blocks, 0)
+    mean_losses(row_losses, k, first, step, losses)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -136,22 +145,73 @@ def windows_forward(model, vsa_table, windows, vsa, k, A, first, step, kernel):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def windows_backward(model, windows, k, scale, A, R, S, first, step, losses, kernel, head, b1,
-                     b0):
+def window_rows_forward(model, vsa_table, tokens, k, A, w, vsa, p0, p1, progress, slot, first,
+                        step, member, kernel):
+    """Rows p0..p1-1 of window w's forward, for member `member` of the window's team
+    (threads beyond the batch): members take consecutive rows, and the team's member j
+    is thread slot first + j step. Each row gets the bits windows_forward gives it.
+    A row attends to the keys and values of every row before it: after putting its rows'
+    keys and values of block b into the cache, a member publishes progress[slot] = b + 1,
+    and waits for every member before it to have done so before block b's attention.
+    vsa [nb, p1, d] is the member's own: the stream's rows 0..p1-1 (a row's stream
+    depends on every row before it, so each member computes the earlier rows again
+    rather than wait for them; they cost least). Returns False if the team gave up
+    (progress[-1] set: another member failed)."""
+    D = model.dims
+    s = D.window - k
+    abort = progress.shape[0] - 1
+    vsa_window(vsa_table, tokens, D.blocks, D.width, vsa)
+    embed_forward(model, A, w, tokens, p0, p1)
+    for b in range(D.blocks):
+        norm_gain_forward(model, A, w, b, p0, p1)
+        keys_values_forward(model, A, w, b, p0, p1, kernel)
+        publish(progress, slot, b + 1)
+        if not wait_for(progress, first, step, member, b + 1, abort):
+            return False
+        # in the last block only the scored rows go past their keys and values
+        q0 = max(p0, s) if b == D.blocks - 1 else p0
+        if q0 < p1:
+            queries_attention_forward(model, A, w, b, q0, p1, kernel)
+            attn_residual_forward(model, A, w, b, q0, p1, kernel)
+            mlp_forward(model, A, w, b, vsa, q0, p1, kernel)
+    q0 = max(p0, s)
+    if q0 < p1:
+        head_forward(model, A, w, q0, p1, kernel)
+    return True
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def windows_backward(model, windows, k, scale, A, R, S, first, step, r0, r1, row_losses, kernel,
+                     head, b1, b0):
     """Backward through the layers' inputs of windows first, first + step, ... (after
-    windows_forward), into their records R: with head, the loss (losses[w] gets window
-    w's mean loss) and the head; then blocks b1 - 1 down to b0. The whole backward is
-    (True, blocks, 0); in stages, a block's weight gradients may start once its own
-    backward is done (step.StepRunner), as its records are then final."""
+    their forward), record rows r0..r1-1 (positions s + r0 .. s + r1 - 1), into their
+    records R: with head, the loss (row_losses[w, r] gets row r's loss) and the head;
+    then blocks b1 - 1 down to b0. A row's backward reads only its own rows of the
+    forward and the cache (attention's earlier keys and values are constants of a
+    row's backward, docs/model.md, 7), so any split of the rows gives the same bits. The
+    whole backward is (0, k, True, blocks, 0); in stages, a block's weight gradients may
+    start once its own backward is done (step.StepRunner), as its records are then final."""
     s = model.dims.window - k
     B = windows.shape[0]
     if head:
         for w in range(first, B, step):
-            losses[w] = loss_rows(model, A, R, w, windows[w], s, 0, k, scale) / k
-            head_backward(model, A, R, S, w, s, 0, k, kernel)
+            for r in range(r0, r1):
+                row_losses[w, r] = loss_rows(model, A, R, w, windows[w], s, r, r + 1, scale)
+            head_backward(model, A, R, S, w, s, r0, r1, kernel)
     for b in range(b1 - 1, b0 - 1, -1):
         for w in range(first, B, step):
-            block_backward(model, A, R, S, w, b, s, 0, k, kernel)
+            block_backward(model, A, R, S, w, b, s, r0, r1, kernel)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def mean_losses(row_losses, k, first, step, losses):
+    """losses[w] = window w's mean loss: its rows' losses summed in row order from 0.0,
+    over k (windows first, first + step, ...)."""
+    for w in range(first, row_losses.shape[0], step):
+        total = 0.0
+        for r in range(k):
+            total += row_losses[w, r]
+        losses[w] = total / k
 
 
 @njit(cache=True, nogil=True, error_model="numpy")

@@ -52,10 +52,12 @@ def test_the_shapes_reach_the_kernels_edges():
 
 
 @pytest.mark.parametrize("n,a,b", [(27, 243, 729), (7, 33, 101), (2, 10, 9), (13, 50, 17),
-                                   (26, 20, 40), (12, 5, 16), (9, 0, 16)])
+                                   (26, 20, 40), (12, 5, 16), (9, 0, 16), (15, 40, 33),
+                                   (14, 7, 20)])
 def test_every_ternary_tile_gives_the_plain_sums_bit_for_bit(n, a, b):
     """Each machine runs one tile; all must give the bits of the plain loop (each sum
-    over i in order from 0.0), whatever rows and columns are left over."""
+    over i in order from 0.0), whatever rows and columns are left over (the 9-row tile's
+    remainders run in tiles of 6 and 3 rows, then single rows)."""
     rng = np.random.default_rng(n * a + b)
     X = rng.standard_normal((n, a))
     T = rng.integers(-1, 2, (a, b)).astype(np.float64)

@@ -93,3 +93,95 @@ def test_generated_panel_kernels_are_current():
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
     assert gen.render() == gen.TARGET.read_text(), "run: python tools/gen_panel_kernels.py"
+
+
+def team_window(cfg, tb, ms, tokens, k, rows, order=None, preset=0):
+    """A window's forward and backward by a team of threads, one member after another
+    (member j runs rows[j]; order: the members' running order, by default theirs, in which
+    no wait ever blocks; preset: each member's progress counter before the start).
+    Returns (logits of the scored rows, every record field, row losses, the acts)."""
+    from hslm.layers import alloc_acts, alloc_record, alloc_scratch
+    from hslm.speeds import KERNEL_PANELS
+    from hslm.windows import window_rows_forward, windows_backward
+    dims = cfg.dims()
+    A, R = alloc_acts(dims, 1), alloc_record(dims, 1)
+    model = ms.kernel_model()
+    T, nb, L = len(rows), cfg.blocks, cfg.window
+    s = L - k
+    progress = np.full(T + 1, preset, np.int64)
+    progress[T] = 0
+    row_losses = np.full((1, k), np.nan)
+    windows = tokens.reshape(1, -1)
+    for j in (order or range(T)):
+        p0, p1 = rows[j]
+        if p1 > p0:
+            vsa = np.zeros((nb, p1, cfg.width))
+            assert window_rows_forward(model, tb.vsa, tokens, k, A, 0, vsa, p0, p1, progress,
+                                       j, 0, 1, j, KERNEL_PANELS)
+    for j in range(T):
+        p0, p1 = rows[j]
+        r0, r1 = max(p0, s) - s, max(p1, s) - s
+        windows_backward(model, windows, k, 1.0 / k, A, R, alloc_scratch(dims), 0, 1, r0, r1,
+                         row_losses, KERNEL_PANELS, True, nb, 0)
+    return A.logits[0, s:].copy(), [f[0].copy() for f in R], row_losses, A
+
+
+@pytest.mark.parametrize("name", ["hslm-test", "hslm-3"])
+@pytest.mark.parametrize("k_all", [True, False], ids=["k=L", "k<L"])
+def test_a_team_of_threads_gives_every_row_the_whole_windows_bits(name, k_all):
+    """Threads beyond the batch split a window's rows (hslm.step.team_rows): each member
+    runs the layers over its rows, waiting before each block's attention for the keys and
+    values of the rows before it, and the backward of its scored rows. Every split gives
+    the bits of the whole window's layers: logits, losses, every record the weight
+    gradients read. Negative control: a member that does not wait for the rows before
+    it (their counters preset, and run first) attends to an empty cache, and differs."""
+    from hslm.step import team_rows
+    cfg, tb, ms, tokens = setup(name, False)
+    L = cfg.window
+    k = L if k_all else L // 2 + 1
+    ref_logits, ref_records, ref_losses, _ = team_window(cfg, tb, ms, tokens, k, [(0, L)])
+    splits = [team_rows(L, k, T) for T in (2, 3, 4, 7)]
+    splits += [[(0, 1), (1, L - 1), (L - 1, L)], [(0, L - 2), (L - 2, L), (L, L)]]
+    for rows in splits:
+        logits, records, losses, _ = team_window(cfg, tb, ms, tokens, k, rows)
+        assert_bits_equal(logits, ref_logits, f"{rows}: logits")
+        assert_bits_equal(losses, ref_losses, f"{rows}: row losses")
+        for f, got, want in zip(("d_logits", "d_head", "d_block_out", "d_u", "d_h", "d_q",
+                                 "d_k", "d_v", "d_gain", "d_x0"), records, ref_records):
+            if f in ("d_logits", "d_head", "d_x0"):  # [L, .]: rows past k are unused
+                got, want = got[:k], want[:k]
+            else:
+                got, want = got[:, :k], want[:, :k]
+            assert_bits_equal(got, want, f"{rows}: {f}")
+    rows = team_rows(L, L, 2)
+    logits, _, _, _ = team_window(cfg, tb, ms, tokens, L, rows, order=[1, 0],
+                                  preset=cfg.blocks)
+    full, _, _, _ = team_window(cfg, tb, ms, tokens, L, [(0, L)])
+    assert logits.tobytes() != full.tobytes()
+
+
+def test_team_rows_cover_the_window_in_order():
+    """Consecutive ranges from 0 to L, at most L // 3 members with rows (the rest empty),
+    the later rows' members with fewer rows (their attention costs more)."""
+    from hslm.step import MIN_TEAM_ROWS, team_rows
+    for L, k in ((27, 27), (27, 1), (9, 9), (2, 2), (13, 5)):
+        for T in range(1, 12):
+            rows = team_rows(L, k, T)
+            assert len(rows) == T
+            busy = [r for r in rows if r[1] > r[0]]
+            assert busy[0][0] == 0 and busy[-1][1] == L
+            assert all(a[1] == b[0] for a, b in zip(busy, busy[1:]))
+            assert len(busy) == min(T, max(1, L // MIN_TEAM_ROWS))
+            assert all(r == (L, L) for r in rows[len(busy):])
+    assert team_rows(27, 27, 2) == [(0, 15), (15, 27)]
+
+
+def test_a_waiting_member_gives_up_when_the_team_aborts():
+    """A member waiting for a member before it returns False once progress[-1] is set
+    (another member failed), instead of waiting forever; with the counter there, True."""
+    from hslm.spin import wait_for
+    progress = np.zeros(4, np.int64)
+    progress[3] = 1
+    assert not wait_for(progress, 0, 1, 2, 1, 3)
+    progress[:] = [1, 1, 0, 0]
+    assert wait_for(progress, 0, 1, 2, 1, 3)

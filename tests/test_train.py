@@ -62,8 +62,9 @@ def test_batches_beyond_one_group_of_weight_gradient_windows(tmp_path, capsys):
 
 
 def test_threads_beyond_the_batch_write_the_same_bytes(tmp_path, capsys):
-    """More threads than windows (speed 3): the weight gradients start during the
-    backward, stage by stage (StepRunner._gradient_staged); the bytes are one thread's."""
+    """More threads than windows (speed 3): each window's team of threads splits its rows,
+    and the weight gradients start during the backward, stage by stage
+    (StepRunner._gradient_teams); the bytes are one thread's."""
     for batch in (1, 2):
         args = ("--speed", 3, "--batch", batch, "--eval-every", 1)
         ref, ref_out = train(capsys, tmp_path, f"b{batch}t1", "--threads", 1, *args)
@@ -95,9 +96,11 @@ def test_unit_stages_follow_the_backward():
 
 
 def test_staged_weight_gradients_wait_for_their_stage(monkeypatch):
-    """With the backward slowed after each stage, threads beyond the batch still give one
-    thread's gradient bit for bit; told that every unit is ready after the head (a
-    negative control), they read records the backward has not finished, and it differs."""
+    """With the first rows' backward slowed after each stage (the team's other members
+    finish theirs first, and take ready chunks meanwhile), threads beyond the batch still
+    give one thread's gradient bit for bit; told that every unit is ready after the head
+    (a negative control), they read records the backward has not finished, and it
+    differs."""
     import time
 
     from hslm import step as step_module
@@ -121,7 +124,8 @@ def test_staged_weight_gradients_wait_for_their_stage(monkeypatch):
 
     def slow_backward(*args):
         backward(*args)
-        time.sleep(0.02)  # the other threads run ahead meanwhile
+        if args[9] == 0:  # r0: the team's first member
+            time.sleep(0.02)  # the other members run ahead meanwhile
 
     monkeypatch.setattr(step_module, "windows_backward", slow_backward)
     assert (gradient(3) == ref).all()

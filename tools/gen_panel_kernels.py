@@ -133,7 +133,7 @@ def stores_past_last_column(rows, panel, pad, columns):
 
 
 TERNARY_DOC = ("Y [n, b] = alpha * (X [n, a] . T), T ternary [a, b] in panels P (int8:\n"
-               "    -1, 0 and +1 convert to float64 exactly). Tiles of {rows} rows (then single\n"
+               "    -1, 0 and +1 convert to float64 exactly). Tiles of {sizes} rows (then single\n"
                "    rows) by one panel, each summed by an LLVM IR loop (hslm/vector_tiles.py)\n"
                "    with FMA where the core has it: each product x * t with t in {{-1, 0, +1}}\n"
                "    is exact, so fma(x, t, y) rounds once, exactly like y + x * t: the bits do\n"
@@ -141,18 +141,43 @@ TERNARY_DOC = ("Y [n, b] = alpha * (X [n, a] . T), T ternary [a, b] in panels P 
                "    non-ternary matrix.")
 
 
+def remainder_tiles(rows):
+    """The ternary tile's row counts, largest first: rows, then the multiples of 3 below
+    it (a team of threads sharing a window gives each a share of its rows, hslm/step.py:
+    15 rows ran as 9 + 6 single rows, at a third of the speed of 9 + 6), then 1."""
+    return [rows] + [m for m in (6, 3) if m < rows] + [1]
+
+
 def ternary_kernel(rows, panel):
     """The driver of one ternary tile: the IR loop sums a tile into `out`, the driver
     scales it by alpha into Y, the columns before b only."""
     lanes = VECTOR_LANES[panel]
-    tile, row = f"TILE_{rows}x{panel}", f"ROW_{panel}"
-    return f"""{tile} = make_tile({rows}, {panel // lanes}, {lanes})
-{row} = make_tile(1, {panel // lanes}, {lanes})
-
+    sizes = remainder_tiles(rows)
+    names = {m: (f"TILE_{m}x{panel}" if m > 1 else f"ROW_{panel}") for m in sizes}
+    defs = "".join(f"{names[m]} = make_tile({m}, {panel // lanes}, {lanes})\n" for m in sizes)
+    loops = ""
+    for m in sizes:
+        if m == 1:
+            loops += f"""        while r < n:
+            {names[m]}(X.ctypes.data + r * X.strides[0], xs, p, a, out.ctypes.data)
+            for c in range(cols):
+                Y[r, j + c] = alpha * out[c]
+            r += 1
+"""
+        else:
+            loops += f"""        while r + {m} <= n:
+            {names[m]}(X.ctypes.data + r * X.strides[0], xs, p, a, out.ctypes.data)
+            for rr in range({m}):
+                for c in range(cols):
+                    Y[r + rr, j + c] = alpha * out[rr * {panel} + c]
+            r += {m}
+"""
+    doc = TERNARY_DOC.format(sizes=", ".join(str(m) for m in sizes[:-1]))
+    return f"""{defs}
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def ternary_panel_matmul_{rows}x{panel}(X, P, b, alpha, Y):
-    \"\"\"{TERNARY_DOC.format(rows=rows)}\"\"\"
+    \"\"\"{doc}\"\"\"
     n, a = X.shape
     out = np.empty({rows * panel})
     xs = X.strides[0] // 8
@@ -161,18 +186,7 @@ def ternary_panel_matmul_{rows}x{panel}(X, P, b, alpha, Y):
         p = P.ctypes.data + q * P.strides[0]
         cols = min({panel}, b - j)
         r = 0
-        while r + {rows} <= n:
-            {tile}(X.ctypes.data + r * X.strides[0], xs, p, a, out.ctypes.data)
-            for rr in range({rows}):
-                for c in range(cols):
-                    Y[r + rr, j + c] = alpha * out[rr * {panel} + c]
-            r += {rows}
-        while r < n:
-            {row}(X.ctypes.data + r * X.strides[0], xs, p, a, out.ctypes.data)
-            for c in range(cols):
-                Y[r, j + c] = alpha * out[c]
-            r += 1
-"""
+{loops}"""
 
 
 def render() -> str:

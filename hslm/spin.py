@@ -1,0 +1,75 @@
+"""Waiting on another thread inside a nogil kernel: counters published with release
+stores and read with acquire loads (LLVM atomics, as Numba intrinsics).
+
+A window's team (hslm/step.py, threads beyond the batch) splits the window's rows; a row
+attends to the keys and values of the rows before it, so before each block's attention
+a member waits for the members before it. The wait stays inside the kernel: a Python
+barrier per block per thread would take the GIL once per wait, a cost that grows with the
+thread count. A waiter spins on an acquire load and, every SPINS_PER_YIELD loads,
+gives up its core (sched_yield), so that a machine with more threads than cores still
+makes progress. No order of any sum depends on who waits for whom.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+SPINS_PER_YIELD = 1024
+
+
+def _i64_pointer(builder, addr):
+    return builder.inttoptr(addr, ir.IntType(64).as_pointer())
+
+
+@intrinsic
+def load_acquire(typingctx, addr):
+    """The int64 at addr, read with acquire ordering: what its writer wrote before its
+    release store is visible after this load, and no load of the caller moves above it."""
+    def codegen(context, builder, signature, args):
+        return builder.load_atomic(_i64_pointer(builder, args[0]), "acquire", 8)
+    return types.int64(types.intp), codegen
+
+
+@intrinsic
+def store_release(typingctx, addr, value):
+    """Write the int64 value at addr with release ordering: every write of the caller
+    before it is visible to a thread whose acquire load sees the value."""
+    def codegen(context, builder, signature, args):
+        builder.store_atomic(args[1], _i64_pointer(builder, args[0]), "release", 8)
+        return context.get_dummy_value()
+    return types.void(types.intp, types.int64), codegen
+
+
+@intrinsic
+def yield_core(typingctx):
+    """sched_yield(): let another runnable thread have this core."""
+    def codegen(context, builder, signature, args):
+        fn = builder.module.globals.get("sched_yield") or ir.Function(
+            builder.module, ir.FunctionType(ir.IntType(32), []), name="sched_yield")
+        builder.call(fn, [])
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def publish(flags, i, value):
+    """flags[i] = value, after everything this thread wrote before."""
+    store_release(flags.ctypes.data + 8 * i, value)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def wait_for(flags, first, step, count, value, abort):
+    """Wait until flags[first + j step] >= value for j = 0 .. count-1, or flags[abort] != 0
+    (another thread failed). Returns True when the counters got there, False on abort."""
+    base = flags.ctypes.data
+    for j in range(count):
+        spins = 0
+        while load_acquire(base + 8 * (first + j * step)) < value:
+            if load_acquire(base + 8 * abort) != 0:
+                return False
+            spins += 1
+            if spins == SPINS_PER_YIELD:
+                yield_core()
+                spins = 0
+    return True
