@@ -63,6 +63,15 @@ def adamw_step(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, norms
     elements as it updates (a cursor, across tensors); only the first tensor's norm is
     summed alone. Before (a pass for the norm, then the update and its sums in blocks)
     the same update took 10.0 ms here, now 6.0, with the same bits."""
+    adamw_tensors(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, norms, abs_sums,
+                  moment_sums, np.arange(t0, t1))
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def adamw_tensors(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, norms, abs_sums,
+                  moment_sums, tensors):
+    """adamw_step for the tensors listed (increasing, not necessarily contiguous: a
+    thread's share, hslm.step.optimiser_shares); the norm cursor runs along the list."""
     params = np.empty(N_PARAMS)
     params[STEP_SIZE] = lr / bc1
     params[SQRT_BC2] = math.sqrt(bc2)
@@ -73,17 +82,22 @@ def adamw_step(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, norms
     params[EPS] = ADAM_EPS
     sums = np.zeros(3)  # sum |w|, sum |m| + v of tensor t; the cursor's sum of squares
     G, M, V, W = grad.ctypes.data, m.ctypes.data, v.ctypes.data, theta.ctypes.data
-    ct = t0  # the norm cursor: at element c of tensor ct
-    c = offs[t0]
-    for t in range(t0, t1):
-        while ct <= t:  # a norm the cursor has not finished (the first one), alone
+    nt = tensors.shape[0]
+    if nt == 0:
+        return
+    ci = 0  # the norm cursor: at element c of tensor tensors[ci]
+    c = offs[tensors[0]]
+    for ti in range(nt):
+        t = tensors[ti]
+        while ci <= ti:  # a norm the cursor has not finished (the first one), alone
             ss = sums[2]
-            for e in range(c, offs[ct + 1]):
+            for e in range(c, offs[tensors[ci] + 1]):
                 ss += grad[e] * grad[e]
-            norms[ct] = math.sqrt(ss)
+            norms[tensors[ci]] = math.sqrt(ss)
             sums[2] = 0.0
-            ct += 1
-            c = offs[ct]
+            ci += 1
+            if ci < nt:
+                c = offs[tensors[ci]]
         norm = norms[t]
         params[CLIP] = 1.0 / norm if norm > CLIP_NORM else 1.0
         params[DECAY] = 1.0 - lr * weight_decay if decay[t] else 1.0
@@ -91,19 +105,21 @@ def adamw_step(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, norms
         sums[1] = 0.0
         e = offs[t]
         while e < offs[t + 1]:  # in runs that end where the cursor's tensor ends
-            while ct < t1 and c == offs[ct + 1]:  # the cursor's tensor summed (or empty)
-                norms[ct] = math.sqrt(sums[2])
+            while ci < nt and c == offs[tensors[ci] + 1]:  # its tensor summed (or empty)
+                norms[tensors[ci]] = math.sqrt(sums[2])
                 sums[2] = 0.0
-                ct += 1
+                ci += 1
+                if ci < nt:
+                    c = offs[tensors[ci]]
             k = offs[t + 1] - e
             h = e  # past the last norm, the third sum runs on this gradient, unused
-            if ct < t1:
-                k = min(k, offs[ct + 1] - c)
+            if ci < nt:
+                k = min(k, offs[tensors[ci] + 1] - c)
                 h = c
             ADAM_LOOP(G + 8 * e, M + 8 * e, V + 8 * e, W + 8 * e, k, params.ctypes.data,
                       sums.ctypes.data, G + 8 * h)
             e += k
-            if ct < t1:
+            if ci < nt:
                 c += k
         abs_sums[t] = sums[0]
         moment_sums[t] = sums[1]

@@ -18,7 +18,7 @@ from .config import PRESETS, Config
 from .data import BUILTIN_SOURCE, Corpus, Tokenizer
 from .errors import HslmError, read_bytes
 from .hyper import HYPER_NAMES, Hyper
-from .optim import adamw_step, bias_corrections, learning_rate
+from .optim import adamw_step, adamw_tensors, bias_corrections, learning_rate
 from .params import ModelState, init_params, ternary_mask
 from .rng import Stream
 from .speeds import SPEEDS
@@ -205,13 +205,21 @@ class Run:
                        bc1, bc2, lr, h.weight_decay, self.norms, self.abs_sums,
                        self.moment_sums, part[0], part[1])
 
+        def optimise_share(share):  # a thread's tensors (hslm.step.optimiser_shares)
+            tensors, runs = share
+            adamw_tensors(self.state.theta, self.grad, self.m, self.v, self.state.offs,
+                          self.decay, bc1, bc2, lr, h.weight_decay, self.norms, self.abs_sums,
+                          self.moment_sums, tensors)
+            for run in runs:
+                requantize(run)
+
         def requantize(part):  # alpha from the update's sums
             self.state.requantize(part[0], part[1], self.abs_sums)
 
         self.world = world = runner.world
         t0 = time.perf_counter()
         if world is None:
-            runner.map_parts(lambda part: (adam(part), requantize(part)), runner.optimiser_parts)
+            runner.map_parts(optimise_share, runner.optimiser_shares)
         else:  # MPI: each rank updates its own tensors, then all gather them
             world.optimizer_step(self, runner, adam, requantize)
         if runner.timings is not None:  # (hslm bench's profile)

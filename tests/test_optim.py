@@ -4,7 +4,7 @@ import math
 import numpy as np
 import torch
 
-from hslm.optim import adamw_step, bias_corrections, learning_rate
+from hslm.optim import adamw_step, adamw_tensors, bias_corrections, learning_rate
 
 
 def test_adamw_matches_torch():
@@ -76,8 +76,9 @@ def test_adamw_is_the_plain_loops_to_the_bit():
     """The vector loop with its three in-order sums (the norm's running ahead into the
     next tensors) gives the plain loops' bits: awkward sizes (0, 1, primes, a tail past
     the vectors, a tensor longer than the one before, whose norm the cursor has not finished),
-    clipped and unclipped tensors, and the tensors split into ranges as threads split
-    them. The control: one norm summed pairwise (np.sum) instead of in order differs."""
+    clipped and unclipped tensors, and the tensors split into ranges, or into shares that
+    are not contiguous, as threads split them. The control: one norm summed pairwise
+    (np.sum) instead of in order differs."""
     rng = np.random.default_rng(3)
     sizes = [5, 1, 13, 300, 2, 0, 64, 3, 1031, 7]
     offs = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
@@ -95,6 +96,15 @@ def test_adamw_is_the_plain_loops_to_the_bit():
             adamw_step(got[0], g, got[1], got[2], *args, got[3], got[4], got[5], t0, t1)
         for name, a, b in zip(("theta", "m", "v", "norms", "sum |w|", "moments"), got, ref):
             assert a.tobytes() == b.tobytes(), f"{name} differs with ranges {ranges}"
+    # threads' shares of tensors that are not contiguous (hslm.step.optimiser_shares):
+    # the norm cursor jumps from one listed tensor to the next, over empty ones too
+    for shares in ([[0, 2, 5, 8], [1, 3, 4, 6, 7, 9]], [[9], [5, 6], [0, 1, 2, 3, 4, 7, 8]]):
+        got = [theta.copy(), m.copy(), v.copy(), np.zeros(T), np.zeros(T), np.zeros(T)]
+        for share in shares:
+            adamw_tensors(got[0], g, got[1], got[2], *args, got[3], got[4], got[5],
+                          np.array(share, np.int64))
+        for name, a, b in zip(("theta", "m", "v", "norms", "sum |w|", "moments"), got, ref):
+            assert a.tobytes() == b.tobytes(), f"{name} differs with shares {shares}"
     control = reference_adamw(theta, g, m, v, *args, 0, T, norm_sum=lambda x: np.sum(x * x))
     assert control[3].tobytes() != ref[3].tobytes()
 
