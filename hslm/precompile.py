@@ -48,10 +48,10 @@ JOBS = {
     "optimiser": (),
     "forward": ("ternary tile", "weight-gradient tile", "optimiser"),
     "backward": ("ternary tile", "weight-gradient tile", "optimiser"),
-    "team forward": ("ternary tile", "weight-gradient tile", "optimiser"),
     "per position": ("ternary tile", "weight-gradient tile", "optimiser"),
     "tokenizer": (),
     "weight gradients": ("ternary tile", "weight-gradient tile", "optimiser"),
+    "team": ("backward", "weight gradients"),
     "evaluation": ("forward", "backward"),
 }
 MAX_PROCESSES = 4  # the chains allow no more than about this many at once
@@ -67,7 +67,7 @@ def jobs_for(speeds) -> list[str]:
     if PER_POSITION not in loops:
         skip.add("per position")
     if loops == {PER_POSITION}:
-        skip |= {"backward", "team forward", "weight gradients"}
+        skip |= {"backward", "team", "weight gradients"}
     return [j for j in JOBS if j not in skip]
 
 
@@ -118,8 +118,8 @@ def _run_job(name: str, vocab: int) -> None:
         from .step import Worker
         Worker(cfg, 3).window_loss(model, vsa_table, windows[0], k)
         return
-    from .windows import (gradients_from_records, mean_losses, window_rows_forward,
-                          windows_backward, windows_forward)
+    from .windows import (gradients_from_records, mean_losses, team_slot, windows_backward,
+                          windows_forward)
     A, R, S, vsa = _layerwise_buffers(cfg)
     if name == "forward":
         windows_forward(model, vsa_table, windows, vsa, k, A, 0, 1, KERNEL_PANELS)
@@ -128,9 +128,13 @@ def _run_job(name: str, vocab: int) -> None:
         windows_backward(model, windows, k, 1.0, A, R, S, 0, 1, 0, k, row_losses,
                          KERNEL_PANELS, True, cfg.blocks, 0)
         mean_losses(row_losses, k, 0, 1, np.zeros(1))
-    elif name == "team forward":  # threads beyond the batch: a window's rows, one member
-        window_rows_forward(model, vsa_table, windows[0], k, A, 0, vsa[0], 0, cfg.window,
-                            np.zeros(2, np.int64), 0, 0, 1, 0, KERNEL_PANELS)
+    elif name == "team":  # threads beyond the batch: one slot's share, alone in its team
+        from .step import gradient_units
+        units, _ = gradient_units(cfg)
+        team_slot(model, vsa_table, windows, k, 1.0, A, R, S, vsa[0], 0, 0, cfg.window,
+                  np.zeros((1, k)), np.zeros(1 + cfg.blocks + 3, np.int64), units,
+                  np.array([[0, len(units), 0]], np.int64), np.zeros(cfg.n_params),
+                  KERNEL_PANELS)
     elif name == "weight gradients":
         from .step import gradient_units
         units, _ = gradient_units(cfg)

@@ -3,9 +3,10 @@ stores and read with acquire loads (LLVM atomics, as Numba intrinsics).
 
 A window's team (hslm/step.py, threads beyond the batch) splits the window's rows; a row
 attends to the keys and values of the rows before it, so before each block's attention
-a member waits for the members before it. The wait stays inside the kernel: a Python
-barrier per block per thread would take the GIL once per wait, a cost that grows with the
-thread count. A waiter spins on an acquire load and, every SPINS_PER_YIELD loads,
+a member waits for the members before it; a weight-gradient chunk waits for every
+thread to have passed its backward stage, and threads take chunks by an atomic counter.
+The waits stay inside the kernel: a Python barrier or lock per block per thread would
+take the GIL each time, a cost that grows with the thread count. A waiter spins on an acquire load and, every SPINS_PER_YIELD loads,
 gives up its core (sched_yield), so that a machine with more threads than cores still
 makes progress. No order of any sum depends on who waits for whom.
 """
@@ -42,6 +43,15 @@ def store_release(typingctx, addr, value):
 
 
 @intrinsic
+def fetch_add(typingctx, addr, value):
+    """Add value to the int64 at addr atomically (sequentially consistent); returns the
+    value it held before."""
+    def codegen(context, builder, signature, args):
+        return builder.atomic_rmw("add", _i64_pointer(builder, args[0]), args[1], "seq_cst")
+    return types.int64(types.intp, types.int64), codegen
+
+
+@intrinsic
 def yield_core(typingctx):
     """sched_yield(): let another runnable thread have this core."""
     def codegen(context, builder, signature, args):
@@ -56,6 +66,13 @@ def yield_core(typingctx):
 def publish(flags, i, value):
     """flags[i] = value, after everything this thread wrote before."""
     store_release(flags.ctypes.data + 8 * i, value)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def add(flags, i, value):
+    """flags[i] += value atomically, after everything this thread wrote before; returns
+    what flags[i] held before."""
+    return fetch_add(flags.ctypes.data + 8 * i, value)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")

@@ -31,7 +31,6 @@ program, and nothing depends on which layer a machine has.
 """
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -43,9 +42,8 @@ from .kernels import WGRAD_ROW_BLOCK
 from .layers import alloc_acts, alloc_record, alloc_scratch
 from .speeds import KERNEL_PANELS, PER_POSITION, SPEEDS
 from .vsa import vsa_window
-from .windows import (gradients_from_records, mean_losses, window_per_position,
-                      window_rows_forward, windows_backward, windows_forward, windows_layerwise,
-                      windows_loss)
+from .windows import (gradients_from_records, mean_losses, team_slot, window_per_position,
+                      windows_backward, windows_forward, windows_layerwise, windows_loss)
 
 def gradient_units(cfg):
     """[(tensor, row0, row1)] covering the gradient, and each unit's cost (multiply-adds
@@ -326,70 +324,32 @@ class StepRunner:
     def _gradient_teams(self, model, vsa_table, windows, k, scale, G, losses):
         """The layerwise gradient when threads outnumber the windows (N > B): slot j joins
         window j % B's team as member j // B. The members split the window's rows
-        (team_rows) and run the forward over them (window_rows_forward: a member waits,
-        inside the kernel, for the members before it to put each block's keys and values
-        into the cache), then their rows' backward in stages (the head, then each block
-        from the last down). A weight-gradient chunk (a run of units of one stage's
-        tensors) is ready once every slot has passed its stage, since its records are
-        then final; every slot takes ready chunks, the head's first, until none is left.
-        Every row gets the bits of the whole window's layers, each unit its windows in
-        window order: who computes what, and when, changes no bit."""
-        B, N, nb, L = windows.shape[0], self.threads, self.cfg.blocks, self.cfg.window
-        s = L - k
-        kernel = self.speed.kernel
-        chunks, chunk_stage = self.staged_chunks
+        (team_rows) and run the forward over them (a member waits, inside the kernel, for
+        the members before it to put each block's keys and values into the cache), then
+        their rows' backward in stages (the head, then each block from the last down). A
+        weight-gradient chunk (a run of units of one stage's tensors) is ready once every
+        slot has passed its stage, since its records are then final; the slots take
+        chunks, the head's first, until none is left. All of it is one kernel call per
+        slot (windows.team_slot: its waits and its chunk counter are atomics, not Python),
+        so no thread needs the GIL during the step. Every row gets the bits of the whole
+        window's layers, each unit its windows in window order: who computes what, and
+        when, changes no bit."""
+        B, N, nb = windows.shape[0], self.threads, self.cfg.blocks
+        chunks = self.staged_chunks
         rows = self.team_slot_rows(B, k)
-        progress = np.zeros(N + 1, np.int64)  # per slot: blocks whose keys are cached; abort
+        sync = np.zeros(N + nb + 3, np.int64)  # windows.team_slot's counters
         row_losses = np.empty((B, k))
-        cond = threading.Condition()
-        st = {"passed": [0] * (nb + 1), "done": -1, "next": len(chunks) - 1, "failed": False}
-
-        def take():  # the next ready chunk (from the head backwards), or None when all taken
-            with cond:
-                while True:
-                    c = st["next"]
-                    if c < 0 or st["failed"]:
-                        return None
-                    if chunk_stage[c] <= st["done"]:
-                        st["next"] = c - 1
-                        return chunks[c]
-                    cond.wait()
-
-        def report(stage):  # None: this slot failed
-            with cond:
-                if stage is None:
-                    st["failed"] = True
-                else:
-                    st["passed"][stage] += 1
-                    while st["done"] < nb and st["passed"][st["done"] + 1] == N:
-                        st["done"] += 1
-                cond.notify_all()
 
         def slot(j):
-            w, member = j % B, j // B
             p0, p1 = rows[j]
-            r0, r1 = max(p0, s) - s, max(p1, s) - s
             worker = self.workers[j]
+            vsa = worker.vsa.reshape(-1)[:worker.vsa[:, :p1].size].reshape(nb, p1, -1)
             try:
-                if p1 > p0:
-                    vsa = worker.vsa.reshape(-1)[:worker.vsa[:, :p1].size].reshape(nb, p1, -1)
-                    if not window_rows_forward(model, vsa_table, windows[w], k, self.acts_b, w,
-                                               vsa, p0, p1, progress, j, w, B, member, kernel):
-                        return  # a member before this one failed; its error surfaces
-                for stage in range(nb + 1):  # 0: loss and head; then block nb - stage
-                    if r1 > r0:
-                        b1 = nb if stage == 0 else nb - stage + 1
-                        windows_backward(model, windows, k, scale, self.acts_b, self.rec_b,
-                                         worker.scr, w, B, r0, r1, row_losses, kernel,
-                                         stage == 0, b1, nb - stage)
-                    report(stage)
-                while (chunk := take()) is not None:
-                    gradients_from_records(model, self.acts_b, self.rec_b, windows, k,
-                                           self.units, chunk[0], chunk[1], G, worker.scr.xt,
-                                           worker.scr.dy_panels, True)
+                team_slot(model, vsa_table, windows, k, scale, self.acts_b, self.rec_b,
+                          worker.scr, vsa, j, p0, p1, row_losses, sync, self.units, chunks, G,
+                          self.speed.kernel)
             except BaseException:
-                progress[N] = 1  # the members waiting in the forward stop waiting
-                report(None)  # and the others waiting for chunks
+                sync[N] = 1  # the others stop waiting (and return False); this error surfaces
                 raise
 
         self._map(slot, N)
@@ -407,12 +367,12 @@ class StepRunner:
 
     @property
     def staged_chunks(self):
-        """([(u0, u1)] chunks of units, each within one backward stage, and each chunk's
-        stage), about 8 N chunks in all, cut by cost."""
+        """[C, 3] int64: chunks of gradient units (u0, u1, stage), each within one backward
+        stage, in stage order, about 8 N in all, cut by cost."""
         if self._staged_chunks is None:
             stage = unit_stages(self.cfg, self.units)
             total = float(self.unit_cost.sum())
-            chunks, stages = [], []
+            chunks = []
             u = 0
             while u < len(stage):
                 e = u
@@ -422,10 +382,9 @@ class StepRunner:
                 n = max(1, min(e - u, round(8 * self.threads * float(cost.sum()) / total)))
                 for lo, hi in split_by_cost(cost, n):
                     if hi > lo:
-                        chunks.append((u + lo, u + hi))
-                        stages.append(int(stage[u]))
+                        chunks.append((u + lo, u + hi, int(stage[u])))
                 u = e
-            self._staged_chunks = (chunks, stages)
+            self._staged_chunks = np.array(chunks, np.int64)
         return self._staged_chunks
 
     def loss(self, model, vsa_table, windows: np.ndarray, k: int) -> float:
@@ -451,8 +410,7 @@ def kernels_cached(speed: int) -> bool:
     sp = SPEEDS[speed]
     kernels = [adamw_step, adamw_tensors, windows_forward, windows_loss]
     kernels += ([window_per_position] if sp.loop == PER_POSITION
-                else [windows_backward, mean_losses, window_rows_forward,
-                      gradients_from_records])
+                else [windows_backward, mean_losses, team_slot, gradients_from_records])
     return in_cache(*kernels)
 
 

@@ -31,7 +31,7 @@ from .layers import (COLUMN_SUM, MATRIX, attn_residual_forward, block_backward, 
                      embed_forward, head_backward, head_forward, keys_values_forward,
                      loss_forward_backward, loss_rows, mlp_forward, norm_gain_forward,
                      queries_attention_forward, view1, view2, weight_grad_operands)
-from .spin import publish, wait_for
+from .spin import add, publish, wait_for
 from .vsa import vsa_window
 
 
@@ -146,7 +146,7 @@ def windows_forward(model, vsa_table, windows, vsa, k, A, first, step, kernel):
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def window_rows_forward(model, vsa_table, tokens, k, A, w, vsa, p0, p1, progress, slot, first,
-                        step, member, kernel):
+                        step, member, abort, kernel):
     """Rows p0..p1-1 of window w's forward, for member `member` of the window's team
     (threads beyond the batch): members take consecutive rows, and the team's member j
     is thread slot first + j step. Each row gets the bits windows_forward gives it.
@@ -156,10 +156,9 @@ def window_rows_forward(model, vsa_table, tokens, k, A, w, vsa, p0, p1, progress
     vsa [nb, p1, d] is the member's own: the stream's rows 0..p1-1 (a row's stream
     depends on every row before it, so each member computes the earlier rows again
     rather than wait for them; they cost least). Returns False if the team gave up
-    (progress[-1] set: another member failed)."""
+    (progress[abort] set: another member failed)."""
     D = model.dims
     s = D.window - k
-    abort = progress.shape[0] - 1
     vsa_window(vsa_table, tokens, D.blocks, D.width, vsa)
     embed_forward(model, A, w, tokens, p0, p1)
     for b in range(D.blocks):
@@ -178,6 +177,48 @@ def window_rows_forward(model, vsa_table, tokens, k, A, w, vsa, p0, p1, progress
     if q0 < p1:
         head_forward(model, A, w, q0, p1, kernel)
     return True
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def team_slot(model, vsa_table, windows, k, scale, A, R, S, vsa, slot, p0, p1, row_losses, sync,
+              units, chunks, G, kernel):
+    """Thread slot `slot`'s share of a step's gradient when threads outnumber the B windows
+    (hslm.step.StepRunner._gradient_teams), in one call, with no Python between its
+    parts: as member slot // B of window slot % B's team, rows p0..p1-1 of the window's
+    forward (window_rows_forward); then its scored rows' backward in stages (the head,
+    then each block from the last down); then weight-gradient chunks until none is left.
+    sync [N + nb + 3] int64, zeroed (N slots): [0, N) each slot's forward progress, N
+    the abort flag, N + 1 + st how many slots have passed backward stage st, N + nb + 2
+    the chunks taken. chunks [C, 3]: (u0, u1, stage) in stage order, taken from the last
+    (the head's) down, each summed once every slot has passed its stage, as its records
+    are then final (into G, fresh: gradients_from_records). Returns False if the team gave
+    up (another slot failed)."""
+    D = model.dims
+    nb = D.blocks
+    B = windows.shape[0]
+    N = sync.shape[0] - nb - 3
+    s = D.window - k
+    w = slot % B
+    if p1 > p0:
+        if not window_rows_forward(model, vsa_table, windows[w], k, A, w, vsa, p0, p1, sync,
+                                   slot, w, B, slot // B, N, kernel):
+            return False
+    r0, r1 = max(p0, s) - s, max(p1, s) - s
+    for stage in range(nb + 1):  # 0: loss and head; then block nb - stage
+        if r1 > r0:
+            b1 = nb if stage == 0 else nb - stage + 1
+            windows_backward(model, windows, k, scale, A, R, S, w, B, r0, r1, row_losses,
+                             kernel, stage == 0, b1, nb - stage)
+        add(sync, N + 1 + stage, 1)
+    C = chunks.shape[0]
+    while True:
+        c = C - 1 - add(sync, N + nb + 2, 1)
+        if c < 0:
+            return True
+        if not wait_for(sync, N + 1 + chunks[c, 2], 1, 1, N, N):
+            return False
+        gradients_from_records(model, A, R, windows, k, units, chunks[c, 0], chunks[c, 1], G,
+                               S.xt, S.dy_panels, True)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")

@@ -117,7 +117,7 @@ def team_window(cfg, tb, ms, tokens, k, rows, order=None, preset=0):
         if p1 > p0:
             vsa = np.zeros((nb, p1, cfg.width))
             assert window_rows_forward(model, tb.vsa, tokens, k, A, 0, vsa, p0, p1, progress,
-                                       j, 0, 1, j, KERNEL_PANELS)
+                                       j, 0, 1, j, T, KERNEL_PANELS)
     for j in range(T):
         p0, p1 = rows[j]
         r0, r1 = max(p0, s) - s, max(p1, s) - s

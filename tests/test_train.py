@@ -95,42 +95,48 @@ def test_unit_stages_follow_the_backward():
     assert all(a >= b for a, b in zip(stages, stages[1:]))  # non-increasing: chunks by stage
 
 
-def test_staged_weight_gradients_wait_for_their_stage(monkeypatch):
-    """With the first rows' backward slowed after each stage (the team's other members
-    finish theirs first, and take ready chunks meanwhile), threads beyond the batch still
-    give one thread's gradient bit for bit; told that every unit is ready after the head
-    (a negative control), they read records the backward has not finished, and it
-    differs."""
-    import time
-
+def test_staged_weight_gradients_wait_for_their_stage():
+    """Threads beyond the batch (windows.team_slot): a slot takes a weight-gradient chunk
+    only once every slot has passed the chunk's backward stage. Three threads on one
+    window (two members and a slot with no rows, which starts on the chunks at once)
+    give one thread's gradient bit for bit. The negative control, run one slot after
+    another: the rowless slot first, its stage counters preset as if every stage were
+    passed, sums every chunk from records the backward has not written, and the
+    gradient differs."""
     from hslm import step as step_module
     from hslm.config import PRESETS
+    from hslm.layers import alloc_acts, alloc_record
     from hslm.params import ModelState, init_params
+    from hslm.speeds import KERNEL_PANELS
     from hslm.tables import Tables
+    from hslm.windows import team_slot
     cfg = PRESETS["hslm-tiny"]
     tables = Tables(cfg)
     model = ModelState(cfg, init_params(cfg, 5), tables, plain=False).kernel_model()
     windows = np.random.default_rng(5).integers(0, cfg.vocab, (1, cfg.window + 1))
+    L, k, nb, N = cfg.window, cfg.window, cfg.blocks, 3
+    ref = np.zeros(cfg.n_params)
+    step_module.Worker(cfg, 3).window(model, tables.vsa, windows[0], k, 1.0 / k, ref)
+    rows = [(0, 5), (5, L), (L, L)]
+    runner = step_module.StepRunner(cfg, 3, N)
+    runner._team_rows, runner._team_rows_for = rows, (1, k)
+    G = np.full(cfg.n_params, np.nan)
+    runner.gradient(model, tables.vsa, windows, k, G)
+    runner.close()
+    assert G.tobytes() == ref.tobytes()
 
-    def gradient(threads):
-        runner = step_module.StepRunner(cfg, 3, threads)
-        G = np.full(cfg.n_params, np.nan)
-        runner.gradient(model, tables.vsa, windows, cfg.window, G)
-        runner.close()
-        return G.view(np.uint64).copy()
-
-    ref = gradient(1)
-    backward = step_module.windows_backward
-
-    def slow_backward(*args):
-        backward(*args)
-        if args[9] == 0:  # r0: the team's first member
-            time.sleep(0.02)  # the other members run ahead meanwhile
-
-    monkeypatch.setattr(step_module, "windows_backward", slow_backward)
-    assert (gradient(3) == ref).all()
-    monkeypatch.setattr(step_module, "unit_stages", lambda cfg, units: np.zeros(len(units), np.int64))
-    assert not (gradient(3) == ref).all()
+    A, R = alloc_acts(cfg.dims(), 1), alloc_record(cfg.dims(), 1)
+    sync = np.zeros(N + nb + 3, np.int64)
+    sync[N + 1:N + nb + 2] = N  # every stage passed, before any has run
+    G = np.full(cfg.n_params, np.nan)
+    for j in (2, 0, 1):  # the rowless slot takes every chunk; the others find none left
+        p0, p1 = rows[j]
+        worker = runner.workers[j]
+        vsa = worker.vsa.reshape(-1)[:worker.vsa[:, :p1].size].reshape(nb, p1, -1)
+        assert team_slot(model, tables.vsa, windows, k, 1.0 / k, A, R, worker.scr, vsa, j, p0,
+                         p1, np.zeros((1, k)), sync, runner.units, runner.staged_chunks, G,
+                         KERNEL_PANELS)
+    assert not np.isnan(G).any() and G.tobytes() != ref.tobytes()
 
 
 def test_speed3_gradient_overwrites_what_G_held():
