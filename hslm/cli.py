@@ -270,7 +270,8 @@ def bench(model, data, cache_dir, speed, threads, batch, steps, loss_positions, 
     from .train import resolve_config
     cfgs = [resolve_config(m) for m in models]  # a bad --model: its error before compiling
     compile_first(sorted(set(speeds) | {DEFAULT_SPEED}), cfgs[0].vocab,
-                  echo=lambda m: click.echo(m, err=True))
+                  echo=lambda m: click.echo(m, err=True),
+                  teams=max(thread_counts) > min(batches))
     from .bench import all_identical, format_report, run_bench  # (loads the kernels)
     report = run_bench(models, speeds, thread_counts, batches, steps, loss_positions, data,
                        with_torch, profile, progress=lambda m: click.echo(f"  {m}", err=True),

@@ -59,8 +59,9 @@ MAX_PROCESSES = 4  # the chains allow no more than about this many at once
 CACHE_LOCK = Path(tempfile.gettempdir()) / f"hslm-numba-cache-{getattr(os, 'getuid', lambda: 0)()}.lock"
 
 
-def jobs_for(speeds) -> list[str]:
-    """The jobs a run at these speeds needs, in priority order."""
+def jobs_for(speeds, teams: bool = False) -> list[str]:
+    """The jobs a run at these speeds needs, in priority order (teams: with threads beyond
+    the batch; their kernel is long to compile, 14 s here, and most runs never use it)."""
     from .speeds import PER_POSITION, SPEEDS
     loops = {SPEEDS[s].loop for s in speeds}
     skip = set()
@@ -68,6 +69,8 @@ def jobs_for(speeds) -> list[str]:
         skip.add("per position")
     if loops == {PER_POSITION}:
         skip |= {"backward", "team", "weight gradients"}
+    if not teams:
+        skip.add("team")
     return [j for j in JOBS if j not in skip]
 
 
@@ -370,7 +373,7 @@ def helper_environment() -> dict:
     return env
 
 
-def needed(speeds) -> str:
+def needed(speeds, teams: bool = False) -> str:
     """Why a run at these speeds would compile kernels ("" if it would not): a
     machine's first run (no compiled micro-kernel in Numba's cache), or kernels
     changed since the last run (an upgrade)."""
@@ -378,7 +381,8 @@ def needed(speeds) -> str:
     if not in_cache(ternary_panel_matmul):
         return "first run on this machine"
     from .step import kernels_cached  # (loads the micro-kernels: cached, so quick)
-    return "" if all(kernels_cached(s) for s in speeds) else "new kernels since the last run"
+    return ("" if all(kernels_cached(s, teams) for s in speeds)
+            else "new kernels since the last run")
 
 
 class _Nothing:
@@ -394,7 +398,7 @@ class _Nothing:
         pass
 
 
-def session(speeds, vocab: int, echo=None, tokenizing_here=False):
+def session(speeds, vocab: int, echo=None, tokenizing_here=False, teams=False):
     """The one decision for every command: a ParallelCompile when a run at these
     speeds would compile (needed()), else a context that does nothing. With
     tokenizing_here the caller tokenizes meanwhile (which compiles the tokenizer in
@@ -406,18 +410,18 @@ def session(speeds, vocab: int, echo=None, tokenizing_here=False):
         if echo and distributed.is_writer() and not in_cache(ternary_panel_matmul):
             echo("compiling kernels (first run on this machine: under a minute) ...")
         return _Nothing()
-    reason = needed(speeds)
+    reason = needed(speeds, teams)
     if not reason:
         return _Nothing()
-    jobs = [j for j in jobs_for(speeds) if not (tokenizing_here and j == "tokenizer")]
+    jobs = [j for j in jobs_for(speeds, teams) if not (tokenizing_here and j == "tokenizer")]
     return ParallelCompile(speeds, vocab, echo, jobs,
                            processes_to_use(len(jobs) + tokenizing_here), reason)
 
 
-def compile_first(speeds, vocab: int, echo=None) -> None:
+def compile_first(speeds, vocab: int, echo=None, teams=False) -> None:
     """Before a run that would compile (needed()), compile every kernel it needs in as
     many processes as there are cores, saying so through echo (None: quietly)."""
-    with session(speeds, vocab, echo) as compiling:
+    with session(speeds, vocab, echo, teams=teams) as compiling:
         compiling.finish()
 
 

@@ -402,15 +402,17 @@ class StepRunner:
         return ordered_mean(losses)
 
 
-def kernels_cached(speed: int) -> bool:
+def kernels_cached(speed: int, teams: bool = False) -> bool:
     """Whether Numba's cache holds compiled code for this speed's main kernels (so the
-    first step will not compile); precompile.in_cache reads Numba's index."""
+    first step will not compile; teams: with threads beyond the batch);
+    precompile.in_cache reads Numba's index."""
     from .optim import adamw_step, adamw_tensors
     from .precompile import in_cache
     sp = SPEEDS[speed]
     kernels = [adamw_step, adamw_tensors, windows_forward, windows_loss]
     kernels += ([window_per_position] if sp.loop == PER_POSITION
-                else [windows_backward, mean_losses, team_slot, gradients_from_records])
+                else [windows_backward, mean_losses, gradients_from_records]
+                + ([team_slot] if teams else []))
     return in_cache(*kernels)
 
 
@@ -422,7 +424,10 @@ def warm_up(runner: "StepRunner", run) -> None:
     from .rng import Stream
     cfg, h = run.cfg, run.hyper
     model = run.state.kernel_model()
-    w = run.corpus.draw_windows(Stream.seeded("warm-up", 0), 1, cfg.window)
+    # as many windows as the run's threads take at once (at most its batch), so that the
+    # kernels loaded are the run's: with threads beyond the batch, the teams' (team_slot)
+    w = run.corpus.draw_windows(Stream.seeded("warm-up", 0), min(h.batch, runner.threads),
+                                cfg.window)
     runner.warming_up = True
     try:
         runner.gradient(model, run.tables.vsa, w, h.loss_positions, np.zeros(cfg.n_params))

@@ -267,15 +267,16 @@ def load_corpus(data, cfg: Config, expect_sha256=None, tokenizer=None, cache_dir
     return Corpus.load(data, cfg.vocab, cfg.window, expect_sha256, tokenizer, cache_dir)
 
 
-def load_corpus_compiling(o: TrainOptions, cfg: Config, load):
+def load_corpus_compiling(o: TrainOptions, cfg: Config, load, batch: int):
     """load() (the run's corpus), while on a machine's first run (or after an upgrade)
     helper processes compile the step's kernels (hslm/precompile.py); then say so, and
     compile what is left here and in the helpers. The tokenizer's kernels compile here
     as the text is tokenized. A bad text's error comes alone: the helpers are stopped
-    silently."""
+    silently. With more threads than the batch has windows, the teams' kernel too."""
     from . import precompile
     echo = None if o.quiet or not distributed.is_writer() else (lambda m: click.echo(m, err=True))
-    with precompile.session([o.speed], cfg.vocab, echo, tokenizing_here=True) as compiling:
+    with precompile.session([o.speed], cfg.vocab, echo, tokenizing_here=True,
+                            teams=o.threads > batch) as compiling:
         corpus = load()
         compiling.finish()
     return corpus
@@ -401,7 +402,8 @@ def open_run(o: TrainOptions):
                     raise HslmError(f"config mismatch: --{n.replace('_', '-')} {o.hyper[n]} "
                                     f"differs from the checkpoint's {getattr(hyper, n)}")
             return load_corpus_compiling(o, cfg, lambda: load_corpus(
-                o.data, cfg, text_sha256, tokenizer, token_cache_dir(o.cache_dir, out)))
+                o.data, cfg, text_sha256, tokenizer, token_cache_dir(o.cache_dir, out)),
+                hyper.batch)
 
         run = Run.resume(o.resume, corpus_for, plain=SPEEDS[o.speed].plain_layouts,
                          threads=o.threads, speed=o.speed)
@@ -422,7 +424,7 @@ def open_run(o: TrainOptions):
     check_fits(memory_estimate(cfg, hyper.batch, o.threads, o.speed),
                f"--model {o.model} with --batch {hyper.batch} on {o.threads} thread(s)")
     corpus = load_corpus_compiling(o, cfg, lambda: load_corpus(
-        o.data, cfg, cache_dir=token_cache_dir(o.cache_dir, out)))
+        o.data, cfg, cache_dir=token_cache_dir(o.cache_dir, out)), hyper.batch)
     return Run.fresh(cfg, hyper, corpus, plain=SPEEDS[o.speed].plain_layouts), out
 
 
@@ -505,7 +507,7 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
     distributed.share_state(run.state, h.batch, progress.message)  # MPI: a copy per node
     first = last = None
     # compile (first run only) or load the kernels before step 1, so its figure is the step's
-    compiling = not kernels_cached(o.speed)
+    compiling = not kernels_cached(o.speed, teams=o.threads > h.batch)
     if compiling:
         progress.message("compiling the step's kernels (first run only) ...")
     t0 = time.perf_counter()

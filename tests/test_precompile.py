@@ -18,7 +18,9 @@ from helpers import ROOT
 def test_jobs_for_each_loop_order():
     assert "per position" not in precompile.jobs_for([3])
     assert {"backward", "weight gradients"} & set(precompile.jobs_for([0, 2])) == set()
-    both = precompile.jobs_for([2, 3])
+    assert "team" not in precompile.jobs_for([3])  # threads beyond the batch only
+    assert "team" not in precompile.jobs_for([0, 2], teams=True)  # no layerwise speed
+    both = precompile.jobs_for([2, 3], teams=True)
     assert set(both) == set(JOBS) and both == [j for j in JOBS if j in both]  # priority order
     for job, deps in JOBS.items():  # dependencies come earlier in the priority order
         assert all(list(JOBS).index(d) < list(JOBS).index(job) for d in deps), job
