@@ -6,9 +6,9 @@ attends to the keys and values of the rows before it, so before each block's att
 a member waits for the members before it; a weight-gradient chunk waits for every
 thread to have passed its backward stage, and threads take chunks by an atomic counter.
 The waits stay inside the kernel: a Python barrier or lock per block per thread would
-take the GIL each time, a cost that grows with the thread count. A waiter spins on an acquire load and, every SPINS_PER_YIELD loads,
-gives up its core (sched_yield), so that a machine with more threads than cores still
-makes progress. No order of any sum depends on who waits for whom.
+take the GIL each time, a cost that grows with the thread count. A waiter spins on an
+acquire load and, every SPINS_PER_YIELD loads, gives up its core (sched_yield), so that a
+machine with more threads than cores still makes progress. No order of any sum depends on who waits for whom.
 """
 from __future__ import annotations
 

@@ -120,26 +120,29 @@ def team_rows(L, k, T):
 REQUANTISE_COST = 0.6
 
 
-def tensor_parts(cfg, n, t0=0, t1=None):
-    """Tensors t0..t1-1 in n contiguous runs of about equal cost: [(lo, hi)] (the
-    optimiser's elementwise work, split between threads or MPI ranks): AdamW on every
-    element, and requantisation on a ternary matrix's. (By size alone, the two runs of
-    hslm-3 on 2 threads took 4.9 and 4.2 ms.)"""
+def optimiser_cost(cfg):
+    """Per tensor, the optimiser's work: AdamW on every element, and requantisation on
+    a ternary matrix's."""
     sizes = np.diff(cfg.offsets()).astype(np.float64)
     ternary = np.array([kind == "ternary" for _, _, kind in cfg.tensors()])
-    cost = sizes * (1.0 + REQUANTISE_COST * ternary)
-    t1 = len(sizes) if t1 is None else t1
+    return sizes * (1.0 + REQUANTISE_COST * ternary)
+
+
+def tensor_parts(cfg, n, t0=0, t1=None):
+    """Tensors t0..t1-1 in n contiguous runs of about equal optimiser_cost: [(lo, hi)]
+    (the optimiser's elementwise work, split between MPI ranks)."""
+    cost = optimiser_cost(cfg)
+    t1 = len(cost) if t1 is None else t1
     return [(t0 + a, t0 + b) for a, b in split_by_cost(cost[t0:t1], n)]
 
 
 def optimiser_shares(cfg, n):
-    """The optimiser's tensors for n threads: per thread, (its tensors as an int64 array,
-    the same as contiguous runs [(lo, hi)]). Each tensor goes, largest first, to the thread with the least cost so
-    far (tensor_parts' cost): contiguous runs alone could not balance hslm-3 on 2
-    threads better than 4.9 against 4.2 ms, a tensor being up to 5% of the work."""
-    sizes = np.diff(cfg.offsets()).astype(np.float64)
-    ternary = np.array([kind == "ternary" for _, _, kind in cfg.tensors()])
-    cost = sizes * (1.0 + REQUANTISE_COST * ternary)
+    """The optimiser's tensors for n threads: per thread, (its tensors as an int64
+    array, the same as contiguous runs [(lo, hi)] for requantisation). Each tensor goes,
+    largest first, to the thread with the least optimiser_cost so far: contiguous runs
+    could not balance hslm-3 on 2 threads better than 4.9 against 4.2 ms, a tensor
+    being up to 5% of the work."""
+    cost = optimiser_cost(cfg)
     load = [0.0] * n
     mine = [[] for _ in range(n)]
     for t in sorted(range(len(cost)), key=lambda t: (-cost[t], t)):
@@ -299,7 +302,7 @@ class StepRunner:
             self.vsa_b = np.zeros((B, self.cfg.blocks, self.cfg.window, self.cfg.width))
             self.batch = B
         kernel = self.speed.kernel
-        if N > B:  # threads beyond the batch: weight gradients start during the backward
+        if N > B:  # threads beyond the batch: teams split each window's rows
             return self._gradient_teams(model, vsa_table, windows, k, scale, G, losses)
 
         def run_windows(j):  # thread slot j takes windows j, j + N, ...

@@ -200,7 +200,7 @@ class Run:
         lr = self.lr_at(self.step)
         bc1, bc2 = bias_corrections(self.step)
 
-        def adam(part):  # tensors are independent: threads take contiguous runs of them
+        def adam(part):  # MPI: a rank's contiguous run of tensors (they are independent)
             adamw_step(self.state.theta, self.grad, self.m, self.v, self.state.offs, self.decay,
                        bc1, bc2, lr, h.weight_decay, self.norms, self.abs_sums,
                        self.moment_sums, part[0], part[1])

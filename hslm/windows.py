@@ -18,7 +18,8 @@ the scored positions in position order from 0.0).
     rows of a      layerwise, for a team of threads sharing one window (threads
     window         beyond the batch): each member the layers over its own rows,
                    waiting before each block's attention for the members whose
-                   rows come first (window_rows_forward); the backward by rows.
+                   rows come first (window_rows_forward); the backward by rows;
+                   a thread's whole share in one call (team_slot).
 """
 from __future__ import annotations
 
