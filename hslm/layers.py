@@ -401,17 +401,9 @@ def attention_position_backward(q, VC, KR, Ap, p, H, dh, scale, do, dq, dk, dv):
             dv[c0 + e] = Ap[h, p] * do[c0 + e]
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
-def qkv_attention_forward(model, A, w, b, p0, p1, s, kernel):
-    """k, v = rot(n Wk), n Wv for rows p0..p1-1 (they join the cache); for rows
-    max(p0, s).. also q = rot(n Wq) and the attention output o.
-    n [L, d] -> q, k, v, attn_out [L, d], attn [L, H, L]."""
-    keys_values_forward(model, A, w, b, p0, p1, kernel)
-    q0 = max(p0, s)
-    if q0 < p1:
-        queries_attention_forward(model, A, w, b, q0, p1, kernel)
-
-
+# The attention forward in two parts, keys and values (they join the cache) then queries
+# and attention, since a row's attention needs the cache of every row before it.
+# n [L, d] -> q, k, v, attn_out [L, d], attn [L, H, L].
 @njit(cache=True, nogil=True, error_model="numpy")
 def keys_values_forward(model, A, w, b, p0, p1, kernel):
     """k = rot(n Wk), v = n Wv for rows p0..p1-1, into the cache and its panels."""
@@ -532,10 +524,24 @@ def mlp_backward(model, A, R, S, w, b, s, r0, r1, kernel):
 def block_forward(model, A, w, vsa, b, p0, p1, s, kernel):
     """Block b for rows p0..p1-1: x_b [L, d] -> x_{b+1} (or x_final) [L, d].
     Rows below s make only their keys and values (later rows attend to them)."""
+    block_keys_values(model, A, w, b, p0, p1, kernel)
+    block_queries(model, A, w, vsa, b, max(p0, s), p1, kernel)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def block_keys_values(model, A, w, b, p0, p1, kernel):
+    """Block b's first part for rows p0..p1-1: the norm, then the keys and values (into
+    the cache). A team of threads waits between the two parts (windows.py)."""
     norm_gain_forward(model, A, w, b, p0, p1)
-    qkv_attention_forward(model, A, w, b, p0, p1, s, kernel)
-    q0 = max(p0, s)
+    keys_values_forward(model, A, w, b, p0, p1, kernel)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def block_queries(model, A, w, vsa, b, q0, p1, kernel):
+    """Block b's second part for rows q0..p1-1 (every row before p1 in the cache): the
+    queries and attention, the residual and the MLP."""
     if q0 < p1:
+        queries_attention_forward(model, A, w, b, q0, p1, kernel)
         attn_residual_forward(model, A, w, b, q0, p1, kernel)
         mlp_forward(model, A, w, b, vsa, q0, p1, kernel)
 

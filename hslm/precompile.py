@@ -121,8 +121,8 @@ def _run_job(name: str, vocab: int) -> None:
         from .step import Worker
         Worker(cfg, 3).window_loss(model, vsa_table, windows[0], k)
         return
-    from .windows import (gradients_from_records, mean_losses, team_slot, windows_backward,
-                          windows_forward)
+    from .windows import (gradients_from_records, mean_losses, team_counters, team_slot,
+                          windows_backward, windows_forward)
     A, R, S, vsa = _layerwise_buffers(cfg)
     if name == "forward":
         windows_forward(model, vsa_table, windows, vsa, k, A, 0, 1, KERNEL_PANELS)
@@ -135,7 +135,7 @@ def _run_job(name: str, vocab: int) -> None:
         from .step import gradient_units
         units, _ = gradient_units(cfg)
         team_slot(model, vsa_table, windows, k, 1.0, A, R, S, vsa[0], 0, 0, cfg.window,
-                  np.zeros((1, k)), np.zeros(1 + cfg.blocks + 3, np.int64), units,
+                  np.zeros((1, k)), team_counters(1, cfg.blocks), units,
                   np.array([[0, len(units), 0]], np.int64), np.zeros(cfg.n_params),
                   KERNEL_PANELS)
     elif name == "weight gradients":

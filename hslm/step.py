@@ -42,8 +42,9 @@ from .kernels import WGRAD_ROW_BLOCK
 from .layers import alloc_acts, alloc_record, alloc_scratch
 from .speeds import KERNEL_PANELS, PER_POSITION, SPEEDS
 from .vsa import vsa_window
-from .windows import (gradients_from_records, mean_losses, team_slot, window_per_position,
-                      windows_backward, windows_forward, windows_layerwise, windows_loss)
+from .windows import (gradients_from_records, mean_losses, team_counters, team_slot,
+                      window_per_position, windows_backward, windows_forward, windows_layerwise,
+                      windows_loss)
 
 def gradient_units(cfg):
     """[(tensor, row0, row1)] covering the gradient, and each unit's cost (multiply-adds
@@ -191,6 +192,12 @@ class Worker:
         gradients_from_records(model, self.acts, self.rec, windows, k, self.units, 0,
                                len(self.units), out, self.scr.xt, self.scr.dy_panels, False)
         return losses[0]
+
+    def vsa_rows(self, p1):
+        """[nb, p1, d]: this thread's VSA stream buffer for rows 0..p1-1, contiguous (a
+        team member's, windows.window_rows_forward)."""
+        nb = self.vsa.shape[0]
+        return self.vsa.reshape(-1)[:self.vsa[:, :p1].size].reshape(nb, p1, -1)
 
     @property
     def logits(self):
@@ -340,16 +347,15 @@ class StepRunner:
         B, N, nb = windows.shape[0], self.threads, self.cfg.blocks
         chunks = self.staged_chunks
         rows = self.team_slot_rows(B, k)
-        sync = np.zeros(N + nb + 3, np.int64)  # windows.team_slot's counters
+        sync = team_counters(N, nb)
         row_losses = np.empty((B, k))
 
         def slot(j):
             p0, p1 = rows[j]
             worker = self.workers[j]
-            vsa = worker.vsa.reshape(-1)[:worker.vsa[:, :p1].size].reshape(nb, p1, -1)
             try:
                 team_slot(model, vsa_table, windows, k, scale, self.acts_b, self.rec_b,
-                          worker.scr, vsa, j, p0, p1, row_losses, sync, self.units, chunks, G,
+                          worker.scr, worker.vsa_rows(p1), j, p0, p1, row_losses, sync, self.units, chunks, G,
                           self.speed.kernel)
             except BaseException:
                 sync[N] = 1  # the others stop waiting (and return False); this error surfaces

@@ -28,10 +28,9 @@ from numba import njit
 
 from .kernels import column_sum_rows, output_grad_panels, weight_grad_rows
 from .micro import WGRAD_PANEL
-from .layers import (COLUMN_SUM, MATRIX, attn_residual_forward, block_backward, block_forward,
-                     embed_forward, head_backward, head_forward, keys_values_forward,
-                     loss_forward_backward, loss_rows, mlp_forward, norm_gain_forward,
-                     queries_attention_forward, view1, view2, weight_grad_operands)
+from .layers import (COLUMN_SUM, MATRIX, block_backward, block_forward, block_keys_values,
+                     block_queries, embed_forward, head_backward, head_forward,
+                     loss_forward_backward, loss_rows, view1, view2, weight_grad_operands)
 from .spin import add, publish, wait_for
 from .vsa import vsa_window
 
@@ -163,21 +162,22 @@ def window_rows_forward(model, vsa_table, tokens, k, A, w, vsa, p0, p1, progress
     vsa_window(vsa_table, tokens, D.blocks, D.width, vsa)
     embed_forward(model, A, w, tokens, p0, p1)
     for b in range(D.blocks):
-        norm_gain_forward(model, A, w, b, p0, p1)
-        keys_values_forward(model, A, w, b, p0, p1, kernel)
+        block_keys_values(model, A, w, b, p0, p1, kernel)
         publish(progress, slot, b + 1)
         if not wait_for(progress, first, step, member, b + 1, abort):
             return False
         # in the last block only the scored rows go past their keys and values
-        q0 = max(p0, s) if b == D.blocks - 1 else p0
-        if q0 < p1:
-            queries_attention_forward(model, A, w, b, q0, p1, kernel)
-            attn_residual_forward(model, A, w, b, q0, p1, kernel)
-            mlp_forward(model, A, w, b, vsa, q0, p1, kernel)
+        block_queries(model, A, w, vsa, b, max(p0, s) if b == D.blocks - 1 else p0, p1,
+                      kernel)
     q0 = max(p0, s)
     if q0 < p1:
         head_forward(model, A, w, q0, p1, kernel)
     return True
+
+
+def team_counters(slots, blocks):
+    """The zeroed counters team_slot's threads share for one step (its sync)."""
+    return np.zeros(slots + blocks + 3, np.int64)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -188,7 +188,7 @@ def team_slot(model, vsa_table, windows, k, scale, A, R, S, vsa, slot, p0, p1, r
     parts: as member slot // B of window slot % B's team, rows p0..p1-1 of the window's
     forward (window_rows_forward); then its scored rows' backward in stages (the head,
     then each block from the last down); then weight-gradient chunks until none is left.
-    sync [N + nb + 3] int64, zeroed (N slots): [0, N) each slot's forward progress, N
+    sync (team_counters(N, nb), N slots): [0, N) each slot's forward progress, N
     the abort flag, N + 1 + st how many slots have passed backward stage st, N + nb + 2
     the chunks taken. chunks [C, 3]: (u0, u1, stage) in stage order, taken from the last
     (the head's) down, each summed once every slot has passed its stage, as its records

@@ -109,7 +109,7 @@ def test_staged_weight_gradients_wait_for_their_stage():
     from hslm.params import ModelState, init_params
     from hslm.speeds import KERNEL_PANELS
     from hslm.tables import Tables
-    from hslm.windows import team_slot
+    from hslm.windows import team_counters, team_slot
     cfg = PRESETS["hslm-tiny"]
     tables = Tables(cfg)
     model = ModelState(cfg, init_params(cfg, 5), tables, plain=False).kernel_model()
@@ -126,16 +126,15 @@ def test_staged_weight_gradients_wait_for_their_stage():
     assert G.tobytes() == ref.tobytes()
 
     A, R = alloc_acts(cfg.dims(), 1), alloc_record(cfg.dims(), 1)
-    sync = np.zeros(N + nb + 3, np.int64)
+    sync = team_counters(N, nb)
     sync[N + 1:N + nb + 2] = N  # every stage passed, before any has run
     G = np.full(cfg.n_params, np.nan)
     for j in (2, 0, 1):  # the rowless slot takes every chunk; the others find none left
         p0, p1 = rows[j]
         worker = runner.workers[j]
-        vsa = worker.vsa.reshape(-1)[:worker.vsa[:, :p1].size].reshape(nb, p1, -1)
-        assert team_slot(model, tables.vsa, windows, k, 1.0 / k, A, R, worker.scr, vsa, j, p0,
-                         p1, np.zeros((1, k)), sync, runner.units, runner.staged_chunks, G,
-                         KERNEL_PANELS)
+        assert team_slot(model, tables.vsa, windows, k, 1.0 / k, A, R, worker.scr,
+                         worker.vsa_rows(p1), j, p0, p1, np.zeros((1, k)), sync, runner.units,
+                         runner.staged_chunks, G, KERNEL_PANELS)
     assert not np.isnan(G).any() and G.tobytes() != ref.tobytes()
 
 
