@@ -9,7 +9,7 @@ plain dot product in hslm.layers.matvec_dot.
   unrolled by 4 as (((y + a0 w0) + a1 w1) + a2 w2) + a3 w3.
 * ternary_panels and weight_grad_rows (speed 3, all positions of a window):
   the register-tiled kernels of hslm.panel_kernels over matrices stored in
-  column panels, compiled with LLVM's SLP vectoriser.
+  column panels, each tile's loop in LLVM IR (hslm.vector_tiles).
 
 Only one contraction is allowed, in the ternary kernels, where it is exact.
 """

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 
-import numba.core.config as numba_config
-
 from . import panel_kernels
 
 
@@ -43,19 +41,11 @@ MICRO_KERNELS = {
 
 
 def compile_micro(name: str) -> None:
-    """Compile a register-tiled kernel with LLVM's SLP vectoriser on (Numba turns it
-    off by default; it is what packs the weight-gradient tile's named scalars into
-    vector registers; the ternary tile's loop is vector IR already, hslm/vector_tiles).
-    SLP never reorders arithmetic, so the bits are those of the plain loops. With
-    cache=True a cached build loads instead. Other signatures are then refused,
-    so a wrong-typed call fails loudly instead of building a slow scalar copy."""
+    """Compile a register-tiled kernel (with cache=True a cached build loads instead).
+    Other signatures are then refused, so a wrong-typed call fails loudly instead of
+    building a slow copy."""
     kernel, signature = MICRO_KERNELS[name]
     if not kernel._can_compile:  # done already in this process
         return
-    old = numba_config.SLP_VECTORIZE
-    numba_config.SLP_VECTORIZE = 1
-    try:
-        kernel.compile(signature)
-    finally:
-        numba_config.SLP_VECTORIZE = old
+    kernel.compile(signature)
     kernel.disable_compile()

@@ -100,6 +100,12 @@ def ternary_panel_matmul_3x12(X, P, b, alpha, Y):
             r += 1
 
 
+WGRAD_3x24 = make_tile(3, 3, 8, ternary=False, add_into=True)
+WGRAD_ROW_24 = make_tile(1, 3, 8, ternary=False, add_into=True)
+WGRAD_3x8_OF_24 = make_tile(3, 1, 8, ternary=False, add_into=True, p_stride=24)
+WGRAD_ROW_8_OF_24 = make_tile(1, 1, 8, ternary=False, add_into=True, p_stride=24)
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
 def panel_matmul_add_3x24(X, P, b, G, fresh):
     """G [n, b] += X [n, a] . D, D [a, b] in panels P: the weight gradient, X the
@@ -108,394 +114,61 @@ def panel_matmul_add_3x24(X, P, b, G, fresh):
     fresh: G = 0.0 + X . D instead, whatever G held (the bits of G zeroed
     and then added to, without a pass that zeroes it)."""
     n, a = X.shape
-    npan = P.shape[0]
-    part = np.empty((3, 24))
-    for q in range(npan):  # a panel is reused by every row while it is in cache
+    out = np.empty(72)
+    x, xb, xs = X.ctypes.data, X.strides[0], X.strides[0] // 8
+    g, gs = G.ctypes.data, G.strides[0] // 8
+    from_zero = 1 if fresh else 0  # the tiles store 0.0 + sum, not G + sum
+    for q in range(P.shape[0]):  # a panel is reused by every row while it is in cache
         j = q * 24
-        pan = P[q]
+        p = P.ctypes.data + q * P.strides[0]
+        cols = min(24, b - j)
         r = 0
-        if b - j <= 8:
+        if cols <= 8:  # a narrow last panel: no sums of its padding
             while r + 3 <= n:
-                y0_0 = 0.0; y0_1 = 0.0; y0_2 = 0.0; y0_3 = 0.0; y0_4 = 0.0; y0_5 = 0.0; y0_6 = 0.0; y0_7 = 0.0
-                y1_0 = 0.0; y1_1 = 0.0; y1_2 = 0.0; y1_3 = 0.0; y1_4 = 0.0; y1_5 = 0.0; y1_6 = 0.0; y1_7 = 0.0
-                y2_0 = 0.0; y2_1 = 0.0; y2_2 = 0.0; y2_3 = 0.0; y2_4 = 0.0; y2_5 = 0.0; y2_6 = 0.0; y2_7 = 0.0
-                for i in range(a):
-                    t = pan[i]
-                    x0 = X[r + 0, i]
-                    x1 = X[r + 1, i]
-                    x2 = X[r + 2, i]
-                    t0 = t[0]
-                    t1 = t[1]
-                    t2 = t[2]
-                    t3 = t[3]
-                    t4 = t[4]
-                    t5 = t[5]
-                    t6 = t[6]
-                    t7 = t[7]
-                    y0_0 = y0_0 + x0 * t0
-                    y0_1 = y0_1 + x0 * t1
-                    y0_2 = y0_2 + x0 * t2
-                    y0_3 = y0_3 + x0 * t3
-                    y0_4 = y0_4 + x0 * t4
-                    y0_5 = y0_5 + x0 * t5
-                    y0_6 = y0_6 + x0 * t6
-                    y0_7 = y0_7 + x0 * t7
-                    y1_0 = y1_0 + x1 * t0
-                    y1_1 = y1_1 + x1 * t1
-                    y1_2 = y1_2 + x1 * t2
-                    y1_3 = y1_3 + x1 * t3
-                    y1_4 = y1_4 + x1 * t4
-                    y1_5 = y1_5 + x1 * t5
-                    y1_6 = y1_6 + x1 * t6
-                    y1_7 = y1_7 + x1 * t7
-                    y2_0 = y2_0 + x2 * t0
-                    y2_1 = y2_1 + x2 * t1
-                    y2_2 = y2_2 + x2 * t2
-                    y2_3 = y2_3 + x2 * t3
-                    y2_4 = y2_4 + x2 * t4
-                    y2_5 = y2_5 + x2 * t5
-                    y2_6 = y2_6 + x2 * t6
-                    y2_7 = y2_7 + x2 * t7
-                part[0, 0] = y0_0
-                part[0, 1] = y0_1
-                part[0, 2] = y0_2
-                part[0, 3] = y0_3
-                part[0, 4] = y0_4
-                part[0, 5] = y0_5
-                part[0, 6] = y0_6
-                part[0, 7] = y0_7
-                part[1, 0] = y1_0
-                part[1, 1] = y1_1
-                part[1, 2] = y1_2
-                part[1, 3] = y1_3
-                part[1, 4] = y1_4
-                part[1, 5] = y1_5
-                part[1, 6] = y1_6
-                part[1, 7] = y1_7
-                part[2, 0] = y2_0
-                part[2, 1] = y2_1
-                part[2, 2] = y2_2
-                part[2, 3] = y2_3
-                part[2, 4] = y2_4
-                part[2, 5] = y2_5
-                part[2, 6] = y2_6
-                part[2, 7] = y2_7
                 for rr in range(3):
-                    for c in range(b - j):
-                        G[r + rr, j + c] = (0.0 if fresh else G[r + rr, j + c]) + part[rr, c]
+                    for c in range(8):
+                        out[rr * 8 + c] = 0.0 if fresh or c >= cols else G[r + rr, j + c]
+                WGRAD_3x8_OF_24(x + r * xb, xs, p, a, out.ctypes.data, 8, 0)
+                for rr in range(3):
+                    for c in range(cols):
+                        G[r + rr, j + c] = out[rr * 8 + c]
                 r += 3
+            while r < n:
+                for c in range(8):
+                    out[c] = 0.0 if fresh or c >= cols else G[r + 0, j + c]
+                WGRAD_ROW_8_OF_24(x + r * xb, xs, p, a, out.ctypes.data, 8, 0)
+                for c in range(cols):
+                    G[r + 0, j + c] = out[c]
+                r += 1
+            continue
         while r + 3 <= n:
-            y0_0 = 0.0; y0_1 = 0.0; y0_2 = 0.0; y0_3 = 0.0; y0_4 = 0.0; y0_5 = 0.0; y0_6 = 0.0; y0_7 = 0.0; y0_8 = 0.0; y0_9 = 0.0; y0_10 = 0.0; y0_11 = 0.0; y0_12 = 0.0; y0_13 = 0.0; y0_14 = 0.0; y0_15 = 0.0; y0_16 = 0.0; y0_17 = 0.0; y0_18 = 0.0; y0_19 = 0.0; y0_20 = 0.0; y0_21 = 0.0; y0_22 = 0.0; y0_23 = 0.0
-            y1_0 = 0.0; y1_1 = 0.0; y1_2 = 0.0; y1_3 = 0.0; y1_4 = 0.0; y1_5 = 0.0; y1_6 = 0.0; y1_7 = 0.0; y1_8 = 0.0; y1_9 = 0.0; y1_10 = 0.0; y1_11 = 0.0; y1_12 = 0.0; y1_13 = 0.0; y1_14 = 0.0; y1_15 = 0.0; y1_16 = 0.0; y1_17 = 0.0; y1_18 = 0.0; y1_19 = 0.0; y1_20 = 0.0; y1_21 = 0.0; y1_22 = 0.0; y1_23 = 0.0
-            y2_0 = 0.0; y2_1 = 0.0; y2_2 = 0.0; y2_3 = 0.0; y2_4 = 0.0; y2_5 = 0.0; y2_6 = 0.0; y2_7 = 0.0; y2_8 = 0.0; y2_9 = 0.0; y2_10 = 0.0; y2_11 = 0.0; y2_12 = 0.0; y2_13 = 0.0; y2_14 = 0.0; y2_15 = 0.0; y2_16 = 0.0; y2_17 = 0.0; y2_18 = 0.0; y2_19 = 0.0; y2_20 = 0.0; y2_21 = 0.0; y2_22 = 0.0; y2_23 = 0.0
-            for i in range(a):
-                t = pan[i]
-                x0 = X[r + 0, i]
-                x1 = X[r + 1, i]
-                x2 = X[r + 2, i]
-                t0 = t[0]
-                t1 = t[1]
-                t2 = t[2]
-                t3 = t[3]
-                t4 = t[4]
-                t5 = t[5]
-                t6 = t[6]
-                t7 = t[7]
-                t8 = t[8]
-                t9 = t[9]
-                t10 = t[10]
-                t11 = t[11]
-                t12 = t[12]
-                t13 = t[13]
-                t14 = t[14]
-                t15 = t[15]
-                t16 = t[16]
-                t17 = t[17]
-                t18 = t[18]
-                t19 = t[19]
-                t20 = t[20]
-                t21 = t[21]
-                t22 = t[22]
-                t23 = t[23]
-                y0_0 = y0_0 + x0 * t0
-                y0_1 = y0_1 + x0 * t1
-                y0_2 = y0_2 + x0 * t2
-                y0_3 = y0_3 + x0 * t3
-                y0_4 = y0_4 + x0 * t4
-                y0_5 = y0_5 + x0 * t5
-                y0_6 = y0_6 + x0 * t6
-                y0_7 = y0_7 + x0 * t7
-                y0_8 = y0_8 + x0 * t8
-                y0_9 = y0_9 + x0 * t9
-                y0_10 = y0_10 + x0 * t10
-                y0_11 = y0_11 + x0 * t11
-                y0_12 = y0_12 + x0 * t12
-                y0_13 = y0_13 + x0 * t13
-                y0_14 = y0_14 + x0 * t14
-                y0_15 = y0_15 + x0 * t15
-                y0_16 = y0_16 + x0 * t16
-                y0_17 = y0_17 + x0 * t17
-                y0_18 = y0_18 + x0 * t18
-                y0_19 = y0_19 + x0 * t19
-                y0_20 = y0_20 + x0 * t20
-                y0_21 = y0_21 + x0 * t21
-                y0_22 = y0_22 + x0 * t22
-                y0_23 = y0_23 + x0 * t23
-                y1_0 = y1_0 + x1 * t0
-                y1_1 = y1_1 + x1 * t1
-                y1_2 = y1_2 + x1 * t2
-                y1_3 = y1_3 + x1 * t3
-                y1_4 = y1_4 + x1 * t4
-                y1_5 = y1_5 + x1 * t5
-                y1_6 = y1_6 + x1 * t6
-                y1_7 = y1_7 + x1 * t7
-                y1_8 = y1_8 + x1 * t8
-                y1_9 = y1_9 + x1 * t9
-                y1_10 = y1_10 + x1 * t10
-                y1_11 = y1_11 + x1 * t11
-                y1_12 = y1_12 + x1 * t12
-                y1_13 = y1_13 + x1 * t13
-                y1_14 = y1_14 + x1 * t14
-                y1_15 = y1_15 + x1 * t15
-                y1_16 = y1_16 + x1 * t16
-                y1_17 = y1_17 + x1 * t17
-                y1_18 = y1_18 + x1 * t18
-                y1_19 = y1_19 + x1 * t19
-                y1_20 = y1_20 + x1 * t20
-                y1_21 = y1_21 + x1 * t21
-                y1_22 = y1_22 + x1 * t22
-                y1_23 = y1_23 + x1 * t23
-                y2_0 = y2_0 + x2 * t0
-                y2_1 = y2_1 + x2 * t1
-                y2_2 = y2_2 + x2 * t2
-                y2_3 = y2_3 + x2 * t3
-                y2_4 = y2_4 + x2 * t4
-                y2_5 = y2_5 + x2 * t5
-                y2_6 = y2_6 + x2 * t6
-                y2_7 = y2_7 + x2 * t7
-                y2_8 = y2_8 + x2 * t8
-                y2_9 = y2_9 + x2 * t9
-                y2_10 = y2_10 + x2 * t10
-                y2_11 = y2_11 + x2 * t11
-                y2_12 = y2_12 + x2 * t12
-                y2_13 = y2_13 + x2 * t13
-                y2_14 = y2_14 + x2 * t14
-                y2_15 = y2_15 + x2 * t15
-                y2_16 = y2_16 + x2 * t16
-                y2_17 = y2_17 + x2 * t17
-                y2_18 = y2_18 + x2 * t18
-                y2_19 = y2_19 + x2 * t19
-                y2_20 = y2_20 + x2 * t20
-                y2_21 = y2_21 + x2 * t21
-                y2_22 = y2_22 + x2 * t22
-                y2_23 = y2_23 + x2 * t23
-            if j + 24 <= b:
-                G[r + 0, j + 0] = (0.0 if fresh else G[r + 0, j + 0]) + y0_0
-                G[r + 0, j + 1] = (0.0 if fresh else G[r + 0, j + 1]) + y0_1
-                G[r + 0, j + 2] = (0.0 if fresh else G[r + 0, j + 2]) + y0_2
-                G[r + 0, j + 3] = (0.0 if fresh else G[r + 0, j + 3]) + y0_3
-                G[r + 0, j + 4] = (0.0 if fresh else G[r + 0, j + 4]) + y0_4
-                G[r + 0, j + 5] = (0.0 if fresh else G[r + 0, j + 5]) + y0_5
-                G[r + 0, j + 6] = (0.0 if fresh else G[r + 0, j + 6]) + y0_6
-                G[r + 0, j + 7] = (0.0 if fresh else G[r + 0, j + 7]) + y0_7
-                G[r + 0, j + 8] = (0.0 if fresh else G[r + 0, j + 8]) + y0_8
-                G[r + 0, j + 9] = (0.0 if fresh else G[r + 0, j + 9]) + y0_9
-                G[r + 0, j + 10] = (0.0 if fresh else G[r + 0, j + 10]) + y0_10
-                G[r + 0, j + 11] = (0.0 if fresh else G[r + 0, j + 11]) + y0_11
-                G[r + 0, j + 12] = (0.0 if fresh else G[r + 0, j + 12]) + y0_12
-                G[r + 0, j + 13] = (0.0 if fresh else G[r + 0, j + 13]) + y0_13
-                G[r + 0, j + 14] = (0.0 if fresh else G[r + 0, j + 14]) + y0_14
-                G[r + 0, j + 15] = (0.0 if fresh else G[r + 0, j + 15]) + y0_15
-                G[r + 0, j + 16] = (0.0 if fresh else G[r + 0, j + 16]) + y0_16
-                G[r + 0, j + 17] = (0.0 if fresh else G[r + 0, j + 17]) + y0_17
-                G[r + 0, j + 18] = (0.0 if fresh else G[r + 0, j + 18]) + y0_18
-                G[r + 0, j + 19] = (0.0 if fresh else G[r + 0, j + 19]) + y0_19
-                G[r + 0, j + 20] = (0.0 if fresh else G[r + 0, j + 20]) + y0_20
-                G[r + 0, j + 21] = (0.0 if fresh else G[r + 0, j + 21]) + y0_21
-                G[r + 0, j + 22] = (0.0 if fresh else G[r + 0, j + 22]) + y0_22
-                G[r + 0, j + 23] = (0.0 if fresh else G[r + 0, j + 23]) + y0_23
-                G[r + 1, j + 0] = (0.0 if fresh else G[r + 1, j + 0]) + y1_0
-                G[r + 1, j + 1] = (0.0 if fresh else G[r + 1, j + 1]) + y1_1
-                G[r + 1, j + 2] = (0.0 if fresh else G[r + 1, j + 2]) + y1_2
-                G[r + 1, j + 3] = (0.0 if fresh else G[r + 1, j + 3]) + y1_3
-                G[r + 1, j + 4] = (0.0 if fresh else G[r + 1, j + 4]) + y1_4
-                G[r + 1, j + 5] = (0.0 if fresh else G[r + 1, j + 5]) + y1_5
-                G[r + 1, j + 6] = (0.0 if fresh else G[r + 1, j + 6]) + y1_6
-                G[r + 1, j + 7] = (0.0 if fresh else G[r + 1, j + 7]) + y1_7
-                G[r + 1, j + 8] = (0.0 if fresh else G[r + 1, j + 8]) + y1_8
-                G[r + 1, j + 9] = (0.0 if fresh else G[r + 1, j + 9]) + y1_9
-                G[r + 1, j + 10] = (0.0 if fresh else G[r + 1, j + 10]) + y1_10
-                G[r + 1, j + 11] = (0.0 if fresh else G[r + 1, j + 11]) + y1_11
-                G[r + 1, j + 12] = (0.0 if fresh else G[r + 1, j + 12]) + y1_12
-                G[r + 1, j + 13] = (0.0 if fresh else G[r + 1, j + 13]) + y1_13
-                G[r + 1, j + 14] = (0.0 if fresh else G[r + 1, j + 14]) + y1_14
-                G[r + 1, j + 15] = (0.0 if fresh else G[r + 1, j + 15]) + y1_15
-                G[r + 1, j + 16] = (0.0 if fresh else G[r + 1, j + 16]) + y1_16
-                G[r + 1, j + 17] = (0.0 if fresh else G[r + 1, j + 17]) + y1_17
-                G[r + 1, j + 18] = (0.0 if fresh else G[r + 1, j + 18]) + y1_18
-                G[r + 1, j + 19] = (0.0 if fresh else G[r + 1, j + 19]) + y1_19
-                G[r + 1, j + 20] = (0.0 if fresh else G[r + 1, j + 20]) + y1_20
-                G[r + 1, j + 21] = (0.0 if fresh else G[r + 1, j + 21]) + y1_21
-                G[r + 1, j + 22] = (0.0 if fresh else G[r + 1, j + 22]) + y1_22
-                G[r + 1, j + 23] = (0.0 if fresh else G[r + 1, j + 23]) + y1_23
-                G[r + 2, j + 0] = (0.0 if fresh else G[r + 2, j + 0]) + y2_0
-                G[r + 2, j + 1] = (0.0 if fresh else G[r + 2, j + 1]) + y2_1
-                G[r + 2, j + 2] = (0.0 if fresh else G[r + 2, j + 2]) + y2_2
-                G[r + 2, j + 3] = (0.0 if fresh else G[r + 2, j + 3]) + y2_3
-                G[r + 2, j + 4] = (0.0 if fresh else G[r + 2, j + 4]) + y2_4
-                G[r + 2, j + 5] = (0.0 if fresh else G[r + 2, j + 5]) + y2_5
-                G[r + 2, j + 6] = (0.0 if fresh else G[r + 2, j + 6]) + y2_6
-                G[r + 2, j + 7] = (0.0 if fresh else G[r + 2, j + 7]) + y2_7
-                G[r + 2, j + 8] = (0.0 if fresh else G[r + 2, j + 8]) + y2_8
-                G[r + 2, j + 9] = (0.0 if fresh else G[r + 2, j + 9]) + y2_9
-                G[r + 2, j + 10] = (0.0 if fresh else G[r + 2, j + 10]) + y2_10
-                G[r + 2, j + 11] = (0.0 if fresh else G[r + 2, j + 11]) + y2_11
-                G[r + 2, j + 12] = (0.0 if fresh else G[r + 2, j + 12]) + y2_12
-                G[r + 2, j + 13] = (0.0 if fresh else G[r + 2, j + 13]) + y2_13
-                G[r + 2, j + 14] = (0.0 if fresh else G[r + 2, j + 14]) + y2_14
-                G[r + 2, j + 15] = (0.0 if fresh else G[r + 2, j + 15]) + y2_15
-                G[r + 2, j + 16] = (0.0 if fresh else G[r + 2, j + 16]) + y2_16
-                G[r + 2, j + 17] = (0.0 if fresh else G[r + 2, j + 17]) + y2_17
-                G[r + 2, j + 18] = (0.0 if fresh else G[r + 2, j + 18]) + y2_18
-                G[r + 2, j + 19] = (0.0 if fresh else G[r + 2, j + 19]) + y2_19
-                G[r + 2, j + 20] = (0.0 if fresh else G[r + 2, j + 20]) + y2_20
-                G[r + 2, j + 21] = (0.0 if fresh else G[r + 2, j + 21]) + y2_21
-                G[r + 2, j + 22] = (0.0 if fresh else G[r + 2, j + 22]) + y2_22
-                G[r + 2, j + 23] = (0.0 if fresh else G[r + 2, j + 23]) + y2_23
+            if cols == 24:
+                WGRAD_3x24(x + r * xb, xs, p, a, g + (r * gs + j) * 8, gs, from_zero)
             else:
-                part[0, 0] = y0_0
-                part[0, 1] = y0_1
-                part[0, 2] = y0_2
-                part[0, 3] = y0_3
-                part[0, 4] = y0_4
-                part[0, 5] = y0_5
-                part[0, 6] = y0_6
-                part[0, 7] = y0_7
-                part[0, 8] = y0_8
-                part[0, 9] = y0_9
-                part[0, 10] = y0_10
-                part[0, 11] = y0_11
-                part[0, 12] = y0_12
-                part[0, 13] = y0_13
-                part[0, 14] = y0_14
-                part[0, 15] = y0_15
-                part[0, 16] = y0_16
-                part[0, 17] = y0_17
-                part[0, 18] = y0_18
-                part[0, 19] = y0_19
-                part[0, 20] = y0_20
-                part[0, 21] = y0_21
-                part[0, 22] = y0_22
-                part[0, 23] = y0_23
-                part[1, 0] = y1_0
-                part[1, 1] = y1_1
-                part[1, 2] = y1_2
-                part[1, 3] = y1_3
-                part[1, 4] = y1_4
-                part[1, 5] = y1_5
-                part[1, 6] = y1_6
-                part[1, 7] = y1_7
-                part[1, 8] = y1_8
-                part[1, 9] = y1_9
-                part[1, 10] = y1_10
-                part[1, 11] = y1_11
-                part[1, 12] = y1_12
-                part[1, 13] = y1_13
-                part[1, 14] = y1_14
-                part[1, 15] = y1_15
-                part[1, 16] = y1_16
-                part[1, 17] = y1_17
-                part[1, 18] = y1_18
-                part[1, 19] = y1_19
-                part[1, 20] = y1_20
-                part[1, 21] = y1_21
-                part[1, 22] = y1_22
-                part[1, 23] = y1_23
-                part[2, 0] = y2_0
-                part[2, 1] = y2_1
-                part[2, 2] = y2_2
-                part[2, 3] = y2_3
-                part[2, 4] = y2_4
-                part[2, 5] = y2_5
-                part[2, 6] = y2_6
-                part[2, 7] = y2_7
-                part[2, 8] = y2_8
-                part[2, 9] = y2_9
-                part[2, 10] = y2_10
-                part[2, 11] = y2_11
-                part[2, 12] = y2_12
-                part[2, 13] = y2_13
-                part[2, 14] = y2_14
-                part[2, 15] = y2_15
-                part[2, 16] = y2_16
-                part[2, 17] = y2_17
-                part[2, 18] = y2_18
-                part[2, 19] = y2_19
-                part[2, 20] = y2_20
-                part[2, 21] = y2_21
-                part[2, 22] = y2_22
-                part[2, 23] = y2_23
                 for rr in range(3):
-                    for c in range(b - j):
-                        G[r + rr, j + c] = (0.0 if fresh else G[r + rr, j + c]) + part[rr, c]
+                    for c in range(24):
+                        out[rr * 24 + c] = 0.0 if fresh or c >= cols else G[r + rr, j + c]
+                WGRAD_3x24(x + r * xb, xs, p, a, out.ctypes.data, 24, 0)
+                for rr in range(3):
+                    for c in range(cols):
+                        G[r + rr, j + c] = out[rr * 24 + c]
             r += 3
         while r < n:
-            y0_0 = 0.0; y0_1 = 0.0; y0_2 = 0.0; y0_3 = 0.0; y0_4 = 0.0; y0_5 = 0.0; y0_6 = 0.0; y0_7 = 0.0; y0_8 = 0.0; y0_9 = 0.0; y0_10 = 0.0; y0_11 = 0.0; y0_12 = 0.0; y0_13 = 0.0; y0_14 = 0.0; y0_15 = 0.0; y0_16 = 0.0; y0_17 = 0.0; y0_18 = 0.0; y0_19 = 0.0; y0_20 = 0.0; y0_21 = 0.0; y0_22 = 0.0; y0_23 = 0.0
-            for i in range(a):
-                t = pan[i]
-                x0 = X[r, i]
-                y0_0 = y0_0 + x0 * t[0]
-                y0_1 = y0_1 + x0 * t[1]
-                y0_2 = y0_2 + x0 * t[2]
-                y0_3 = y0_3 + x0 * t[3]
-                y0_4 = y0_4 + x0 * t[4]
-                y0_5 = y0_5 + x0 * t[5]
-                y0_6 = y0_6 + x0 * t[6]
-                y0_7 = y0_7 + x0 * t[7]
-                y0_8 = y0_8 + x0 * t[8]
-                y0_9 = y0_9 + x0 * t[9]
-                y0_10 = y0_10 + x0 * t[10]
-                y0_11 = y0_11 + x0 * t[11]
-                y0_12 = y0_12 + x0 * t[12]
-                y0_13 = y0_13 + x0 * t[13]
-                y0_14 = y0_14 + x0 * t[14]
-                y0_15 = y0_15 + x0 * t[15]
-                y0_16 = y0_16 + x0 * t[16]
-                y0_17 = y0_17 + x0 * t[17]
-                y0_18 = y0_18 + x0 * t[18]
-                y0_19 = y0_19 + x0 * t[19]
-                y0_20 = y0_20 + x0 * t[20]
-                y0_21 = y0_21 + x0 * t[21]
-                y0_22 = y0_22 + x0 * t[22]
-                y0_23 = y0_23 + x0 * t[23]
-            part[0, 0] = y0_0
-            part[0, 1] = y0_1
-            part[0, 2] = y0_2
-            part[0, 3] = y0_3
-            part[0, 4] = y0_4
-            part[0, 5] = y0_5
-            part[0, 6] = y0_6
-            part[0, 7] = y0_7
-            part[0, 8] = y0_8
-            part[0, 9] = y0_9
-            part[0, 10] = y0_10
-            part[0, 11] = y0_11
-            part[0, 12] = y0_12
-            part[0, 13] = y0_13
-            part[0, 14] = y0_14
-            part[0, 15] = y0_15
-            part[0, 16] = y0_16
-            part[0, 17] = y0_17
-            part[0, 18] = y0_18
-            part[0, 19] = y0_19
-            part[0, 20] = y0_20
-            part[0, 21] = y0_21
-            part[0, 22] = y0_22
-            part[0, 23] = y0_23
-            for rr in range(1):
-                for c in range(min(24, b - j)):
-                    G[r + rr, j + c] = (0.0 if fresh else G[r + rr, j + c]) + part[rr, c]
+            if cols == 24:
+                WGRAD_ROW_24(x + r * xb, xs, p, a, g + (r * gs + j) * 8, gs, from_zero)
+            else:
+                for c in range(24):
+                    out[c] = 0.0 if fresh or c >= cols else G[r + 0, j + c]
+                WGRAD_ROW_24(x + r * xb, xs, p, a, out.ctypes.data, 24, 0)
+                for c in range(cols):
+                    G[r + 0, j + c] = out[c]
             r += 1
+
+
+WGRAD_3x12 = make_tile(3, 3, 4, ternary=False, add_into=True)
+WGRAD_ROW_12 = make_tile(1, 3, 4, ternary=False, add_into=True)
+WGRAD_3x4_OF_12 = make_tile(3, 1, 4, ternary=False, add_into=True, p_stride=12)
+WGRAD_ROW_4_OF_12 = make_tile(1, 1, 4, ternary=False, add_into=True, p_stride=12)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -506,219 +179,52 @@ def panel_matmul_add_3x12(X, P, b, G, fresh):
     fresh: G = 0.0 + X . D instead, whatever G held (the bits of G zeroed
     and then added to, without a pass that zeroes it)."""
     n, a = X.shape
-    npan = P.shape[0]
-    part = np.empty((3, 12))
-    for q in range(npan):  # a panel is reused by every row while it is in cache
+    out = np.empty(36)
+    x, xb, xs = X.ctypes.data, X.strides[0], X.strides[0] // 8
+    g, gs = G.ctypes.data, G.strides[0] // 8
+    from_zero = 1 if fresh else 0  # the tiles store 0.0 + sum, not G + sum
+    for q in range(P.shape[0]):  # a panel is reused by every row while it is in cache
         j = q * 12
-        pan = P[q]
+        p = P.ctypes.data + q * P.strides[0]
+        cols = min(12, b - j)
         r = 0
-        if b - j <= 4:
+        if cols <= 4:  # a narrow last panel: no sums of its padding
             while r + 3 <= n:
-                y0_0 = 0.0; y0_1 = 0.0; y0_2 = 0.0; y0_3 = 0.0
-                y1_0 = 0.0; y1_1 = 0.0; y1_2 = 0.0; y1_3 = 0.0
-                y2_0 = 0.0; y2_1 = 0.0; y2_2 = 0.0; y2_3 = 0.0
-                for i in range(a):
-                    t = pan[i]
-                    x0 = X[r + 0, i]
-                    x1 = X[r + 1, i]
-                    x2 = X[r + 2, i]
-                    t0 = t[0]
-                    t1 = t[1]
-                    t2 = t[2]
-                    t3 = t[3]
-                    y0_0 = y0_0 + x0 * t0
-                    y0_1 = y0_1 + x0 * t1
-                    y0_2 = y0_2 + x0 * t2
-                    y0_3 = y0_3 + x0 * t3
-                    y1_0 = y1_0 + x1 * t0
-                    y1_1 = y1_1 + x1 * t1
-                    y1_2 = y1_2 + x1 * t2
-                    y1_3 = y1_3 + x1 * t3
-                    y2_0 = y2_0 + x2 * t0
-                    y2_1 = y2_1 + x2 * t1
-                    y2_2 = y2_2 + x2 * t2
-                    y2_3 = y2_3 + x2 * t3
-                part[0, 0] = y0_0
-                part[0, 1] = y0_1
-                part[0, 2] = y0_2
-                part[0, 3] = y0_3
-                part[1, 0] = y1_0
-                part[1, 1] = y1_1
-                part[1, 2] = y1_2
-                part[1, 3] = y1_3
-                part[2, 0] = y2_0
-                part[2, 1] = y2_1
-                part[2, 2] = y2_2
-                part[2, 3] = y2_3
                 for rr in range(3):
-                    for c in range(b - j):
-                        G[r + rr, j + c] = (0.0 if fresh else G[r + rr, j + c]) + part[rr, c]
+                    for c in range(4):
+                        out[rr * 4 + c] = 0.0 if fresh or c >= cols else G[r + rr, j + c]
+                WGRAD_3x4_OF_12(x + r * xb, xs, p, a, out.ctypes.data, 4, 0)
+                for rr in range(3):
+                    for c in range(cols):
+                        G[r + rr, j + c] = out[rr * 4 + c]
                 r += 3
+            while r < n:
+                for c in range(4):
+                    out[c] = 0.0 if fresh or c >= cols else G[r + 0, j + c]
+                WGRAD_ROW_4_OF_12(x + r * xb, xs, p, a, out.ctypes.data, 4, 0)
+                for c in range(cols):
+                    G[r + 0, j + c] = out[c]
+                r += 1
+            continue
         while r + 3 <= n:
-            y0_0 = 0.0; y0_1 = 0.0; y0_2 = 0.0; y0_3 = 0.0; y0_4 = 0.0; y0_5 = 0.0; y0_6 = 0.0; y0_7 = 0.0; y0_8 = 0.0; y0_9 = 0.0; y0_10 = 0.0; y0_11 = 0.0
-            y1_0 = 0.0; y1_1 = 0.0; y1_2 = 0.0; y1_3 = 0.0; y1_4 = 0.0; y1_5 = 0.0; y1_6 = 0.0; y1_7 = 0.0; y1_8 = 0.0; y1_9 = 0.0; y1_10 = 0.0; y1_11 = 0.0
-            y2_0 = 0.0; y2_1 = 0.0; y2_2 = 0.0; y2_3 = 0.0; y2_4 = 0.0; y2_5 = 0.0; y2_6 = 0.0; y2_7 = 0.0; y2_8 = 0.0; y2_9 = 0.0; y2_10 = 0.0; y2_11 = 0.0
-            for i in range(a):
-                t = pan[i]
-                x0 = X[r + 0, i]
-                x1 = X[r + 1, i]
-                x2 = X[r + 2, i]
-                t0 = t[0]
-                t1 = t[1]
-                t2 = t[2]
-                t3 = t[3]
-                t4 = t[4]
-                t5 = t[5]
-                t6 = t[6]
-                t7 = t[7]
-                t8 = t[8]
-                t9 = t[9]
-                t10 = t[10]
-                t11 = t[11]
-                y0_0 = y0_0 + x0 * t0
-                y0_1 = y0_1 + x0 * t1
-                y0_2 = y0_2 + x0 * t2
-                y0_3 = y0_3 + x0 * t3
-                y0_4 = y0_4 + x0 * t4
-                y0_5 = y0_5 + x0 * t5
-                y0_6 = y0_6 + x0 * t6
-                y0_7 = y0_7 + x0 * t7
-                y0_8 = y0_8 + x0 * t8
-                y0_9 = y0_9 + x0 * t9
-                y0_10 = y0_10 + x0 * t10
-                y0_11 = y0_11 + x0 * t11
-                y1_0 = y1_0 + x1 * t0
-                y1_1 = y1_1 + x1 * t1
-                y1_2 = y1_2 + x1 * t2
-                y1_3 = y1_3 + x1 * t3
-                y1_4 = y1_4 + x1 * t4
-                y1_5 = y1_5 + x1 * t5
-                y1_6 = y1_6 + x1 * t6
-                y1_7 = y1_7 + x1 * t7
-                y1_8 = y1_8 + x1 * t8
-                y1_9 = y1_9 + x1 * t9
-                y1_10 = y1_10 + x1 * t10
-                y1_11 = y1_11 + x1 * t11
-                y2_0 = y2_0 + x2 * t0
-                y2_1 = y2_1 + x2 * t1
-                y2_2 = y2_2 + x2 * t2
-                y2_3 = y2_3 + x2 * t3
-                y2_4 = y2_4 + x2 * t4
-                y2_5 = y2_5 + x2 * t5
-                y2_6 = y2_6 + x2 * t6
-                y2_7 = y2_7 + x2 * t7
-                y2_8 = y2_8 + x2 * t8
-                y2_9 = y2_9 + x2 * t9
-                y2_10 = y2_10 + x2 * t10
-                y2_11 = y2_11 + x2 * t11
-            if j + 12 <= b:
-                G[r + 0, j + 0] = (0.0 if fresh else G[r + 0, j + 0]) + y0_0
-                G[r + 0, j + 1] = (0.0 if fresh else G[r + 0, j + 1]) + y0_1
-                G[r + 0, j + 2] = (0.0 if fresh else G[r + 0, j + 2]) + y0_2
-                G[r + 0, j + 3] = (0.0 if fresh else G[r + 0, j + 3]) + y0_3
-                G[r + 0, j + 4] = (0.0 if fresh else G[r + 0, j + 4]) + y0_4
-                G[r + 0, j + 5] = (0.0 if fresh else G[r + 0, j + 5]) + y0_5
-                G[r + 0, j + 6] = (0.0 if fresh else G[r + 0, j + 6]) + y0_6
-                G[r + 0, j + 7] = (0.0 if fresh else G[r + 0, j + 7]) + y0_7
-                G[r + 0, j + 8] = (0.0 if fresh else G[r + 0, j + 8]) + y0_8
-                G[r + 0, j + 9] = (0.0 if fresh else G[r + 0, j + 9]) + y0_9
-                G[r + 0, j + 10] = (0.0 if fresh else G[r + 0, j + 10]) + y0_10
-                G[r + 0, j + 11] = (0.0 if fresh else G[r + 0, j + 11]) + y0_11
-                G[r + 1, j + 0] = (0.0 if fresh else G[r + 1, j + 0]) + y1_0
-                G[r + 1, j + 1] = (0.0 if fresh else G[r + 1, j + 1]) + y1_1
-                G[r + 1, j + 2] = (0.0 if fresh else G[r + 1, j + 2]) + y1_2
-                G[r + 1, j + 3] = (0.0 if fresh else G[r + 1, j + 3]) + y1_3
-                G[r + 1, j + 4] = (0.0 if fresh else G[r + 1, j + 4]) + y1_4
-                G[r + 1, j + 5] = (0.0 if fresh else G[r + 1, j + 5]) + y1_5
-                G[r + 1, j + 6] = (0.0 if fresh else G[r + 1, j + 6]) + y1_6
-                G[r + 1, j + 7] = (0.0 if fresh else G[r + 1, j + 7]) + y1_7
-                G[r + 1, j + 8] = (0.0 if fresh else G[r + 1, j + 8]) + y1_8
-                G[r + 1, j + 9] = (0.0 if fresh else G[r + 1, j + 9]) + y1_9
-                G[r + 1, j + 10] = (0.0 if fresh else G[r + 1, j + 10]) + y1_10
-                G[r + 1, j + 11] = (0.0 if fresh else G[r + 1, j + 11]) + y1_11
-                G[r + 2, j + 0] = (0.0 if fresh else G[r + 2, j + 0]) + y2_0
-                G[r + 2, j + 1] = (0.0 if fresh else G[r + 2, j + 1]) + y2_1
-                G[r + 2, j + 2] = (0.0 if fresh else G[r + 2, j + 2]) + y2_2
-                G[r + 2, j + 3] = (0.0 if fresh else G[r + 2, j + 3]) + y2_3
-                G[r + 2, j + 4] = (0.0 if fresh else G[r + 2, j + 4]) + y2_4
-                G[r + 2, j + 5] = (0.0 if fresh else G[r + 2, j + 5]) + y2_5
-                G[r + 2, j + 6] = (0.0 if fresh else G[r + 2, j + 6]) + y2_6
-                G[r + 2, j + 7] = (0.0 if fresh else G[r + 2, j + 7]) + y2_7
-                G[r + 2, j + 8] = (0.0 if fresh else G[r + 2, j + 8]) + y2_8
-                G[r + 2, j + 9] = (0.0 if fresh else G[r + 2, j + 9]) + y2_9
-                G[r + 2, j + 10] = (0.0 if fresh else G[r + 2, j + 10]) + y2_10
-                G[r + 2, j + 11] = (0.0 if fresh else G[r + 2, j + 11]) + y2_11
+            if cols == 12:
+                WGRAD_3x12(x + r * xb, xs, p, a, g + (r * gs + j) * 8, gs, from_zero)
             else:
-                part[0, 0] = y0_0
-                part[0, 1] = y0_1
-                part[0, 2] = y0_2
-                part[0, 3] = y0_3
-                part[0, 4] = y0_4
-                part[0, 5] = y0_5
-                part[0, 6] = y0_6
-                part[0, 7] = y0_7
-                part[0, 8] = y0_8
-                part[0, 9] = y0_9
-                part[0, 10] = y0_10
-                part[0, 11] = y0_11
-                part[1, 0] = y1_0
-                part[1, 1] = y1_1
-                part[1, 2] = y1_2
-                part[1, 3] = y1_3
-                part[1, 4] = y1_4
-                part[1, 5] = y1_5
-                part[1, 6] = y1_6
-                part[1, 7] = y1_7
-                part[1, 8] = y1_8
-                part[1, 9] = y1_9
-                part[1, 10] = y1_10
-                part[1, 11] = y1_11
-                part[2, 0] = y2_0
-                part[2, 1] = y2_1
-                part[2, 2] = y2_2
-                part[2, 3] = y2_3
-                part[2, 4] = y2_4
-                part[2, 5] = y2_5
-                part[2, 6] = y2_6
-                part[2, 7] = y2_7
-                part[2, 8] = y2_8
-                part[2, 9] = y2_9
-                part[2, 10] = y2_10
-                part[2, 11] = y2_11
                 for rr in range(3):
-                    for c in range(b - j):
-                        G[r + rr, j + c] = (0.0 if fresh else G[r + rr, j + c]) + part[rr, c]
+                    for c in range(12):
+                        out[rr * 12 + c] = 0.0 if fresh or c >= cols else G[r + rr, j + c]
+                WGRAD_3x12(x + r * xb, xs, p, a, out.ctypes.data, 12, 0)
+                for rr in range(3):
+                    for c in range(cols):
+                        G[r + rr, j + c] = out[rr * 12 + c]
             r += 3
         while r < n:
-            y0_0 = 0.0; y0_1 = 0.0; y0_2 = 0.0; y0_3 = 0.0; y0_4 = 0.0; y0_5 = 0.0; y0_6 = 0.0; y0_7 = 0.0; y0_8 = 0.0; y0_9 = 0.0; y0_10 = 0.0; y0_11 = 0.0
-            for i in range(a):
-                t = pan[i]
-                x0 = X[r, i]
-                y0_0 = y0_0 + x0 * t[0]
-                y0_1 = y0_1 + x0 * t[1]
-                y0_2 = y0_2 + x0 * t[2]
-                y0_3 = y0_3 + x0 * t[3]
-                y0_4 = y0_4 + x0 * t[4]
-                y0_5 = y0_5 + x0 * t[5]
-                y0_6 = y0_6 + x0 * t[6]
-                y0_7 = y0_7 + x0 * t[7]
-                y0_8 = y0_8 + x0 * t[8]
-                y0_9 = y0_9 + x0 * t[9]
-                y0_10 = y0_10 + x0 * t[10]
-                y0_11 = y0_11 + x0 * t[11]
-            part[0, 0] = y0_0
-            part[0, 1] = y0_1
-            part[0, 2] = y0_2
-            part[0, 3] = y0_3
-            part[0, 4] = y0_4
-            part[0, 5] = y0_5
-            part[0, 6] = y0_6
-            part[0, 7] = y0_7
-            part[0, 8] = y0_8
-            part[0, 9] = y0_9
-            part[0, 10] = y0_10
-            part[0, 11] = y0_11
-            for rr in range(1):
-                for c in range(min(12, b - j)):
-                    G[r + rr, j + c] = (0.0 if fresh else G[r + rr, j + c]) + part[rr, c]
+            if cols == 12:
+                WGRAD_ROW_12(x + r * xb, xs, p, a, g + (r * gs + j) * 8, gs, from_zero)
+            else:
+                for c in range(12):
+                    out[c] = 0.0 if fresh or c >= cols else G[r + 0, j + c]
+                WGRAD_ROW_12(x + r * xb, xs, p, a, out.ctypes.data, 12, 0)
+                for c in range(cols):
+                    G[r + 0, j + c] = out[c]
             r += 1

@@ -1,9 +1,9 @@
 """A register tile's inner loop written in LLVM IR with explicit vectors (a Numba
-intrinsic), for the ternary kernels of hslm/panel_kernels.py and attention's rows
-(hslm/layers.py).
+intrinsic), for the kernels of hslm/panel_kernels.py (ternary matrices and the weight
+gradient) and attention's rows (hslm/layers.py).
 
-Numba has no vector types, so the generated kernels hold a tile in named scalars and
-rely on LLVM's SLP vectoriser to pack them. For the ternary 9 x 16 tile it packed
+Numba has no vector types, so the generated kernels held a tile in named scalars and
+relied on LLVM's SLP vectoriser to pack them. For the ternary 9 x 16 tile it packed
 most of them but not all: its loop did 20 FMAs, 4 conversions and 3 lane inserts for
 the 18 FMAs and 2 conversions the tile needs (per input index), and the kernel ran at
 about 55% of this core's measured FMA peak. Here the loop is written as the tile
@@ -15,7 +15,8 @@ x[r, i] * t[i, c] for i = 0, 1, ... in order. The multiply-add is llvm.fmuladd,
 which fuses where the core has FMA: the product x * t is exact for t in {-1, 0, +1},
 so one rounding or two give the same bits, on any core. (Only for ternary panels:
 other products are not exact, and fusing them would change bits. The float64 tile,
-for attention's scores and outputs, multiplies and then adds, as the plain loops do.)
+for attention's scores and outputs and the weight gradient, multiplies and then adds,
+as the plain loops do.)
 """
 from __future__ import annotations
 
@@ -43,18 +44,26 @@ def splat(builder, x, vt):
                                   ir.Constant(ir.VectorType(i32, vt.count), [0] * vt.count))
 
 
-def make_tile(rows: int, vecs: int, lanes: int, ternary: bool = True):
+def make_tile(rows: int, vecs: int, lanes: int, ternary: bool = True, add_into: bool = False,
+              p_stride: int = 0):
     """An intrinsic tile(x_addr, x_stride, p_addr, a, out_addr), all intp:
 
     X: float64 rows at x_addr, x_stride elements apart; P: `a` rows of vecs * lanes
     int8 trits (-1, 0, +1) at p_addr, contiguous (float64 values if not ternary). For
     i = 0 .. a-1 in order: acc[r, c] = acc[r, c] + X[r, i] P[i, c], from 0.0 (fused
     for trits, else the product rounded and then added); then
-    out[r * vecs * lanes + c] = acc[r, c] (float64 at out_addr)."""
-    width = vecs * lanes
+    out[r * vecs * lanes + c] = acc[r, c] (float64 at out_addr).
+
+    add_into (the weight gradient, G += X . D): the intrinsic takes two more arguments,
+    tile(x_addr, x_stride, p_addr, a, out_addr, out_stride, fresh), and adds the sums
+    into out's rows, out_stride elements apart: out[r, c] = base + acc[r, c], base
+    out[r, c] or, where fresh is nonzero, 0.0 (the bits of zeroed memory added to).
+    p_stride: elements from one row of P to the next when the tile is narrower than
+    its panels (vecs * lanes by default)."""
+    width = p_stride or vecs * lanes
 
     def codegen(context, builder, signature, args):
-        xa, xs, pa, n, oa = args
+        xa, xs, pa, n, oa = args[:5]
         f64, i64 = ir.DoubleType(), ir.IntType(64)
         vt = ir.VectorType(f64, lanes)
         pt = ir.IntType(8) if ternary else f64
@@ -73,8 +82,18 @@ def make_tile(rows: int, vecs: int, lanes: int, ternary: bool = True):
         def store_all(values):  # out[(r * vecs + v) * lanes ...] = values[r][v]
             for r in range(rows):
                 for v in range(vecs):
-                    p = builder.gep(optr, [ir.Constant(i64, (r * vecs + v) * lanes)])
-                    builder.store(values[r][v], builder.bitcast(p, vt.as_pointer()), align=8)
+                    if add_into:  # out[r * out_stride + v * lanes ...] = base + values[r][v]
+                        at = builder.add(builder.mul(ir.Constant(i64, r), args[5]),
+                                         ir.Constant(i64, v * lanes))
+                    else:
+                        at = ir.Constant(i64, (r * vecs + v) * lanes)
+                    p = builder.bitcast(builder.gep(optr, [at]), vt.as_pointer())
+                    value = values[r][v]
+                    if add_into:
+                        fresh = builder.icmp_signed("!=", args[6], ir.Constant(i64, 0))
+                        base = builder.select(fresh, zero, builder.load(p, align=8))
+                        value = builder.fadd(base, value)
+                    builder.store(value, p, align=8)
             builder.branch(done)
 
         builder.position_at_end(loop)  # one input index i per iteration
@@ -109,8 +128,13 @@ def make_tile(rows: int, vecs: int, lanes: int, ternary: bool = True):
         builder.position_at_end(done)
         return context.get_dummy_value()
 
-    def tile(typingctx, x_addr, x_stride, p_addr, a, out_addr):
-        return types.void(types.intp, types.intp, types.intp, types.intp, types.intp), codegen
+    if add_into:
+        def tile(typingctx, x_addr, x_stride, p_addr, a, out_addr, out_stride, fresh):
+            return types.void(*[types.intp] * 7), codegen
+    else:
+        def tile(typingctx, x_addr, x_stride, p_addr, a, out_addr):
+            return types.void(*[types.intp] * 5), codegen
 
-    tile.__name__ = f"{'ternary' if ternary else 'float64'}_tile_{rows}x{width}"
+    tile.__name__ = (f"{'ternary' if ternary else 'float64'}_tile_{rows}x{vecs * lanes}"
+                     + ("_add_into" if add_into else "") + (f"_of_{width}" if p_stride else ""))
     return intrinsic(tile)
