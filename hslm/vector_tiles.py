@@ -138,3 +138,52 @@ def make_tile(rows: int, vecs: int, lanes: int, ternary: bool = True, add_into: 
     tile.__name__ = (f"{'ternary' if ternary else 'float64'}_tile_{rows}x{vecs * lanes}"
                      + ("_add_into" if add_into else "") + (f"_of_{width}" if p_stride else ""))
     return intrinsic(tile)
+
+
+def _transpose_bytes_16(typingctx, src_addr, src_stride, dst_addr):
+    """dst[j * 16 + c] = src[c * src_stride + j] for c, j < 16: a 16 x 16 block of bytes
+    transposed in registers (4 rounds of byte interleaves, 64 shuffles for 256 bytes,
+    instead of 256 single-byte loads and stores)."""
+
+    def codegen(context, builder, signature, args):
+        src, stride, dst = args
+        i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+        vt = ir.VectorType(i8, 16)
+        sp = builder.inttoptr(src, i8.as_pointer())
+        dp = builder.inttoptr(dst, i8.as_pointer())
+        rows = [builder.load(builder.bitcast(
+            builder.gep(sp, [builder.mul(ir.Constant(i64, c), stride)]), vt.as_pointer()), align=1)
+            for c in range(16)]
+        mask_lo = ir.Constant(ir.VectorType(i32, 16), [k // 2 + 16 * (k % 2) for k in range(16)])
+        mask_hi = ir.Constant(ir.VectorType(i32, 16), [8 + k // 2 + 16 * (k % 2) for k in range(16)])
+        for _ in range(4):  # out[2i], out[2i + 1] = interleave(rows[i], rows[i + 8]): a perfect
+            nxt = []          # shuffle of the 256 bytes; four of them transpose the block
+            for i in range(8):
+                nxt.append(builder.shuffle_vector(rows[i], rows[i + 8], mask_lo))
+                nxt.append(builder.shuffle_vector(rows[i], rows[i + 8], mask_hi))
+            rows = nxt
+        for j in range(16):
+            p = builder.bitcast(builder.gep(dp, [ir.Constant(i64, 16 * j)]), vt.as_pointer())
+            builder.store(rows[j], p, align=1)
+        return context.get_dummy_value()
+
+    return types.void(types.intp, types.intp, types.intp), codegen
+
+
+transpose_bytes_16 = intrinsic(_transpose_bytes_16)
+
+
+def _copy_bytes_16(typingctx, src_addr, dst_addr):
+    """dst[0:16] = src[0:16] as one vector (LLVM's loop vectoriser leaves a 16-byte loop
+    scalar where its vectors hold 64 bytes)."""
+
+    def codegen(context, builder, signature, args):
+        vp = ir.VectorType(ir.IntType(8), 16).as_pointer()
+        src, dst = (builder.inttoptr(a, vp) for a in args)
+        builder.store(builder.load(src, align=1), dst, align=1)
+        return context.get_dummy_value()
+
+    return types.void(types.intp, types.intp), codegen
+
+
+copy_bytes_16 = intrinsic(_copy_bytes_16)
