@@ -83,14 +83,32 @@ def output_grad_panels(DY, PD):
     [npan, n, WGRAD_PANEL] view. Made once per window and matrix, shared by every
     unit of gradient rows of that matrix."""
     n, b = DY.shape
-    npan = (b + WGRAD_PANEL - 1) // WGRAD_PANEL
-    pd = PD[:npan * n * WGRAD_PANEL].reshape((npan, n, WGRAD_PANEL))
-    for q in range(npan):
-        for r in range(n):
-            for c in range(WGRAD_PANEL):
-                j = q * WGRAD_PANEL + c
-                pd[q, r, c] = DY[r, j] if j < b else 0.0
+    P = WGRAD_PANEL
+    npan = (b + P - 1) // P
+    full = b // P
+    pd = PD[:npan * n * P].reshape((npan, n, P))
+    for r in range(n):  # DY row by row, as it lies in memory (it comes from far caches)
+        for q in range(full):
+            for c in range(P):
+                pd[q, r, c] = DY[r, q * P + c]
+        if full < npan:  # the last panel, zero past column b
+            for c in range(P):
+                pd[full, r, c] = DY[r, full * P + c] if full * P + c < b else 0.0
     return pd
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def input_columns(X, i0, i1, XT):
+    """X[:, i0:i1] transposed into the flat scratch XT (>= (i1 - i0) n), X [n, a]: a layer
+    input's columns as rows of the weight gradient's tile; returns the [i1 - i0, n] view.
+    X is read row by row, as it lies in memory."""
+    n = X.shape[0]
+    m = i1 - i0
+    xt = XT[:m * n].reshape((m, n))
+    for r in range(n):
+        for i in range(m):
+            xt[i, r] = X[r, i0 + i]
+    return xt
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -103,13 +121,7 @@ def weight_grad_rows(X, i0, i1, pd, b, G, XT, fresh):
     it, then added into G: each element is the same chain of additions as the
     per-position streaming (windows.stream_weight_grads), and G gets the window's
     sum added once. XT (>= (i1 - i0) n) is flat scratch for X's columns transposed."""
-    n = X.shape[0]
-    m = i1 - i0
-    xt = XT[:m * n].reshape((m, n))
-    for r in range(n):
-        for i in range(m):
-            xt[i, r] = X[r, i0 + i]
-    panel_matmul_add(xt, pd, b, G[i0:i1], fresh)
+    panel_matmul_add(input_columns(X, i0, i1, XT), pd, b, G[i0:i1], fresh)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")

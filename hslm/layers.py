@@ -110,7 +110,7 @@ SCRATCH_FIELDS = (
     ("loss_grad", lambda D: (D.window, D.vocab)),          # dz of forward-only evaluation
     # weight-gradient scratch: a layer input transposed, output gradients in panels
     # (one row per window of a group, panel_kernels.WGRAD_WINDOWS)
-    ("xt", lambda D: (max(D.vocab, D.mlp, D.width) * D.window,)),
+    ("xt", lambda D: (WGRAD_WINDOWS, max(D.vocab, D.mlp, D.width) * D.window)),
     ("dy_panels", lambda D: (WGRAD_WINDOWS,
                              (max(D.vocab, D.mlp, D.width) + WGRAD_PANEL) * D.window)),
 )

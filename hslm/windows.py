@@ -26,8 +26,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .kernels import column_sum_rows, output_grad_panels, weight_grad_rows
-from .micro import WGRAD_PANEL
+from .kernels import column_sum_rows, input_columns, output_grad_panels
+from .micro import WGRAD_PANEL, panel_matmul_add
 from .layers import (COLUMN_SUM, MATRIX, block_backward, block_forward, block_keys_values,
                      block_queries, embed_forward, head_backward, head_forward,
                      loss_forward_backward, loss_rows, view1, view2, weight_grad_operands)
@@ -266,9 +266,12 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, f
     a matrix: a held block of gradient rows, X^T . DY). Units write disjoint
     parts of `out`, so threads may take any units: the bits do not depend on
     who computes what. A matrix's consecutive units share its output gradients in
-    panels: for each group of windows (as many as WG has rows) the panels are made
-    once, then every unit adds that group's windows, so each element still gets
-    its windows in order. fresh: out's units get the batch's sums, whatever they held
+    panels and its input's columns transposed (XT, their rows only): for each group of
+    windows (as many as WG and XT have rows) both are made once, reading the records
+    row by row as they lie in memory, then every unit adds that group's windows, so
+    each element still gets its windows in order. (Transposing each unit's columns
+    apart, and the panels column by column, had cost 2-3 ms more a step here: the
+    records come from far caches, in short strided runs.) fresh: out's units get the batch's sums, whatever they held
     (the first window's sum is stored as 0.0 + S, the bits of zeroed G added to, and
     a small tensor is zeroed just before); else the sums are added to what out holds
     (a pipeline's earlier windows). Zeroing G up front cost 2.5-3 ms a step here (by
@@ -288,18 +291,20 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, f
         if operands[0] == MATRIX:
             m, n = operands[3], operands[4]
             G = view2(out, offs, t, m, n)
+            ra, rb = units[u, 1], units[ue - 1, 2]  # the rows of this tensor's units
             for w0 in range(0, B, WG.shape[0]):
                 w1 = min(w0 + WG.shape[0], B)
                 for w in range(w0, w1):
-                    output_grad_panels(weight_grad_operands(model, A, R, w, t, s, k)[2],
-                                       WG[w - w0])
+                    _, X, DY, _, _ = weight_grad_operands(model, A, R, w, t, s, k)
+                    output_grad_panels(DY, WG[w - w0])
+                    input_columns(X, ra, rb, XT[w - w0])
                 npan = (n + WGRAD_PANEL - 1) // WGRAD_PANEL
                 for v in range(u, ue):
                     r0, r1 = units[v, 1], units[v, 2]
                     for w in range(w0, w1):
-                        X = weight_grad_operands(model, A, R, w, t, s, k)[1]
                         pd = WG[w - w0, :npan * k * WGRAD_PANEL].reshape((npan, k, WGRAD_PANEL))
-                        weight_grad_rows(X, r0, r1, pd, n, G, XT, fresh and w == 0)
+                        xt = XT[w - w0, :(rb - ra) * k].reshape((rb - ra, k))
+                        panel_matmul_add(xt[r0 - ra:r1 - ra], pd, n, G[r0:r1], fresh and w == 0)
             u = ue
             continue
         for v in range(u, ue):  # a whole tensor a unit
