@@ -12,7 +12,9 @@ import time
 import numpy as np
 from numba import njit
 
+from . import __version__
 from . import checkpoint as ckpt
+from .bench_report import source_commit
 from .config import Config
 from .peak import measured_peaks
 from .rng import Stream
@@ -272,7 +274,9 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
               "peak_measured": measured is not None,
               "vector_lanes": measured["lanes"] if measured else None,
               "python": sys.version.split()[0], "numpy": np.__version__,
-              "numba": numba.__version__, "steps": steps, "seed": 1729, "models": []}
+              "numba": numba.__version__, "hslm": __version__, "commit": source_commit(),
+              "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+              "steps": steps, "seed": 1729, "models": []}
     for name in models:
         cfg = resolve_config(name)
         k = cfg.window if k_flag is None else k_flag
@@ -286,6 +290,7 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
                        f"bench --model {name} --batch {batch}")
             if corpus is None:
                 corpus = load_corpus(data, cfg, cache_dir=cache_dir)
+                entry["text_sha256"] = corpus.text_sha256
             digests, losses = set(), set()
             for t in threads:
                 for s in speeds:
@@ -316,78 +321,3 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
             report["optimiser_stream_gbs"] = optimiser_stream_gbs(cfg.n_params)
         report["models"].append(entry)
     return report
-
-
-def format_report(report):
-    """The report as the lines `hslm bench` prints."""
-    from .speeds import SPEED_NAMES
-    peak = report["peak_gflops_per_core"]
-    out = [f"hslm bench: {report['steps']} timed steps per run, seed {report['seed']}; "
-           f"Python {report['python']}, numpy {report['numpy']}, numba {report['numba']}",
-           f"machine: {report['machine']}: nominal f64 peak "
-           f"{report.get('nominal_peak_gflops_per_core', peak):.1f} GFLOP/s per core",
-           (f"f64 peak of one core, measured ({report['vector_lanes']}-wide vectors, "
-            f"hslm/peak.py): FMA {peak:.1f} GFLOP/s, multiply + add (unfused) "
-            f"{report['unfused_peak_gflops_per_core']:.1f} GFLOP/s; '% peak' is of the "
-            "measured FMA peak" if report.get("peak_measured")
-            else "f64 peak not measured here: '% peak' is of the nominal peak"),
-           "FLOPs per token: 2 per multiply-add of the ternary matrices (forward, input "
-           "gradient, weight gradient at scored positions)"]
-    for e in report["models"]:
-        out.append(f"model {e['model']} ({e['params']:,} parameters, window {e['window']}, "
-                   f"k {e['k']}, {e['flops_per_token'] / 1e6:.2f} MFLOP per token)")
-        out.append(f"{'batch':>5} {'speed':>5} {'name':>10} {'threads':>7} {'tok/s':>10} "
-                   f"{'x slowest':>9} {'GFLOP/s':>8} {'% peak':>7} {'par. eff.':>9} "
-                   f"{'MiB':>7} {'ckpt MB':>8}")
-        rows = e["rows"]
-        for r in rows:
-            same = [x for x in rows if x["batch"] == r["batch"]]
-            slowest = min(x["tok_s"] for x in same)
-            base = next(x for x in same if x["speed"] == r["speed"])
-            eff = r["tok_s"] / (r["threads"] / base["threads"] * base["tok_s"])
-            out.append(f"{r['batch']:>5} {r['speed']:>5} {SPEED_NAMES[r['speed']]:>10} "
-                       f"{r['threads']:>7} {r['tok_s']:>10.1f} {r['tok_s'] / slowest:>9.2f} "
-                       f"{r['gflops']:>8.2f} {100 * r['peak_share']:>6.1f}% {100 * eff:>8.1f}% "
-                       f"{r['memory_bytes'] / 2 ** 20:>7.0f} {r['checkpoint_bytes'] / 1e6:>8.1f}")
-        for g in e["groups"]:
-            out.append(f"batch {g['batch']}: " + (
-                f"checkpoints byte-identical across all runs (sha256 {g['digest'][:16]}...), "
-                "losses identical" if g["identical"] else "CHECKPOINTS DIFFER across runs"))
-        t = e.get("torch")
-        if t:
-            ours = max((r for r in rows if r["threads"] == 1 and r["batch"] == rows[0]["batch"]),
-                       key=lambda r: r["tok_s"], default=None)
-            line = (f"PyTorch {t['version']} baseline, one thread, windows batched: "
-                    f"f64 {t['f64']:.1f} tok/s, f32 {t['f32']:.1f} tok/s")
-            if ours:
-                line += (f"; speed {ours['speed']} is {ours['tok_s'] / t['f64']:.2f}x torch "
-                         f"f64, {ours['tok_s'] / t['f32']:.2f}x torch f32")
-            out.append(line)
-        elif "torch" in e:
-            out.append("PyTorch baseline: torch not installed (pip install torch==2.13.0)")
-        if e.get("profile_ms"):
-            total = sum(ms for _, ms in e["profile_ms"])
-            bw = report.get("optimiser_stream_gbs")
-            unfused = report.get("unfused_peak_gflops_per_core", peak / 2)
-            out.append(f"speed-3 step profile, one thread ({total:.1f} ms per step of "
-                       f"{rows[0]['batch']} windows); each phase against what it can reach: "
-                       f"the f64 FMA peak ({peak:.1f} GFLOP/s) for the ternary matrix phases, "
-                       f"the multiply + add peak ({unfused:.1f} GFLOP/s) for the weight "
-                       f"gradients (their products are not exact, so they are not fused), "
-                       f"one pass over the optimiser's arrays ({bw:.1f} GB/s: read g, "
-                       f"theta, m, v, write theta, m, v) for the optimiser:")
-            for name, ms in e["profile_ms"]:
-                line = f"  {name:46s} {ms:8.1f} ms {100 * ms / total:5.1f}%"
-                work = e.get("phase_work", {}).get(name)
-                if work and ms > 0:
-                    amount, unit = work
-                    rate = amount / (ms / 1e3) / 1e9
-                    ceiling = {"FLOP": peak, "unfused FLOP": unfused}.get(unit, bw)
-                    label = "GB/s" if unit == "B" else "GFLOP/s"
-                    line += f"  {rate:6.1f} {label:7s} {100 * rate / ceiling:5.1f}% of its ceiling"
-                out.append(line)
-    return out
-
-
-def all_identical(report) -> bool:
-    return all(g["identical"] for e in report["models"] for g in e["groups"])

@@ -272,7 +272,8 @@ def bench(model, data, cache_dir, speed, threads, batch, steps, loss_positions, 
     compile_first(sorted(set(speeds) | {DEFAULT_SPEED}), cfgs[0].vocab,
                   echo=lambda m: click.echo(m, err=True),
                   teams=max(thread_counts) > min(batches))
-    from .bench import all_identical, format_report, run_bench  # (loads the kernels)
+    from .bench import run_bench  # (loads the kernels)
+    from .bench_report import all_identical, format_report
     report = run_bench(models, speeds, thread_counts, batches, steps, loss_positions, data,
                        with_torch, profile, progress=lambda m: click.echo(f"  {m}", err=True),
                        cache_dir=token_cache_dir(cache_dir, None))
@@ -284,6 +285,22 @@ def bench(model, data, cache_dir, speed, threads, batch, steps, loss_positions, 
         click.echo(f"wrote {json_path}")
     if not all_identical(report):
         sys.exit(1)
+
+
+@cli.command("bench-compare")
+@click.argument("reports", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.pass_context
+def bench_compare(ctx, reports):
+    """Compare reports `hslm bench --json` wrote, each against the first: tok/s, the
+    PyTorch ratios, the profile's phases, and the checkpoint bytes (exit 1 if runs that
+    should end with the same bytes did not)."""
+    from .bench_report import compare_reports, load_report
+    if len(reports) < 2:
+        raise HslmError("bench-compare needs two reports or more (hslm bench --json FILE)")
+    lines, differ = compare_reports([(str(p), load_report(p)) for p in reports])
+    for line in lines:
+        click.echo(line)
+    ctx.exit(1 if differ else 0)
 
 
 def main(argv=None):

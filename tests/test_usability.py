@@ -175,6 +175,34 @@ def test_bench_compares_speeds_threads_batches_and_torch_on_small_models(tmp_pat
     assert report["peak_measured"] and "f64 peak of one core, measured" in out
     assert all(r["memory_bytes"] > 0 and r["checkpoint_bytes"] > 0
                for m in report["models"] for r in m["rows"])
+    assert report["hslm"] and report["date"].endswith("UTC") and "commit" in report
+    assert len(report["models"][0]["text_sha256"]) == 64
+    check_bench_compare(tmp_path, report_path, report)
+
+
+def check_bench_compare(tmp_path, report_path, report):
+    """hslm bench-compare: a report against itself compares every row, phase and byte;
+    a report whose run ended with other bytes is caught (exit 1); runs of other steps
+    are not compared byte for byte; bad input gets one line."""
+    code, out, err = hslm("bench-compare", report_path, report_path)
+    assert code == 0, err
+    assert out.count(" 1.00x") >= 8 + 8 + 6  # tok/s of 8 + 8 rows, the profile's phases
+    assert out.count("the same checkpoint bytes in both") == 4
+    assert "torch f64" in out and "step " in out
+    other = json.loads(json.dumps(report))
+    other["models"][1]["groups"][0]["digest"] = "0" * 64
+    changed = tmp_path / "changed.json"
+    changed.write_text(json.dumps(other))
+    code, out, err = hslm("bench-compare", report_path, changed)
+    assert code == 1 and out.count("CHECKPOINTS DIFFER") == 1, (out, err)
+    other["steps"] += 1
+    changed.write_text(json.dumps(other))
+    code, out, err = hslm("bench-compare", report_path, changed)
+    assert code == 0 and out.count("not comparable") == 4, (out, err)
+    (tmp_path / "bad.json").write_text("{not json")
+    for args in ([report_path], [report_path, tmp_path / "bad.json"],
+                 [report_path, tmp_path / "missing.json"]):
+        one_line_error(*hslm("bench-compare", *args))
 
 
 def test_a_bad_flag_on_a_first_run_is_told_before_anything_compiles(tmp_path):

@@ -1,0 +1,203 @@
+"""Bench reports (`hslm bench --json`): printed, read back and compared, with no kernels
+loaded, so `hslm bench-compare` runs anywhere in a moment."""
+from __future__ import annotations
+
+from .errors import HslmError
+
+
+def format_report(report):
+    """The report as the lines `hslm bench` prints."""
+    from .speeds import SPEED_NAMES
+    peak = report["peak_gflops_per_core"]
+    version = (f"hslm {report['hslm']}" + (f" ({report['commit']})" if report.get("commit")
+                                           else "") + ", " if report.get("hslm") else "")
+    out = [f"hslm bench: {report['steps']} timed steps per run, seed {report['seed']}; "
+           f"{version}Python {report['python']}, numpy {report['numpy']}, numba "
+           f"{report['numba']}" + (f"; {report['date']}" if report.get("date") else ""),
+           f"machine: {report['machine']}: nominal f64 peak "
+           f"{report.get('nominal_peak_gflops_per_core', peak):.1f} GFLOP/s per core",
+           (f"f64 peak of one core, measured ({report['vector_lanes']}-wide vectors, "
+            f"hslm/peak.py): FMA {peak:.1f} GFLOP/s, multiply + add (unfused) "
+            f"{report['unfused_peak_gflops_per_core']:.1f} GFLOP/s; '% peak' is of the "
+            "measured FMA peak" if report.get("peak_measured")
+            else "f64 peak not measured here: '% peak' is of the nominal peak"),
+           "FLOPs per token: 2 per multiply-add of the ternary matrices (forward, input "
+           "gradient, weight gradient at scored positions)"]
+    for e in report["models"]:
+        out.append(f"model {e['model']} ({e['params']:,} parameters, window {e['window']}, "
+                   f"k {e['k']}, {e['flops_per_token'] / 1e6:.2f} MFLOP per token)")
+        out.append(f"{'batch':>5} {'speed':>5} {'name':>10} {'threads':>7} {'tok/s':>10} "
+                   f"{'x slowest':>9} {'GFLOP/s':>8} {'% peak':>7} {'par. eff.':>9} "
+                   f"{'MiB':>7} {'ckpt MB':>8}")
+        rows = e["rows"]
+        for r in rows:
+            same = [x for x in rows if x["batch"] == r["batch"]]
+            slowest = min(x["tok_s"] for x in same)
+            base = next(x for x in same if x["speed"] == r["speed"])
+            eff = r["tok_s"] / (r["threads"] / base["threads"] * base["tok_s"])
+            out.append(f"{r['batch']:>5} {r['speed']:>5} {SPEED_NAMES[r['speed']]:>10} "
+                       f"{r['threads']:>7} {r['tok_s']:>10.1f} {r['tok_s'] / slowest:>9.2f} "
+                       f"{r['gflops']:>8.2f} {100 * r['peak_share']:>6.1f}% {100 * eff:>8.1f}% "
+                       f"{r['memory_bytes'] / 2 ** 20:>7.0f} {r['checkpoint_bytes'] / 1e6:>8.1f}")
+        for g in e["groups"]:
+            out.append(f"batch {g['batch']}: " + (
+                f"checkpoints byte-identical across all runs (sha256 {g['digest'][:16]}...), "
+                "losses identical" if g["identical"] else "CHECKPOINTS DIFFER across runs"))
+        t = e.get("torch")
+        if t:
+            ours = max((r for r in rows if r["threads"] == 1 and r["batch"] == rows[0]["batch"]),
+                       key=lambda r: r["tok_s"], default=None)
+            line = (f"PyTorch {t['version']} baseline, one thread, windows batched: "
+                    f"f64 {t['f64']:.1f} tok/s, f32 {t['f32']:.1f} tok/s")
+            if ours:
+                line += (f"; speed {ours['speed']} is {ours['tok_s'] / t['f64']:.2f}x torch "
+                         f"f64, {ours['tok_s'] / t['f32']:.2f}x torch f32")
+            out.append(line)
+        elif "torch" in e:
+            out.append("PyTorch baseline: torch not installed (pip install torch==2.13.0)")
+        if e.get("profile_ms"):
+            total = sum(ms for _, ms in e["profile_ms"])
+            bw = report.get("optimiser_stream_gbs")
+            unfused = report.get("unfused_peak_gflops_per_core", peak / 2)
+            out.append(f"speed-3 step profile, one thread ({total:.1f} ms per step of "
+                       f"{rows[0]['batch']} windows); each phase against what it can reach: "
+                       f"the f64 FMA peak ({peak:.1f} GFLOP/s) for the ternary matrix phases, "
+                       f"the multiply + add peak ({unfused:.1f} GFLOP/s) for the weight "
+                       f"gradients (their products are not exact, so they are not fused), "
+                       f"one pass over the optimiser's arrays ({bw:.1f} GB/s: read g, "
+                       f"theta, m, v, write theta, m, v) for the optimiser:")
+            for name, ms in e["profile_ms"]:
+                line = f"  {name:46s} {ms:8.1f} ms {100 * ms / total:5.1f}%"
+                work = e.get("phase_work", {}).get(name)
+                if work and ms > 0:
+                    amount, unit = work
+                    rate = amount / (ms / 1e3) / 1e9
+                    ceiling = {"FLOP": peak, "unfused FLOP": unfused}.get(unit, bw)
+                    label = "GB/s" if unit == "B" else "GFLOP/s"
+                    line += f"  {rate:6.1f} {label:7s} {100 * rate / ceiling:5.1f}% of its ceiling"
+                out.append(line)
+    return out
+
+
+def source_commit():
+    """The git commit of the hslm source this runs from ("+" if it has uncommitted
+    changes), or None outside a git checkout."""
+    import subprocess
+    from pathlib import Path
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--", "."],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip()[:12] + ("+" if dirty.stdout.strip() else "")
+
+
+def load_report(path) -> dict:
+    """A report `hslm bench --json` wrote, or an HslmError saying why it is not one."""
+    import json
+    from .errors import read_bytes
+    try:
+        report = json.loads(read_bytes(path, "bench report"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise HslmError(f"{path}: not a JSON bench report ({e})") from None
+    if not (isinstance(report, dict) and isinstance(report.get("models"), list)
+            and "steps" in report and all(isinstance(e, dict) and "rows" in e
+                                          for e in report["models"])):
+        raise HslmError(f"{path}: not an hslm bench report (no models and rows)")
+    return report
+
+
+def compare_reports(named) -> list:
+    """(lines, differ) comparing bench reports [(name, report)], each against the first:
+    tok/s of every row they share, the PyTorch ratios, the profile's phases, and whether
+    runs of the same model, batch, steps, seed, k and text ended with the same checkpoint
+    bytes (differ: some did not)."""
+    (base_name, base), rest = named[0], named[1:]
+    differ = False
+
+    def describe(name, r):
+        version = f"hslm {r['hslm']}" + (f" ({r['commit']})" if r.get("commit") else "") \
+            if r.get("hslm") else "hslm (version not recorded)"
+        return (f"{name}: {version}, {r.get('date', 'date not recorded')}, {r['steps']} "
+                f"steps; {r.get('machine', '?')}; Python {r.get('python', '?')}, numpy "
+                f"{r.get('numpy', '?')}, numba {r.get('numba', '?')}")
+
+    out = [f"comparing {len(named)} bench reports, each against the first ({base_name}):",
+           "  " + describe(base_name, base)] + ["  " + describe(n, r) for n, r in rest]
+    if any(r.get("machine") != base.get("machine") for _, r in rest):
+        out.append("  (the machines differ: the ratios below compare machines, not versions)")
+    for name, r in rest:
+        out.append(f"{name} against {base_name}:")
+        for e in r["models"]:
+            b = next((x for x in base["models"] if x["model"] == e["model"]), None)
+            if b is None:
+                out.append(f"  model {e['model']}: not in {base_name}")
+                continue
+            out.append(f"  model {e['model']}")
+            key = lambda row: (row["batch"], row["speed"], row["threads"])  # noqa: E731
+            before = {key(x): x for x in b["rows"]}
+            for row in e["rows"]:
+                old = before.get(key(row))
+                if old is None:
+                    continue
+                out.append(f"    batch {row['batch']:>3} speed {row['speed']} threads "
+                           f"{row['threads']:>2}: {old['tok_s']:9.1f} -> {row['tok_s']:9.1f} "
+                           f"tok/s  {row['tok_s'] / old['tok_s']:5.2f}x")
+            lines, bytes_differ = _compare_bytes(base, b, r, e)
+            out += lines
+            differ |= bytes_differ
+            tb, te = b.get("torch"), e.get("torch")
+            if tb and te:
+                ours = lambda entry: max((x["tok_s"] for x in entry["rows"]  # noqa: E731
+                                          if x["threads"] == 1
+                                          and x["batch"] == entry["rows"][0]["batch"]),
+                                         default=None)
+                if ours(b) and ours(e):
+                    out.append("    against PyTorch, one thread: " + ", ".join(
+                        f"{ours(b) / tb[dt]:.2f}x -> {ours(e) / te[dt]:.2f}x torch {dt}"
+                        for dt in ("f64", "f32")))
+            pb, pe = dict(b.get("profile_ms") or []), e.get("profile_ms") or []
+            if pb and pe:
+                out.append("    speed-3 profile, ms per step:")
+                for phase, ms in pe:
+                    if phase in pb:
+                        ratio = f"{ms / pb[phase]:5.2f}x" if pb[phase] > 0 else ""
+                        out.append(f"      {phase:46s} {pb[phase]:7.1f} -> {ms:7.1f}  {ratio}")
+                tot_b, tot_e = sum(pb.values()), sum(ms for _, ms in pe)
+                out.append(f"      {'step':46s} {tot_b:7.1f} -> {tot_e:7.1f}  "
+                           f"{tot_e / tot_b:5.2f}x")
+    return out, differ
+
+
+def _compare_bytes(base, b, r, e):
+    """(lines, differ): whether two reports' runs of a model ended with the same checkpoint
+    bytes, batch by batch (comparable only with the same steps, seed, k and text)."""
+    same_run = (base["steps"] == r["steps"] and base.get("seed") == r.get("seed")
+                and b.get("k") == e.get("k")
+                and b.get("text_sha256", "?") == e.get("text_sha256", "?"))
+    out, differ = [], False
+    groups = {g["batch"]: g for g in b.get("groups", [])}
+    for g in e.get("groups", []):
+        old = groups.get(g["batch"])
+        if old is None:
+            continue
+        if not same_run:
+            out.append(f"    batch {g['batch']}: checkpoints not comparable (other steps, seed, "
+                       "k or text)")
+        elif old["digest"] == g["digest"]:
+            out.append(f"    batch {g['batch']}: the same checkpoint bytes in both "
+                       f"(sha256 {g['digest'][:16]}...)")
+        else:
+            differ = True
+            out.append(f"    batch {g['batch']}: CHECKPOINTS DIFFER (sha256 {old['digest'][:16]}"
+                       f"... -> {g['digest'][:16]}...)")
+    return out, differ
+
+
+def all_identical(report) -> bool:
+    return all(g["identical"] for e in report["models"] for g in e["groups"])
