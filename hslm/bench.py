@@ -22,6 +22,8 @@ from .speeds import DEFAULT_SPEED, SPEEDS
 from .step import StepRunner, warm_up
 from .train import Run
 
+TORCH_ROUNDS = 3  # interleaved rounds of speed 3 against PyTorch (versus_torch)
+
 
 def cpu_info() -> dict:
     """The first core's /proc/cpuinfo fields (empty where there is none)."""
@@ -102,9 +104,10 @@ def bench_speed(cfg, hyper, corpus, speed, threads, steps, warm=True):
                 digest=digest, memory_bytes=memory, checkpoint_bytes=size)
 
 
-def torch_baseline(cfg, hyper, corpus, dtype_name, steps):
-    """The same model and objective in PyTorch, one thread, windows batched: forward,
-    autograd backward, per-tensor clipping and AdamW, per step."""
+def torch_trainer(cfg, hyper, corpus, dtype_name, steps):
+    """The same model and objective in PyTorch, one thread, windows batched: a function
+    step(i), i = 1 .. steps, that trains one step (forward, autograd backward, per-tensor
+    clipping and AdamW), after one untimed step."""
     import torch
 
     from .oracle_torch import vsa_stream, window_losses
@@ -137,11 +140,43 @@ def torch_baseline(cfg, hyper, corpus, dtype_name, steps):
         opt.step()
 
     step(0)  # warm-up
-    t0 = time.perf_counter()
-    for i in range(1, steps + 1):
-        step(i)
-    dt = time.perf_counter() - t0
-    return steps * hyper.batch * cfg.window / dt
+    return step
+
+
+def versus_torch(cfg, hyper, corpus, steps, rounds=TORCH_ROUNDS):
+    """Speed 3 on one thread against PyTorch f64 and f32, interleaved: `rounds` rounds,
+    each timing a share of the steps of all three back to back (in a rotating order), so
+    that a slow spell of a shared machine falls on all of them alike. Returns the median
+    tok/s of each over the rounds and the median of the rounds' ratios."""
+    import torch
+
+    run = Run.fresh(cfg, hyper, corpus, plain=SPEEDS[3].plain_layouts)
+    runner = StepRunner(cfg, 3, 1)
+    try:
+        warm_up(runner, run)
+        run.train_step(runner)  # untimed
+        trainers = {"speed 3": lambda i: run.train_step(runner),
+                    "f64": torch_trainer(cfg, hyper, corpus, "f64", steps),
+                    "f32": torch_trainer(cfg, hyper, corpus, "f32", steps)}
+        tok = {name: [] for name in trainers}
+        done = 0
+        for r in range(rounds):
+            n = (steps - done) // (rounds - r)
+            names = list(trainers)[r % 3:] + list(trainers)[:r % 3]
+            for name in names:
+                t0 = time.perf_counter()
+                for i in range(done + 1, done + n + 1):
+                    trainers[name](i)
+                tok[name].append(n * hyper.batch * cfg.window / (time.perf_counter() - t0))
+            done += n
+    finally:
+        runner.close()
+    med = lambda xs: float(np.median(xs))  # noqa: E731
+    return {"version": torch.__version__, "rounds": rounds, "ours": med(tok["speed 3"]),
+            "f64": med(tok["f64"]), "f32": med(tok["f32"]),
+            "ratio_f64": med([a / b for a, b in zip(tok["speed 3"], tok["f64"])]),
+            "ratio_f32": med([a / b for a, b in zip(tok["speed 3"], tok["f32"])]),
+            "per_round": tok}
 
 
 def profile_layerwise(cfg, hyper, corpus, steps=3):
@@ -312,8 +347,7 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
                 entry["torch"] = None
             else:
                 hyper = Hyper(batch=batches[0], loss_positions=k, seed=1729)
-                entry["torch"] = {"version": torch.__version__, **{
-                    dt: torch_baseline(cfg, hyper, corpus, dt, steps) for dt in ("f64", "f32")}}
+                entry["torch"] = versus_torch(cfg, hyper, corpus, max(steps, TORCH_ROUNDS))
         if profile and name == models[0]:
             hyper = Hyper(batch=batches[0], loss_positions=k, seed=1729)
             entry["profile_ms"] = profile_layerwise(cfg, hyper, corpus)

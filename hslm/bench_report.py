@@ -44,7 +44,13 @@ def format_report(report):
                 f"checkpoints byte-identical across all runs (sha256 {g['digest'][:16]}...), "
                 "losses identical" if g["identical"] else "CHECKPOINTS DIFFER across runs"))
         t = e.get("torch")
-        if t:
+        if t and "ours" in t:
+            out.append(f"PyTorch {t['version']} baseline, one thread, windows batched, batch "
+                       f"{rows[0]['batch']}, timed in {t['rounds']} rounds interleaved with speed "
+                       f"3 on one thread (medians): speed 3 {t['ours']:.1f} tok/s, f64 "
+                       f"{t['f64']:.1f} tok/s, f32 {t['f32']:.1f} tok/s; speed 3 is "
+                       f"{t['ratio_f64']:.2f}x torch f64, {t['ratio_f32']:.2f}x torch f32")
+        elif t:  # reports before the rounds: PyTorch timed after the rows
             ours = max((r for r in rows if r["threads"] == 1 and r["batch"] == rows[0]["batch"]),
                        key=lambda r: r["tok_s"], default=None)
             line = (f"PyTorch {t['version']} baseline, one thread, windows batched: "
@@ -151,16 +157,10 @@ def compare_reports(named) -> list:
             lines, bytes_differ = _compare_bytes(base, b, r, e)
             out += lines
             differ |= bytes_differ
-            tb, te = b.get("torch"), e.get("torch")
-            if tb and te:
-                ours = lambda entry: max((x["tok_s"] for x in entry["rows"]  # noqa: E731
-                                          if x["threads"] == 1
-                                          and x["batch"] == entry["rows"][0]["batch"]),
-                                         default=None)
-                if ours(b) and ours(e):
-                    out.append("    against PyTorch, one thread: " + ", ".join(
-                        f"{ours(b) / tb[dt]:.2f}x -> {ours(e) / te[dt]:.2f}x torch {dt}"
-                        for dt in ("f64", "f32")))
+            rb, re_ = torch_ratios(b), torch_ratios(e)
+            if rb and re_:
+                out.append("    against PyTorch, one thread: " + ", ".join(
+                    f"{x:.2f}x -> {y:.2f}x torch {dt}" for x, y, dt in zip(rb, re_, ("f64", "f32"))))
             pb, pe = dict(b.get("profile_ms") or []), e.get("profile_ms") or []
             if pb and pe:
                 out.append("    speed-3 profile, ms per step:")
@@ -172,6 +172,19 @@ def compare_reports(named) -> list:
                 out.append(f"      {'step':46s} {tot_b:7.1f} -> {tot_e:7.1f}  "
                            f"{tot_e / tot_b:5.2f}x")
     return out, differ
+
+
+def torch_ratios(entry):
+    """(speed 3 / torch f64, speed 3 / torch f32) of a report's model entry, or None."""
+    t = entry.get("torch")
+    if not t:
+        return None
+    if "ratio_f64" in t:
+        return t["ratio_f64"], t["ratio_f32"]
+    rows = entry["rows"]  # reports before the interleaved rounds
+    ours = max((x["tok_s"] for x in rows if x["threads"] == 1
+                and x["batch"] == rows[0]["batch"]), default=None)
+    return (ours / t["f64"], ours / t["f32"]) if ours else None
 
 
 def _compare_bytes(base, b, r, e):
