@@ -38,6 +38,10 @@ BUILTIN_NAME = "python-3.11.7-pydoc-topics"
 BUILTIN_FILE = Path(__file__).parent / "corpus" / f"{BUILTIN_NAME}.txt.gz"
 BUILTIN_SHA256 = "71f2ff5d99bdc1f9c48c5c2353ad138201c5ca1c377e0226857ef8fa89b8bcee"
 BUILTIN_SOURCE = f"built-in {BUILTIN_NAME}"
+# Its tokenizer and tokens at the default vocabulary, as the token cache writes them
+# (tools/ship_builtin_tokens.py makes them; a test checks they are what learning gives):
+# a first run on the built-in text then compiles no tokenizer (9 s on the README's Xeon).
+BUILTIN_TOKENS = Path(__file__).parent / "corpus"
 
 
 def builtin_text() -> str:
@@ -137,8 +141,13 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
     """(tokenizer, token stream) for a scanned text: from the token cache when it holds
     them, else learned (tokenizer None) or encoded, and then cached. The stream is
     memory-mapped when a cache folder is given."""
-    if tokenizer is None and cache_dir is not None:
-        found = token_cache.read_tokenizer(token_cache.tokenizer_path(cache_dir, sha, vocab), sha)
+    # the run's cache, then the built-in corpus's default tokens shipped with hslm (read
+    # only), so that a machine's first default run has no tokenizer to compile
+    folders = [f for f in (cache_dir, BUILTIN_TOKENS) if f is not None]
+    for folder in folders:
+        if tokenizer is not None:
+            break
+        found = token_cache.read_tokenizer(token_cache.tokenizer_path(folder, sha, vocab), sha)
         if found is not None:  # a damaged or foreign file is a miss: learned again
             try:
                 t = Tokenizer.from_json(found[0])
@@ -146,8 +155,8 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
                 t = None
             if t is not None and t.vocab == vocab and t.identity == found[1]:
                 tokenizer = t
-    if tokenizer is not None and cache_dir is not None:
-        arr = token_cache.open_tokens(token_cache.tokens_path(cache_dir, sha, tokenizer.identity),
+    for folder in folders if tokenizer is not None else ():
+        arr = token_cache.open_tokens(token_cache.tokens_path(folder, sha, tokenizer.identity),
                                       sha, tokenizer.identity)
         if arr is not None:
             return tokenizer, arr

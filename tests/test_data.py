@@ -44,3 +44,55 @@ def test_split_and_windows():
     assert w.shape == (64, 28) and w.max() < 729
     v = c.validation_windows(64, 27)
     assert v.shape == (64, 28)
+
+
+def test_the_shipped_builtin_tokens_are_what_learning_writes(tmp_path):
+    """hslm/corpus holds the built-in text's tokenizer and tokens at the default
+    vocabulary, byte for byte what learning them into a token cache writes
+    (tools/ship_builtin_tokens.py), so a first default run loads them and compiles
+    no tokenizer."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    from ship_builtin_tokens import learn_builtin
+
+    from hslm import data
+    learned = learn_builtin(tmp_path)
+    for path in learned:
+        assert (data.BUILTIN_TOKENS / path.name).read_bytes() == path.read_bytes(), path.name
+    shipped = sorted(p.name for p in data.BUILTIN_TOKENS.iterdir()
+                     if p.suffix in (".json", ".tok"))
+    assert shipped == sorted(p.name for p in learned)  # nothing stale beside them
+
+
+def test_a_first_run_on_the_builtin_text_loads_the_shipped_tokens(tmp_path, monkeypatch):
+    """With an empty token cache, the built-in text at the default vocabulary comes from
+    the shipped files (no tokenizer learned, no BPE kernel run), the same tokens as
+    learned; another vocabulary, or a shipped file that is damaged, is learned."""
+    import shutil
+
+    from hslm import bpe, data
+    from hslm.config import Config
+    shipped = data.BUILTIN_TOKENS
+    monkeypatch.setattr(data, "BUILTIN_TOKENS", None)
+    learned = Corpus.load(None, Config().vocab, 27, cache_dir=tmp_path / "learned")
+    monkeypatch.setattr(data, "BUILTIN_TOKENS", shipped)
+    calls = []
+    real_run = bpe.run
+    monkeypatch.setattr(bpe, "run", lambda *a, **k: calls.append(1) or real_run(*a, **k))
+    c = Corpus.load(None, Config().vocab, 27, cache_dir=tmp_path / "empty")
+    assert calls == [] and c.tokenizer.identity == learned.tokenizer.identity
+    assert np.asarray(c.tokens).tobytes() == np.asarray(learned.tokens).tobytes()
+    Corpus.load(None, 263, 27, cache_dir=tmp_path / "other")  # another vocabulary: learned
+    assert calls == [1]
+    # negative control: a damaged shipped token file is not trusted
+    damaged = tmp_path / "shipped"
+    shutil.copytree(shipped, damaged)
+    tok_file = next(damaged.glob("tokens-*.tok"))
+    raw = bytearray(tok_file.read_bytes())
+    raw[-1] ^= 1
+    tok_file.write_bytes(bytes(raw))
+    monkeypatch.setattr(data, "BUILTIN_TOKENS", damaged)
+    c = Corpus.load(None, Config().vocab, 27, cache_dir=tmp_path / "empty2")
+    assert calls == [1, 1]
+    assert np.asarray(c.tokens).tobytes() == np.asarray(learned.tokens).tobytes()
