@@ -22,7 +22,7 @@ from .speeds import DEFAULT_SPEED, SPEEDS
 from .step import StepRunner, warm_up
 from .train import Run
 
-TORCH_ROUNDS = 3  # interleaved rounds of speed 3 against PyTorch (versus_torch)
+TORCH_ROUNDS = 5  # interleaved rounds of speed 3 against PyTorch (versus_torch)
 
 
 def cpu_info() -> dict:
@@ -146,8 +146,11 @@ def torch_trainer(cfg, hyper, corpus, dtype_name, steps):
 def versus_torch(cfg, hyper, corpus, steps, rounds=TORCH_ROUNDS):
     """Speed 3 on one thread against PyTorch f64 and f32, interleaved: `rounds` rounds,
     each timing a share of the steps of all three back to back (in a rotating order), so
-    that a slow spell of a shared machine falls on all of them alike. Returns the median
-    tok/s of each over the rounds and the median of the rounds' ratios."""
+    that a slow spell of a shared machine falls on all of them alike. Each share starts
+    with one untimed step, as each run of the table does: the others' steps in between
+    leave the caches cold (with 2 timed steps a round, speed 3 measured 28% slower
+    without it). Returns the median tok/s of each over the rounds and the median of
+    the rounds' ratios."""
     import torch
 
     run = Run.fresh(cfg, hyper, corpus, plain=SPEEDS[3].plain_layouts)
@@ -155,20 +158,22 @@ def versus_torch(cfg, hyper, corpus, steps, rounds=TORCH_ROUNDS):
     try:
         warm_up(runner, run)
         run.train_step(runner)  # untimed
+        total = steps + rounds  # each round's share: an untimed step, then timed ones
         trainers = {"speed 3": lambda i: run.train_step(runner),
-                    "f64": torch_trainer(cfg, hyper, corpus, "f64", steps),
-                    "f32": torch_trainer(cfg, hyper, corpus, "f32", steps)}
+                    "f64": torch_trainer(cfg, hyper, corpus, "f64", total),
+                    "f32": torch_trainer(cfg, hyper, corpus, "f32", total)}
         tok = {name: [] for name in trainers}
         done = 0
         for r in range(rounds):
-            n = (steps - done) // (rounds - r)
+            n = (total - done) // (rounds - r) - 1
             names = list(trainers)[r % 3:] + list(trainers)[:r % 3]
             for name in names:
+                trainers[name](done + 1)
                 t0 = time.perf_counter()
-                for i in range(done + 1, done + n + 1):
+                for i in range(done + 2, done + n + 2):
                     trainers[name](i)
                 tok[name].append(n * hyper.batch * cfg.window / (time.perf_counter() - t0))
-            done += n
+            done += n + 1
     finally:
         runner.close()
     med = lambda xs: float(np.median(xs))  # noqa: E731
