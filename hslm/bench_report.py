@@ -160,7 +160,8 @@ def compare_reports(named) -> list:
             rb, re_ = torch_ratios(b), torch_ratios(e)
             if rb and re_:
                 out.append("    against PyTorch, one thread: " + ", ".join(
-                    f"{x:.2f}x -> {y:.2f}x torch {dt}" for x, y, dt in zip(rb, re_, ("f64", "f32"))))
+                    f"{x:.2f}x -> {y:.2f}x torch {dt}"
+                    for x, y, dt in zip(rb, re_, ("f64", "f32"))))
             pb, pe = dict(b.get("profile_ms") or []), e.get("profile_ms") or []
             if pb and pe:
                 out.append("    speed-3 profile, ms per step:")

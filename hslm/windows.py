@@ -271,10 +271,10 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, f
     row by row as they lie in memory, then every unit adds that group's windows, so
     each element still gets its windows in order. (Transposing each unit's columns
     apart, and the panels column by column, had cost 2-3 ms more a step here: the
-    records come from far caches, in short strided runs.) fresh: out's units get the batch's sums, whatever they held
-    (the first window's sum is stored as 0.0 + S, the bits of zeroed G added to, and
-    a small tensor is zeroed just before); else the sums are added to what out holds
-    (a pipeline's earlier windows). Zeroing G up front cost 2.5-3 ms a step here (by
+    records come from far caches, in short strided runs.) fresh: out's units get the
+    batch's sums, whatever they held (the first window's sum is stored as 0.0 + S, the
+    bits of zeroed G added to, and a small tensor is zeroed just before); else the sums
+    are added to what out holds (a pipeline's earlier windows). Zeroing G up front cost 2.5-3 ms a step here (by
     the time a unit's rows were summed, the 17 MB memset had gone to memory), and
     zeroing each unit just before its sums 1.3 ms (a memset of its rows)."""
     D = model.dims
