@@ -186,11 +186,12 @@ def memory_estimate(cfg, batch=0, threads=1, speed=3, training=True) -> int:
     # per block and position: 17 rows of d, the KV cache's four panel copies (about 4 d,
     # hslm.layers.cache_panels), 3 of the MLP width, the attention row
     per_window = L * (nb * (21 * d + 3 * F + H * L + 1) + 3 * V + 3 * d + 1) * f64
-    # per thread; the weight gradient's output-gradient panels for a group of windows
+    # per thread; the weight gradient's output-gradient panels and transposed inputs for
+    # a group of windows
     from .micro import WGRAD_PANEL  # noqa: PLC0415 (numba, no compiling)
     from .panel_kernels import WGRAD_WINDOWS  # noqa: PLC0415
     scratch = L * (12 * d + 3 * V + 3 * F
-                   + (1 + WGRAD_WINDOWS) * (max(V, F, d) + WGRAD_PANEL)) * f64
+                   + WGRAD_WINDOWS * (2 * max(V, F, d) + WGRAD_PANEL)) * f64
     total += threads * (per_window + scratch)
     if training:
         total += 3 * P * f64  # gradient, Adam m and v
