@@ -22,6 +22,7 @@ from .speeds import DEFAULT_SPEED, SPEEDS
 from .step import StepRunner, warm_up
 from .train import Run
 
+TABLE_ROUNDS = 3  # interleaved rounds of the table's runs (time_in_rounds)
 TORCH_ROUNDS = 5  # interleaved rounds of speed 3 against PyTorch (versus_torch)
 
 
@@ -76,32 +77,57 @@ def checkpoint_digest(run: Run):
     return hashlib.sha256(p + s).hexdigest(), len(p) + len(s)
 
 
-def bench_speed(cfg, hyper, corpus, speed, threads, steps, warm=True):
-    """Time `steps` training steps at one speed and thread count (after a warm-up that
-    changes nothing), and measure the numpy memory the run holds (tracemalloc)."""
+def start_run(cfg, hyper, corpus, speed, threads):
+    """A run set up for timing at one speed and thread count: its kernels loaded, one
+    untimed step taken (the first touch of every buffer), and the numpy memory it holds
+    measured (tracemalloc traces only what this run allocates)."""
     import tracemalloc
 
     tracemalloc.start()
-    run = Run.fresh(cfg, hyper, corpus, plain=SPEEDS[speed].plain_layouts)
-    runner = StepRunner(cfg, speed, threads)
     try:
-        if warm:  # compile / load the kernels outside the timing, changing nothing
-            warm_up(runner, run)
-        losses = [run.train_step(runner)]  # one untimed step: first-touch of every buffer
+        run = Run.fresh(cfg, hyper, corpus, plain=SPEEDS[speed].plain_layouts)
+        runner = StepRunner(cfg, speed, threads)
+        try:
+            warm_up(runner, run)  # compile / load the kernels, changing nothing
+            losses = [run.train_step(runner)]
+        except BaseException:
+            runner.close()
+            raise
         memory = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            losses.append(run.train_step(runner))
-        dt = time.perf_counter() - t0
     finally:
-        runner.close()
-        if tracemalloc.is_tracing():
-            tracemalloc.stop()
-    digest, size = checkpoint_digest(run)
-    return dict(speed=speed, threads=threads, batch=hyper.batch, seconds=dt,
-                tok_s=steps * hyper.batch * cfg.window / dt, losses=losses,
-                digest=digest, memory_bytes=memory, checkpoint_bytes=size)
+        tracemalloc.stop()
+    return {"speed": speed, "threads": threads, "batch": hyper.batch, "run": run,
+            "runner": runner, "losses": losses, "memory_bytes": memory, "per_round": [],
+            "seconds": 0.0}
+
+
+def time_in_rounds(runs, steps, rounds, tokens_per_step):
+    """Train every run `steps` timed steps, in `rounds` rounds: each round gives each run
+    in turn (a rotating order) one untimed step, then its share of the timed steps, so
+    that a slow spell of a shared machine falls on all runs alike and none is timed on
+    caches the others left cold. A run's tok/s is the median of its rounds'."""
+    done = 0
+    for r in range(rounds):
+        n = (steps - done) // (rounds - r)
+        for e in runs[r % len(runs):] + runs[:r % len(runs)]:
+            e["losses"].append(e["run"].train_step(e["runner"]))
+            t0 = time.perf_counter()
+            for _ in range(n):
+                e["losses"].append(e["run"].train_step(e["runner"]))
+            dt = time.perf_counter() - t0
+            e["seconds"] += dt
+            e["per_round"].append(n * tokens_per_step / dt)
+        done += n
+    for e in runs:
+        e["tok_s"] = float(np.median(e["per_round"]))
+
+
+def finish_run(e):
+    """The run's row: its checkpoint's digest and size; its runner closed."""
+    e["runner"].close()
+    digest, size = checkpoint_digest(e.pop("run"))
+    del e["runner"]
+    return {**e, "digest": digest, "checkpoint_bytes": size}
 
 
 def torch_trainer(cfg, hyper, corpus, dtype_name, steps):
@@ -293,8 +319,9 @@ def threading_description(threads):
 # ---------------------------------------------------------------- the report
 def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch, profile,
               progress=None, cache_dir=None):
-    """Every (model, batch, threads, speed) side by side in one process, plus PyTorch
-    and a speed-3 profile: a report dict (machine, versions, rows, ratios)."""
+    """Every (model, batch, threads, speed) side by side in one process, the runs of a
+    batch timed in interleaved rounds (time_in_rounds), plus PyTorch and a speed-3
+    profile: a report dict (machine, versions, rows, ratios)."""
     import sys
 
     import numba
@@ -303,6 +330,7 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
     from .train import check_hyper, load_corpus, resolve_config
     from .validate import check_fits, memory_estimate
 
+    rounds = min(TABLE_ROUNDS, steps)
     nominal, peak_desc = machine_peak_gflops_per_core()
     measured = measured_peaks()
     if measured is None:  # the nominal peak, and half of it unfused where adds share pipes
@@ -316,7 +344,7 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
               "python": sys.version.split()[0], "numpy": np.__version__,
               "numba": numba.__version__, "hslm": __version__, "commit": source_commit(),
               "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-              "steps": steps, "seed": 1729, "models": []}
+              "steps": steps, "rounds": rounds, "seed": 1729, "models": []}
     for name in models:
         cfg = resolve_config(name)
         k = cfg.window if k_flag is None else k_flag
@@ -326,23 +354,33 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
         for batch in batches:
             hyper = Hyper(batch=batch, loss_positions=k, seed=1729)
             check_hyper(cfg, hyper)
-            check_fits(memory_estimate(cfg, batch, max(threads), max(speeds)),
-                       f"bench --model {name} --batch {batch}")
+            combos = [(s, t) for t in threads for s in speeds]
+            check_fits(sum(memory_estimate(cfg, batch, t, s) for s, t in combos),
+                       f"bench --model {name} --batch {batch} (its {len(combos)} runs side "
+                       "by side)")
             if corpus is None:
                 corpus = load_corpus(data, cfg, cache_dir=cache_dir)
                 entry["text_sha256"] = corpus.text_sha256
+            runs = []
+            try:
+                for s, t in combos:
+                    runs.append(start_run(cfg, hyper, corpus, s, t))
+                time_in_rounds(runs, steps, rounds, batch * cfg.window)
+            except BaseException:
+                for e in runs:
+                    e["runner"].close()
+                raise
             digests, losses = set(), set()
-            for t in threads:
-                for s in speeds:
-                    r = bench_speed(cfg, hyper, corpus, s, t, steps)
-                    r["gflops"] = r["tok_s"] * entry["flops_per_token"] / 1e9
-                    r["peak_share"] = r["gflops"] / (peak * t)
-                    entry["rows"].append(r)
-                    digests.add(r["digest"])
-                    losses.add(tuple(r["losses"]))
-                    if progress:
-                        progress(f"ran {name} batch {batch} speed {s} on {t} thread(s): "
-                                 f"{r['tok_s']:.1f} tok/s")
+            for e in runs:
+                r = finish_run(e)
+                r["gflops"] = r["tok_s"] * entry["flops_per_token"] / 1e9
+                r["peak_share"] = r["gflops"] / (peak * r["threads"])
+                entry["rows"].append(r)
+                digests.add(r["digest"])
+                losses.add(tuple(r["losses"]))
+                if progress:
+                    progress(f"ran {name} batch {batch} speed {r['speed']} on {r['threads']} "
+                             f"thread(s): {r['tok_s']:.1f} tok/s")
             entry["groups"].append({"batch": batch, "identical": len(digests) == 1
                                     and len(losses) == 1, "digest": sorted(digests)[0]})
         if with_torch:

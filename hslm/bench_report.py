@@ -11,7 +11,9 @@ def format_report(report):
     peak = report["peak_gflops_per_core"]
     version = (f"hslm {report['hslm']}" + (f" ({report['commit']})" if report.get("commit")
                                            else "") + ", " if report.get("hslm") else "")
-    out = [f"hslm bench: {report['steps']} timed steps per run, seed {report['seed']}; "
+    rounds = (f" in {report['rounds']} interleaved rounds (tok/s: their median)"
+              if report.get("rounds", 1) > 1 else "")
+    out = [f"hslm bench: {report['steps']} timed steps per run{rounds}, seed {report['seed']}; "
            f"{version}Python {report['python']}, numpy {report['numpy']}, numba "
            f"{report['numba']}" + (f"; {report['date']}" if report.get("date") else ""),
            f"machine: {report['machine']}: nominal f64 peak "
@@ -193,6 +195,7 @@ def _compare_bytes(base, b, r, e):
     bytes, batch by batch (comparable only with the same steps, seed, k and text)."""
     texts = b.get("text_sha256"), e.get("text_sha256")  # (not in reports before 1cceec6)
     same_run = (base["steps"] == r["steps"] and base.get("seed") == r.get("seed")
+                and base.get("rounds", 0) == r.get("rounds", 0)  # (each adds a step)
                 and b.get("k") == e.get("k") and (None in texts or texts[0] == texts[1]))
     out, differ = [], False
     groups = {g["batch"]: g for g in b.get("groups", [])}
@@ -201,8 +204,8 @@ def _compare_bytes(base, b, r, e):
         if old is None:
             continue
         if not same_run:
-            out.append(f"    batch {g['batch']}: checkpoints not comparable (other steps, seed, "
-                       "k or text)")
+            out.append(f"    batch {g['batch']}: checkpoints not comparable (other steps, "
+                       "rounds, seed, k or text)")
         elif old["digest"] == g["digest"]:
             out.append(f"    batch {g['batch']}: the same checkpoint bytes in both "
                        f"(sha256 {g['digest'][:16]}...)")

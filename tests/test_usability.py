@@ -176,6 +176,8 @@ def test_bench_compares_speeds_threads_batches_and_torch_on_small_models(tmp_pat
     assert all(r["memory_bytes"] > 0 and r["checkpoint_bytes"] > 0
                for m in report["models"] for r in m["rows"])
     assert report["hslm"] and report["date"].endswith("UTC") and "commit" in report
+    assert report["rounds"] == 1 and all(len(r["per_round"]) == 1
+                                         for m in report["models"] for r in m["rows"])
     # speed 3 and PyTorch timed in interleaved rounds, the ratio the median of the rounds'
     t = report["models"][0]["torch"]
     assert t["rounds"] == 5 and all(len(v) == 5 and min(v) > 0 for v in t["per_round"].values())
@@ -183,6 +185,25 @@ def test_bench_compares_speeds_threads_batches_and_torch_on_small_models(tmp_pat
     assert t["ratio_f32"] == sorted(rounds)[2] and f"{t['ratio_f32']:.2f}x torch f32" in out
     assert len(report["models"][0]["text_sha256"]) == 64
     check_bench_compare(tmp_path, report_path, report)
+
+
+def test_bench_times_its_runs_in_interleaved_rounds(tmp_path):
+    """With --steps 5, the runs of a batch take turns in 3 rounds (2, 1 and 2 timed
+    steps), each share after an untimed step: every run trains 1 + 3 + 5 steps, the
+    same ones, and its tok/s is the median of its rounds'."""
+    path = tmp_path / "b.json"
+    code, out, err = hslm("bench", "--model", "hslm-tiny", "--speed", "2,3", "--threads", "1,2",
+                          "--batch", "2", "--steps", 5, "--no-torch", "--no-profile",
+                          "--json", path)
+    assert code == 0, err
+    assert "5 timed steps per run in 3 interleaved rounds" in out
+    report = json.loads(path.read_text())
+    rows = report["models"][0]["rows"]
+    assert report["rounds"] == 3 and len(rows) == 4
+    for r in rows:
+        assert len(r["per_round"]) == 3 and len(r["losses"]) == 1 + 3 + 5
+        assert r["tok_s"] == sorted(r["per_round"])[1]
+    assert len({tuple(r["losses"]) for r in rows}) == 1 and len({r["digest"] for r in rows}) == 1
 
 
 def check_bench_compare(tmp_path, report_path, report):
