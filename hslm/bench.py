@@ -24,6 +24,7 @@ from .train import Run
 
 TABLE_ROUNDS = 3  # interleaved rounds of the table's runs (time_in_rounds)
 TORCH_ROUNDS = 5  # interleaved rounds of speed 3 against PyTorch (versus_torch)
+PROFILE_STEPS = 7  # steps of the speed-3 profile, each phase their median
 
 
 def cpu_info() -> dict:
@@ -210,47 +211,55 @@ def versus_torch(cfg, hyper, corpus, steps, rounds=TORCH_ROUNDS):
             "per_round": tok}
 
 
-def profile_layerwise(cfg, hyper, corpus, steps=3):
-    """Per-phase milliseconds of a speed-3 step on one thread: [(phase, ms)]."""
+def profile_layerwise(cfg, hyper, corpus, steps=PROFILE_STEPS):
+    """Per-phase milliseconds of a speed-3 step on one thread: [(phase, ms)], each the
+    median over `steps` steps (or calls), which a slow spell of a shared machine moves
+    less than a mean."""
     from .layers import KERNEL_PANELS
     from .vsa import vsa_window
     from .windows import windows_forward
 
     run = Run.fresh(cfg, hyper, corpus, plain=False)
     runner = StepRunner(cfg, DEFAULT_SPEED, 1)
-    run.train_step(runner)  # warm
-    runner.timings = {}
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        run.train_step(runner)
-    t_step = (time.perf_counter() - t0) / steps
-    t_win = runner.timings["windows"] / steps
-    t_wg = runner.timings["weight gradients"] / steps
-    model = run.state.kernel_model()
-    w = runner.workers[0]
-    windows = corpus.draw_windows(Stream.seeded("bench", 0), hyper.batch, cfg.window)
-    k = hyper.loss_positions
-
-    def timed(f):
-        f()
-        t = time.perf_counter()
+    try:
+        run.train_step(runner)  # warm
+        per_step = []
         for _ in range(steps):
-            f()
-        return (time.perf_counter() - t) / steps
+            runner.timings = {}
+            t0 = time.perf_counter()
+            run.train_step(runner)
+            per_step.append({"step": time.perf_counter() - t0, **runner.timings})
+        med = {key: float(np.median([x[key] for x in per_step])) for key in per_step[0]}
+        t_step, t_win, t_wg = med["step"], med["windows"], med["weight gradients"]
+        model = run.state.kernel_model()
+        w = runner.workers[0]
+        windows = corpus.draw_windows(Stream.seeded("bench", 0), hyper.batch, cfg.window)
+        k = hyper.loss_positions
 
-    t_vsa = timed(lambda: [vsa_window(run.tables.vsa, x, cfg.blocks, cfg.width, w.vsa)
-                           for x in windows])
-    # the step's own forward (with its VSA stream) over the batch, in the step's buffers
-    t_fwd = timed(lambda: windows_forward(model, run.tables.vsa, windows, runner.vsa_b, k,
-                                          runner.acts_b, 0, 1, KERNEL_PANELS)) - t_vsa
-    # timed inside the step: after the weight gradients, theta, m and v come from farther
-    # away than when the optimiser runs alone, back to back (about 3 ms more here)
-    t_opt = runner.timings["optimiser"] / steps
-    rows = [("VSA stream", t_vsa), ("forward", t_fwd),
-            ("backward through the layers' inputs", t_win - t_fwd - t_vsa),
-            (WEIGHT_GRADIENTS, t_wg),
-            ("optimiser + requantise", t_opt)]
-    rows.append(("other (drawing windows, Python)", t_step - sum(t for _, t in rows)))
+        def timed(f):
+            f()
+            times = []
+            for _ in range(steps):
+                t = time.perf_counter()
+                f()
+                times.append(time.perf_counter() - t)
+            return float(np.median(times))
+
+        t_vsa = timed(lambda: [vsa_window(run.tables.vsa, x, cfg.blocks, cfg.width, w.vsa)
+                               for x in windows])
+        # the step's own forward (with its VSA stream) over the batch, in the step's buffers
+        t_fwd = timed(lambda: windows_forward(model, run.tables.vsa, windows, runner.vsa_b, k,
+                                              runner.acts_b, 0, 1, KERNEL_PANELS)) - t_vsa
+        # timed inside the step: after the weight gradients, theta, m and v come from farther
+        # away than when the optimiser runs alone, back to back (about 3 ms more here)
+        t_opt = med["optimiser"]
+        rows = [("VSA stream", t_vsa), ("forward", t_fwd),
+                ("backward through the layers' inputs", t_win - t_fwd - t_vsa),
+                (WEIGHT_GRADIENTS, t_wg),
+                ("optimiser + requantise", t_opt)]
+        rows.append(("other (drawing windows, Python)", t_step - sum(t for _, t in rows)))
+    finally:
+        runner.close()
     return [(name, 1e3 * t) for name, t in rows]
 
 
