@@ -102,7 +102,7 @@ def start_run(cfg, hyper, corpus, speed, threads):
             "seconds": 0.0}
 
 
-def time_in_rounds(runs, steps, rounds, tokens_per_step):
+def time_in_rounds(runs, steps, rounds, tokens_per_step, progress=None):
     """Train every run `steps` timed steps, in `rounds` rounds: each round gives each run
     in turn (a rotating order) one untimed step, then its share of the timed steps, so
     that a slow spell of a shared machine falls on all runs alike and none is timed on
@@ -118,6 +118,9 @@ def time_in_rounds(runs, steps, rounds, tokens_per_step):
             dt = time.perf_counter() - t0
             e["seconds"] += dt
             e["per_round"].append(n * tokens_per_step / dt)
+            if progress:
+                progress(f"round {r + 1} of {rounds}: speed {e['speed']} on {e['threads']} "
+                         f"thread(s), {e['per_round'][-1]:.1f} tok/s")
         done += n
     for e in runs:
         e["tok_s"] = float(np.median(e["per_round"]))
@@ -374,7 +377,9 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
             try:
                 for s, t in combos:
                     runs.append(start_run(cfg, hyper, corpus, s, t))
-                time_in_rounds(runs, steps, rounds, batch * cfg.window)
+                    if progress:
+                        progress(f"set up {name} batch {batch} speed {s} on {t} thread(s)")
+                time_in_rounds(runs, steps, rounds, batch * cfg.window, progress)
             except BaseException:
                 for e in runs:
                     e["runner"].close()
