@@ -53,12 +53,16 @@ def machine_peak_gflops_per_core():
     info = cpu_info()
     flags = " " + info.get("flags", "") + " "
     model = info.get("model name") or platform.processor()
+    from .micro import wide_vectors
     lanes = 8 if " avx512f " in flags else (4 if " avx2 " in flags else 2)
+    if lanes == 8 and not wide_vectors():  # built for 256-bit vectors (an AVX2 target)
+        lanes = 4
     fma = 2 if (" fma " in flags or " avx512f " in flags) else 1
     flops_per_cycle = 2 * lanes * fma if fma > 1 else 2 * lanes
     ghz = float(info.get("cpu MHz", 2000.0)) / 1000.0
+    pipes = "2 FMA pipes" if fma > 1 else "no FMA"
     return ghz * flops_per_cycle, (f"{model or 'cpu'}, {ghz:.2f} GHz x {flops_per_cycle} f64 "
-                                   f"flops/cycle ({lanes}-wide, 2 FMA pipes)")
+                                   f"flops/cycle ({lanes}-wide as built, {pipes})")
 
 
 def separate_add_pipes() -> bool:
