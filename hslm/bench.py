@@ -101,32 +101,41 @@ def start_run(cfg, hyper, corpus, speed, threads):
         memory = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    return {"speed": speed, "threads": threads, "batch": hyper.batch, "run": run,
-            "runner": runner, "losses": losses, "memory_bytes": memory, "per_round": [],
-            "seconds": 0.0}
+    return {**timed_share(f"speed {speed} on {threads} thread(s)",
+                          lambda: run.train_step(runner)),
+            "speed": speed, "threads": threads, "batch": hyper.batch, "run": run,
+            "runner": runner, "losses": losses, "memory_bytes": memory}
 
 
-def time_in_rounds(runs, steps, rounds, tokens_per_step, progress=None):
-    """Train every run `steps` timed steps, in `rounds` rounds: each round gives each run
-    in turn (a rotating order) one untimed step, then its share of the timed steps, so
-    that a slow spell of a shared machine falls on all runs alike and none is timed on
-    caches the others left cold. A run's tok/s is the median of its rounds'."""
+def timed_share(label, step):
+    """What time_in_rounds needs of a contender: a label, step() that trains one step
+    (and returns its loss, or None), and where its figures go."""
+    return {"label": label, "step": step, "losses": [], "per_round": [], "seconds": 0.0}
+
+
+def time_in_rounds(entries, steps, rounds, tokens_per_step, progress=None):
+    """Train every entry (timed_share) `steps` timed steps, in `rounds` rounds: each round
+    gives each entry in turn (a rotating order) one untimed step, then its share of the
+    timed steps, so that a slow spell of a shared machine falls on all alike and none is
+    timed on caches the others left cold (with 2 timed steps a round and no untimed one,
+    speed 3 measured 28% below its own run against PyTorch). An entry's tok/s is the
+    median of its rounds'."""
     done = 0
     for r in range(rounds):
         n = (steps - done) // (rounds - r)
-        for e in runs[r % len(runs):] + runs[:r % len(runs)]:
-            e["losses"].append(e["run"].train_step(e["runner"]))
+        for e in entries[r % len(entries):] + entries[:r % len(entries)]:
+            e["losses"].append(e["step"]())
             t0 = time.perf_counter()
             for _ in range(n):
-                e["losses"].append(e["run"].train_step(e["runner"]))
+                e["losses"].append(e["step"]())
             dt = time.perf_counter() - t0
             e["seconds"] += dt
             e["per_round"].append(n * tokens_per_step / dt)
             if progress:
-                progress(f"round {r + 1} of {rounds}: speed {e['speed']} on {e['threads']} "
-                         f"thread(s), {e['per_round'][-1]:.1f} tok/s")
+                progress(f"round {r + 1} of {rounds}: {e['label']}, "
+                         f"{e['per_round'][-1]:.1f} tok/s")
         done += n
-    for e in runs:
+    for e in entries:
         e["tok_s"] = float(np.median(e["per_round"]))
 
 
@@ -134,14 +143,15 @@ def finish_run(e):
     """The run's row: its checkpoint's digest and size; its runner closed."""
     e["runner"].close()
     digest, size = checkpoint_digest(e.pop("run"))
-    del e["runner"]
+    for key in ("runner", "step", "label"):
+        del e[key]
     return {**e, "digest": digest, "checkpoint_bytes": size}
 
 
 def torch_trainer(cfg, hyper, corpus, dtype_name, steps):
     """The same model and objective in PyTorch, one thread, windows batched: a function
-    step(i), i = 1 .. steps, that trains one step (forward, autograd backward, per-tensor
-    clipping and AdamW), after one untimed step."""
+    step() that trains the next step (forward, autograd backward, per-tensor clipping and
+    AdamW), `steps` times, after one untimed step."""
     import torch
 
     from .oracle_torch import vsa_stream, window_losses
@@ -164,7 +174,11 @@ def torch_trainer(cfg, hyper, corpus, dtype_name, steps):
     batches = [corpus.draw_windows(rng, hyper.batch, cfg.window) for _ in range(steps + 1)]
     vsas = [np.stack([vsa_stream(cfg, table, w) for w in b]) for b in batches]
 
-    def step(i):
+    taken = [0]
+
+    def step():
+        i = taken[0]
+        taken[0] += 1
         loss, _, _ = window_losses(cfg, params, batches[i], vsas[i], hyper.loss_positions,
                                    dtype=dtype)
         opt.zero_grad()
@@ -173,43 +187,27 @@ def torch_trainer(cfg, hyper, corpus, dtype_name, steps):
             torch.nn.utils.clip_grad_norm_([p], 1.0)
         opt.step()
 
-    step(0)  # warm-up
+    step()  # warm-up
     return step
 
 
 def versus_torch(cfg, hyper, corpus, steps, rounds=TORCH_ROUNDS):
-    """Speed 3 on one thread against PyTorch f64 and f32, interleaved: `rounds` rounds,
-    each timing a share of the steps of all three back to back (in a rotating order), so
-    that a slow spell of a shared machine falls on all of them alike. Each share starts
-    with one untimed step, as each run of the table does: the others' steps in between
-    leave the caches cold (with 2 timed steps a round, speed 3 measured 28% slower
-    without it). Returns the median tok/s of each over the rounds and the median of
-    the rounds' ratios."""
+    """Speed 3 on one thread against PyTorch f64 and f32, in `rounds` interleaved rounds
+    (time_in_rounds), so that a slow spell of a shared machine falls on all three alike.
+    Returns the median tok/s of each over the rounds and the median of the rounds'
+    ratios."""
     import torch
 
-    run = Run.fresh(cfg, hyper, corpus, plain=SPEEDS[3].plain_layouts)
-    runner = StepRunner(cfg, 3, 1)
+    ours = start_run(cfg, hyper, corpus, 3, 1)
     try:
-        warm_up(runner, run)
-        run.train_step(runner)  # untimed
         total = steps + rounds  # each round's share: an untimed step, then timed ones
-        trainers = {"speed 3": lambda i: run.train_step(runner),
-                    "f64": torch_trainer(cfg, hyper, corpus, "f64", total),
-                    "f32": torch_trainer(cfg, hyper, corpus, "f32", total)}
-        tok = {name: [] for name in trainers}
-        done = 0
-        for r in range(rounds):
-            n = (total - done) // (rounds - r) - 1
-            names = list(trainers)[r % 3:] + list(trainers)[:r % 3]
-            for name in names:
-                trainers[name](done + 1)
-                t0 = time.perf_counter()
-                for i in range(done + 2, done + n + 2):
-                    trainers[name](i)
-                tok[name].append(n * hyper.batch * cfg.window / (time.perf_counter() - t0))
-            done += n + 1
+        entries = [ours] + [timed_share(f"PyTorch {dt}",
+                                        torch_trainer(cfg, hyper, corpus, dt, total))
+                            for dt in ("f64", "f32")]
+        time_in_rounds(entries, steps, rounds, hyper.batch * cfg.window)
     finally:
-        runner.close()
+        ours["runner"].close()
+    tok = dict(zip(("speed 3", "f64", "f32"), (e["per_round"] for e in entries)))
     med = lambda xs: float(np.median(xs))  # noqa: E731
     return {"version": torch.__version__, "rounds": rounds, "ours": med(tok["speed 3"]),
             "f64": med(tok["f64"]), "f32": med(tok["f32"]),

@@ -9,8 +9,7 @@ def format_report(report):
     """The report as the lines `hslm bench` prints."""
     from .speeds import SPEED_NAMES
     peak = report["peak_gflops_per_core"]
-    version = (f"hslm {report['hslm']}" + (f" ({report['commit']})" if report.get("commit")
-                                           else "") + ", " if report.get("hslm") else "")
+    version = f"{_version(report)}, " if report.get("hslm") else ""
     rounds = (f" in {report['rounds']} interleaved rounds (tok/s: their median)"
               if report.get("rounds", 1) > 1 else "")
     out = [f"hslm bench: {report['steps']} timed steps per run{rounds}, seed {report['seed']}; "
@@ -46,20 +45,18 @@ def format_report(report):
                 f"checkpoints byte-identical across all runs (sha256 {g['digest'][:16]}...), "
                 "losses identical" if g["identical"] else "CHECKPOINTS DIFFER across runs"))
         t = e.get("torch")
-        if t and "ours" in t:
-            out.append(f"PyTorch {t['version']} baseline, one thread, windows batched, batch "
-                       f"{rows[0]['batch']}, timed in {t['rounds']} rounds interleaved with speed "
-                       f"3 on one thread (medians): speed 3 {t['ours']:.1f} tok/s, f64 "
-                       f"{t['f64']:.1f} tok/s, f32 {t['f32']:.1f} tok/s; speed 3 is "
-                       f"{t['ratio_f64']:.2f}x torch f64, {t['ratio_f32']:.2f}x torch f32")
-        elif t:  # reports before the rounds: PyTorch timed after the rows
-            ours = max((r for r in rows if r["threads"] == 1 and r["batch"] == rows[0]["batch"]),
-                       key=lambda r: r["tok_s"], default=None)
-            line = (f"PyTorch {t['version']} baseline, one thread, windows batched: "
-                    f"f64 {t['f64']:.1f} tok/s, f32 {t['f32']:.1f} tok/s")
-            if ours:
-                line += (f"; speed {ours['speed']} is {ours['tok_s'] / t['f64']:.2f}x torch "
-                         f"f64, {ours['tok_s'] / t['f32']:.2f}x torch f32")
+        if t:
+            line = f"PyTorch {t['version']} baseline, one thread, windows batched"
+            if "ours" in t:
+                line += (f", batch {rows[0]['batch']}, timed in {t['rounds']} rounds interleaved "
+                         f"with speed 3 on one thread (medians): speed 3 {t['ours']:.1f} tok/s,")
+            else:  # reports before the rounds: PyTorch timed after the rows
+                line += ":"
+            line += f" f64 {t['f64']:.1f} tok/s, f32 {t['f32']:.1f} tok/s"
+            ratios = torch_ratios(e)
+            if ratios:
+                line += (f"; speed 3 is {ratios[0]:.2f}x torch f64, {ratios[1]:.2f}x torch "
+                         "f32")
             out.append(line)
         elif "torch" in e:
             out.append("PyTorch baseline: torch not installed (pip install torch==2.13.0)")
@@ -85,6 +82,11 @@ def format_report(report):
                     line += f"  {rate:6.1f} {label:7s} {100 * rate / ceiling:5.1f}% of its ceiling"
                 out.append(line)
     return out
+
+
+def _version(report) -> str:
+    """"hslm 0.2.0 (commit)" of a report that records its version."""
+    return f"hslm {report['hslm']}" + (f" ({report['commit']})" if report.get("commit") else "")
 
 
 def source_commit():
@@ -129,8 +131,7 @@ def compare_reports(named) -> list:
     differ = False
 
     def describe(name, r):
-        version = f"hslm {r['hslm']}" + (f" ({r['commit']})" if r.get("commit") else "") \
-            if r.get("hslm") else "hslm (version not recorded)"
+        version = _version(r) if r.get("hslm") else "hslm (version not recorded)"
         return (f"{name}: {version}, {r.get('date', 'date not recorded')}, {r['steps']} "
                 f"steps; {r.get('machine', '?')}; Python {r.get('python', '?')}, numpy "
                 f"{r.get('numpy', '?')}, numba {r.get('numba', '?')}")
