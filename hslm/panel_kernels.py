@@ -11,17 +11,19 @@ chooses one of each for the machine).
 import numpy as np
 from numba import njit
 
-from .vector_tiles import make_tile
+from .vector_tiles import make_tile, make_widen
 
 TERNARY_TILES = ((9, 16), (3, 12))
 WGRAD_TILES = ((3, 24), (3, 12))
 WGRAD_WINDOWS = 8  # windows whose output gradients a thread holds in panels at once
+TERNARY_CHUNK = 96  # input indices per widened chunk of a ternary panel
 
 
-TILE_9x16 = make_tile(9, 2, 8)
-TILE_6x16 = make_tile(6, 2, 8)
-TILE_3x16 = make_tile(3, 2, 8)
-ROW_16 = make_tile(1, 2, 8)
+TILE_9x16 = make_tile(9, 2, 8, widened=True, resume=True)
+TILE_6x16 = make_tile(6, 2, 8, widened=True, resume=True)
+TILE_3x16 = make_tile(3, 2, 8, widened=True, resume=True)
+ROW_16 = make_tile(1, 2, 8, widened=True, resume=True)
+WIDEN_16 = make_widen(16)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -34,40 +36,44 @@ def ternary_panel_matmul_9x16(X, P, b, alpha, Y):
     not change, on machines with or without FMA. Never call it with a
     non-ternary matrix."""
     n, a = X.shape
-    out = np.empty(144)
-    xs = X.strides[0] // 8
-    for q in range(P.shape[0]):  # a panel is reused by every row while it is in cache
+    sums = np.empty(n * 16)  # [n, 16]: the rows' sums for one panel
+    s = sums.ctypes.data
+    trits = np.empty(min(a, TERNARY_CHUNK) * 16)  # a chunk of a panel, widened
+    wide = trits.ctypes.data
+    x, xs = X.ctypes.data, X.strides[0] // 8
+    for q in range(P.shape[0]):
         j = q * 16
         p = P.ctypes.data + q * P.strides[0]
+        k0 = 0
+        while True:  # chunks of the input index (at least one: a = 0 sums to 0.0)
+            kn = min(TERNARY_CHUNK, a - k0)
+            WIDEN_16(p + 16 * k0, kn, wide)
+            more = 1 if k0 > 0 else 0
+            r = 0
+            while r + 9 <= n:
+                TILE_9x16(x + 8 * (r * xs + k0), xs, wide, kn, s + 8 * 16 * r, more)
+                r += 9
+            while r + 6 <= n:
+                TILE_6x16(x + 8 * (r * xs + k0), xs, wide, kn, s + 8 * 16 * r, more)
+                r += 6
+            while r + 3 <= n:
+                TILE_3x16(x + 8 * (r * xs + k0), xs, wide, kn, s + 8 * 16 * r, more)
+                r += 3
+            while r + 1 <= n:
+                ROW_16(x + 8 * (r * xs + k0), xs, wide, kn, s + 8 * 16 * r, more)
+                r += 1
+            k0 += TERNARY_CHUNK
+            if k0 >= a:
+                break
         cols = min(16, b - j)
-        r = 0
-        while r + 9 <= n:
-            TILE_9x16(X.ctypes.data + r * X.strides[0], xs, p, a, out.ctypes.data)
-            for rr in range(9):
-                for c in range(cols):
-                    Y[r + rr, j + c] = alpha * out[rr * 16 + c]
-            r += 9
-        while r + 6 <= n:
-            TILE_6x16(X.ctypes.data + r * X.strides[0], xs, p, a, out.ctypes.data)
-            for rr in range(6):
-                for c in range(cols):
-                    Y[r + rr, j + c] = alpha * out[rr * 16 + c]
-            r += 6
-        while r + 3 <= n:
-            TILE_3x16(X.ctypes.data + r * X.strides[0], xs, p, a, out.ctypes.data)
-            for rr in range(3):
-                for c in range(cols):
-                    Y[r + rr, j + c] = alpha * out[rr * 16 + c]
-            r += 3
-        while r < n:
-            ROW_16(X.ctypes.data + r * X.strides[0], xs, p, a, out.ctypes.data)
+        for r in range(n):
             for c in range(cols):
-                Y[r, j + c] = alpha * out[c]
-            r += 1
+                Y[r, j + c] = alpha * sums[r * 16 + c]
 
 
-TILE_3x12 = make_tile(3, 3, 4)
-ROW_12 = make_tile(1, 3, 4)
+TILE_3x12 = make_tile(3, 3, 4, widened=True, resume=True)
+ROW_12 = make_tile(1, 3, 4, widened=True, resume=True)
+WIDEN_12 = make_widen(12)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -80,24 +86,33 @@ def ternary_panel_matmul_3x12(X, P, b, alpha, Y):
     not change, on machines with or without FMA. Never call it with a
     non-ternary matrix."""
     n, a = X.shape
-    out = np.empty(36)
-    xs = X.strides[0] // 8
-    for q in range(P.shape[0]):  # a panel is reused by every row while it is in cache
+    sums = np.empty(n * 12)  # [n, 12]: the rows' sums for one panel
+    s = sums.ctypes.data
+    trits = np.empty(min(a, TERNARY_CHUNK) * 12)  # a chunk of a panel, widened
+    wide = trits.ctypes.data
+    x, xs = X.ctypes.data, X.strides[0] // 8
+    for q in range(P.shape[0]):
         j = q * 12
         p = P.ctypes.data + q * P.strides[0]
+        k0 = 0
+        while True:  # chunks of the input index (at least one: a = 0 sums to 0.0)
+            kn = min(TERNARY_CHUNK, a - k0)
+            WIDEN_12(p + 12 * k0, kn, wide)
+            more = 1 if k0 > 0 else 0
+            r = 0
+            while r + 3 <= n:
+                TILE_3x12(x + 8 * (r * xs + k0), xs, wide, kn, s + 8 * 12 * r, more)
+                r += 3
+            while r + 1 <= n:
+                ROW_12(x + 8 * (r * xs + k0), xs, wide, kn, s + 8 * 12 * r, more)
+                r += 1
+            k0 += TERNARY_CHUNK
+            if k0 >= a:
+                break
         cols = min(12, b - j)
-        r = 0
-        while r + 3 <= n:
-            TILE_3x12(X.ctypes.data + r * X.strides[0], xs, p, a, out.ctypes.data)
-            for rr in range(3):
-                for c in range(cols):
-                    Y[r + rr, j + c] = alpha * out[rr * 12 + c]
-            r += 3
-        while r < n:
-            ROW_12(X.ctypes.data + r * X.strides[0], xs, p, a, out.ctypes.data)
+        for r in range(n):
             for c in range(cols):
-                Y[r, j + c] = alpha * out[c]
-            r += 1
+                Y[r, j + c] = alpha * sums[r * 12 + c]
 
 
 WGRAD_3x24 = make_tile(3, 3, 8, ternary=False, add_into=True)

@@ -7,8 +7,11 @@ relied on LLVM's SLP vectoriser to pack them. For the ternary 9 x 16 tile it pac
 most of them but not all: its loop did 20 FMAs, 4 conversions and 3 lane inserts for
 the 18 FMAs and 2 conversions the tile needs (per input index), and the kernel ran at
 about 55% of this core's measured FMA peak. Here the loop is written as the tile
-means it: per input index, `vecs` panel vectors loaded (int8 trits converted to
-float64), each of `rows` inputs broadcast, and rows x vecs vector multiply-adds.
+means it: per input index, `vecs` panel vectors loaded, each of `rows` inputs
+broadcast, and rows x vecs vector multiply-adds. The ternary kernels widen a chunk of
+a panel's int8 trits to float64 once (make_widen) for all the row tiles that use it:
+converting in the tile's loop cost 6 of the 24 operations per input index that the
+9 x 16 tile gave the two FMA ports.
 
 The sums are the plain loops' sums: each output element starts at 0.0 and adds
 x[r, i] * t[i, c] for i = 0, 1, ... in order. The multiply-add is llvm.fmuladd,
@@ -48,11 +51,12 @@ def splat(builder, x, vt):
 
 
 def make_tile(rows: int, vecs: int, lanes: int, ternary: bool = True, add_into: bool = False,
-              p_stride: int = 0):
+              p_stride: int = 0, widened: bool = False, resume: bool = False):
     """An intrinsic tile(x_addr, x_stride, p_addr, a, out_addr), all intp:
 
     X: float64 rows at x_addr, x_stride elements apart; P: `a` rows of vecs * lanes
-    int8 trits (-1, 0, +1) at p_addr, contiguous (float64 values if not ternary). For
+    int8 trits (-1, 0, +1) at p_addr, contiguous (float64 values if not ternary, and
+    trits already widened to float64 if widened: see make_widen). For
     i = 0 .. a-1 in order: acc[r, c] = acc[r, c] + X[r, i] P[i, c], from 0.0 (fused
     for trits, else the product rounded and then added); then
     out[r * vecs * lanes + c] = acc[r, c] (float64 at out_addr).
@@ -62,19 +66,31 @@ def make_tile(rows: int, vecs: int, lanes: int, ternary: bool = True, add_into: 
     into out's rows, out_stride elements apart: out[r, c] = base + acc[r, c], base
     out[r, c] or, where fresh is nonzero, 0.0 (the bits of zeroed memory added to).
     p_stride: elements from one row of P to the next when the tile is narrower than
-    its panels (vecs * lanes by default)."""
+    its panels (vecs * lanes by default).
+
+    resume (a sum over i in chunks): the intrinsic takes one more argument, tile(x_addr,
+    x_stride, p_addr, a, out_addr, more), and where more is nonzero the sums start from
+    out's values (an earlier chunk's sums, stored by the tile) instead of 0.0, and go on
+    adding: the same chain of additions as one loop over every i."""
     width = p_stride or vecs * lanes
 
     def codegen(context, builder, signature, args):
         xa, xs, pa, n, oa = args[:5]
         f64, i64 = ir.DoubleType(), ir.IntType(64)
         vt = ir.VectorType(f64, lanes)
-        pt = ir.IntType(8) if ternary else f64
+        pt = ir.IntType(8) if ternary and not widened else f64
         zero = ir.Constant(vt, [0.0] * lanes)
         xptr = builder.inttoptr(xa, f64.as_pointer())
         pptr = builder.inttoptr(pa, pt.as_pointer())
         optr = builder.inttoptr(oa, f64.as_pointer())
         fmuladd = llvm_intrinsic(builder, "fmuladd", vt, 3)
+        if resume:  # go on from the earlier chunk's sums, or start from 0.0
+            more = builder.icmp_signed("!=", args[5], ir.Constant(i64, 0))
+            start = [[builder.select(more, builder.load(builder.bitcast(
+                builder.gep(optr, [ir.Constant(i64, (r * vecs + v) * lanes)]), vt.as_pointer()),
+                align=8), zero) for v in range(vecs)] for r in range(rows)]
+        else:
+            start = [[zero] * vecs for _ in range(rows)]
         entry = builder.block
         loop = builder.function.append_basic_block("tile.loop")
         sums = builder.function.append_basic_block("tile.sums")
@@ -107,8 +123,8 @@ def make_tile(rows: int, vecs: int, lanes: int, ternary: bool = True, add_into: 
         for v in range(vecs):
             p = builder.gep(pptr, [builder.add(row_i, ir.Constant(i64, v * lanes))])
             tv = builder.load(builder.bitcast(p, ir.VectorType(pt, lanes).as_pointer()),
-                              align=1 if ternary else 8)
-            t.append(builder.sitofp(tv, vt) if ternary else tv)
+                              align=8 if pt is f64 else 1)
+            t.append(tv if pt is f64 else builder.sitofp(tv, vt))
         new = []
         for r in range(rows):
             x = builder.load(builder.gep(xptr, [builder.add(builder.mul(ir.Constant(i64, r), xs),
@@ -121,26 +137,66 @@ def make_tile(rows: int, vecs: int, lanes: int, ternary: bool = True, add_into: 
         i.add_incoming(i_next, loop)
         for r in range(rows):
             for v in range(vecs):
-                acc[r][v].add_incoming(zero, entry)
+                acc[r][v].add_incoming(start[r][v], entry)
                 acc[r][v].add_incoming(new[r][v], loop)
         builder.cbranch(builder.icmp_signed("<", i_next, n), loop, sums)
         builder.position_at_end(sums)  # the sums out to memory
         store_all(new)
-        builder.position_at_end(zeros)  # a = 0: every sum is 0.0
-        store_all([[zero] * vecs for _ in range(rows)])
+        builder.position_at_end(zeros)  # a = 0: every sum is 0.0 (or as it was)
+        store_all(start)
         builder.position_at_end(done)
         return context.get_dummy_value()
 
     if add_into:
         def tile(typingctx, x_addr, x_stride, p_addr, a, out_addr, out_stride, fresh):
             return types.void(*[types.intp] * 7), codegen
+    elif resume:
+        def tile(typingctx, x_addr, x_stride, p_addr, a, out_addr, more):
+            return types.void(*[types.intp] * 6), codegen
     else:
         def tile(typingctx, x_addr, x_stride, p_addr, a, out_addr):
             return types.void(*[types.intp] * 5), codegen
 
     tile.__name__ = (f"{'ternary' if ternary else 'float64'}_tile_{rows}x{vecs * lanes}"
+                     + ("_widened" if widened else "") + ("_resume" if resume else "")
                      + ("_add_into" if add_into else "") + (f"_of_{width}" if p_stride else ""))
     return intrinsic(tile)
+
+
+def make_widen(panel: int):
+    """An intrinsic widen(p_addr, a, dst_addr), all intp: `a` rows of `panel` int8 trits
+    at p_addr (a ternary panel, contiguous) into float64 at dst_addr, row by row. A
+    ternary kernel widens each panel once for all its row tiles (the widened tile,
+    make_tile(widened=True), then loads its vectors as they are)."""
+
+    def codegen(context, builder, signature, args):
+        pa, n, da = args
+        i64, f64 = ir.IntType(64), ir.DoubleType()
+        st, dt = ir.VectorType(ir.IntType(8), panel), ir.VectorType(f64, panel)
+        src = builder.inttoptr(pa, ir.IntType(8).as_pointer())
+        dst = builder.inttoptr(da, f64.as_pointer())
+        entry = builder.block
+        loop = builder.function.append_basic_block("widen.loop")
+        done = builder.function.append_basic_block("widen.done")
+        builder.cbranch(builder.icmp_signed(">", n, ir.Constant(i64, 0)), loop, done)
+        builder.position_at_end(loop)
+        i = builder.phi(i64)
+        at = builder.mul(i, ir.Constant(i64, panel))
+        trits = builder.load(builder.bitcast(builder.gep(src, [at]), st.as_pointer()), align=1)
+        builder.store(builder.sitofp(trits, dt),
+                      builder.bitcast(builder.gep(dst, [at]), dt.as_pointer()), align=8)
+        i_next = builder.add(i, ir.Constant(i64, 1))
+        i.add_incoming(ir.Constant(i64, 0), entry)
+        i.add_incoming(i_next, loop)
+        builder.cbranch(builder.icmp_signed("<", i_next, n), loop, done)
+        builder.position_at_end(done)
+        return context.get_dummy_value()
+
+    def widen(typingctx, p_addr, a, dst_addr):
+        return types.void(types.intp, types.intp, types.intp), codegen
+
+    widen.__name__ = f"widen_trits_{panel}"
+    return intrinsic(widen)
 
 
 def _transpose_bytes_16(typingctx, src_addr, src_stride, dst_addr):
