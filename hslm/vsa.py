@@ -7,11 +7,86 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 from .config import PHI
 
 GATE = 1.0 / PHI  # 0.6180339887...
+
+
+LANES = 32  # int16 lanes of the trit loops' vectors (two AVX-512 or four AVX2 registers)
+
+
+def _trit_loop(dot: bool):
+    """An IR loop over rows of n int16 (n a multiple of LANES), as a Numba intrinsic:
+    dot: trit_dot(a_addr, b_addr, n) -> int64, sum_i a[i] b[i];
+    else: add_scaled(w, a_addr, acc_addr, n): acc[i] += w a[i] (w an int64 in int16).
+    Integer sums are exact in any order, so the lanes add in parallel. Each lane of a
+    dot adds n / LANES products of trits (|.| <= 2048 for vsa_dim <= 65536), and the
+    lanes are added in int32."""
+
+    def codegen(context, builder, signature, args):
+        i16, i32, i64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
+        vt = ir.VectorType(i16, LANES)
+        if dot:
+            a_addr, b_addr, n = args
+        else:
+            w, a_addr, b_addr, n = args
+            wv = builder.insert_element(ir.Constant(vt, ir.Undefined), builder.trunc(w, i16),
+                                        ir.Constant(i32, 0))
+            wv = builder.shuffle_vector(wv, ir.Constant(vt, ir.Undefined),
+                                        ir.Constant(ir.VectorType(i32, LANES), [0] * LANES))
+        a = builder.inttoptr(a_addr, i16.as_pointer())
+        b = builder.inttoptr(b_addr, i16.as_pointer())
+        zero = ir.Constant(vt, [0] * LANES)
+        entry = builder.block
+        loop = builder.function.append_basic_block("trits.loop")
+        done = builder.function.append_basic_block("trits.done")
+        builder.cbranch(builder.icmp_signed(">", n, ir.Constant(i64, 0)), loop, done)
+        builder.position_at_end(loop)
+        i = builder.phi(i64)
+        acc = builder.phi(vt) if dot else None
+        pa = builder.bitcast(builder.gep(a, [i]), vt.as_pointer())
+        pb = builder.bitcast(builder.gep(b, [i]), vt.as_pointer())
+        if dot:
+            new = builder.add(acc, builder.mul(builder.load(pa, align=2),
+                                               builder.load(pb, align=2)))
+        else:
+            builder.store(builder.add(builder.load(pb, align=2),
+                                      builder.mul(wv, builder.load(pa, align=2))), pb, align=2)
+        i_next = builder.add(i, ir.Constant(i64, LANES))
+        i.add_incoming(ir.Constant(i64, 0), entry)
+        i.add_incoming(i_next, loop)
+        if dot:
+            acc.add_incoming(zero, entry)
+            acc.add_incoming(new, loop)
+        builder.cbranch(builder.icmp_signed("<", i_next, n), loop, done)
+        builder.position_at_end(done)
+        if not dot:
+            return context.get_dummy_value()
+        total = builder.phi(vt)
+        total.add_incoming(zero, entry)
+        total.add_incoming(new, loop)
+        wide = builder.sext(total, ir.VectorType(i32, LANES))
+        reduce = builder.module.globals.get("llvm.vector.reduce.add.v32i32") or ir.Function(
+            builder.module, ir.FunctionType(i32, [ir.VectorType(i32, LANES)]),
+            name="llvm.vector.reduce.add.v32i32")
+        return builder.sext(builder.call(reduce, [wide]), i64)
+
+    if dot:
+        def trit_dot(typingctx, a_addr, b_addr, n):
+            return types.int64(types.intp, types.intp, types.intp), codegen
+        return intrinsic(trit_dot)
+
+    def add_scaled(typingctx, w, a_addr, acc_addr, n):
+        return types.void(types.int64, types.intp, types.intp, types.intp), codegen
+    return intrinsic(add_scaled)
+
+
+trit_dot = _trit_loop(True)
+add_scaled = _trit_loop(False)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -19,9 +94,10 @@ def vsa_window(table, tokens, n_blocks, width, out):
     """table [V, D] int8, tokens [>= L] -> out [nb, L, d] f64 (L = out.shape[1])."""
     L = out.shape[1]
     D = table.shape[1]
-    # trits in int32: the dot products (|.| <= D) vectorise 8 lanes wide
-    tau = np.zeros((L, D), np.int32)
-    nxt = np.zeros((L, D), np.int32)
+    Dp = (D + LANES - 1) // LANES * LANES  # rows padded with zeros to whole vectors
+    # trits in int16, summed by the vector loops above (trit_dot, add_scaled)
+    tau = np.zeros((L, Dp), np.int16)
+    nxt = np.zeros((L, Dp), np.int16)
     for p in range(L):  # tau^0_p: table row of t_p rotated right by p (two plain copies:
         row = table[tokens[p]]  # an integer division per element cost 40 us a window)
         r = p % D
@@ -31,14 +107,11 @@ def vsa_window(table, tokens, n_blocks, width, out):
             tau[p, i + r - D] = row[i]
     g = np.zeros(L, np.int64)
     nrm = np.zeros(L, np.int64)
-    acc = np.zeros(D, np.int32)
+    acc = np.zeros(Dp, np.int16)  # |acc| <= 10 L <= 810
     for b in range(n_blocks):
         for p in range(L):
             for j in range(p + 1):
-                s = np.int32(0)
-                for i in range(D):
-                    s += tau[p, i] * tau[j, i]
-                g[j] = s
+                g[j] = trit_dot(tau[p].ctypes.data, tau[j].ctypes.data, Dp)
             nrm[p] = g[p]  # tau_p . tau_p; the earlier rows' norms are their own g[p]
             # gate: the largest similarity to an earlier position (at p = 0: sim_0)
             gate = -2.0
@@ -50,18 +123,16 @@ def vsa_window(table, tokens, n_blocks, width, out):
                 if sim > gate:
                     gate = sim
             # context = sign(sum of w_j tau_j over j <= p with g_j > 0), w_j exact in integers
-            for i in range(D):
-                acc[i] = 0
+            acc[:] = 0
             for j in range(p + 1):
                 if g[j] > 0:
                     nn = nrm[p] * nrm[j]
-                    w = np.int32(1)
+                    w = 1
                     for c in range(2, 11):
                         if c * c * nn <= 100 * g[j] * g[j]:
-                            w = np.int32(c)
-                    for i in range(D):
-                        acc[i] += w * tau[j, i]
-            for i in range(D):
+                            w = c
+                    add_scaled(w, tau[j].ctypes.data, acc.ctypes.data, Dp)
+            for i in range(Dp):
                 nxt[p, i] = 1 if acc[i] > 0 else (-1 if acc[i] < 0 else 0)
             if gate >= GATE:
                 for i in range(width):
@@ -70,9 +141,7 @@ def vsa_window(table, tokens, n_blocks, width, out):
             else:
                 for i in range(width):
                     out[b, p, i] = 0.0
-        for p in range(L):
-            for i in range(D):
-                tau[p, i] = nxt[p, i]
+        tau, nxt = nxt, tau
     return out
 
 
