@@ -325,17 +325,25 @@ def rotary_backward(dv, cos, sin, p, H, dh):
 
 # ------------------------------------------------------ causal attention
 @njit(cache=True, nogil=True, error_model="numpy")
-def cache_panels(A, w, b, p, H, dh):
-    """Position p's key and value into the cache's panels (A.k_cols ... A.k_rows)."""
+def cache_panels(A, w, b, p0, p1, H, dh):
+    """Rows p0..p1-1's keys and values into the cache's panels (A.k_cols ... A.k_rows):
+    positions as columns of each head's key and value panels, and as rows of its
+    component panels. By component, then position, so that each panel row is written
+    in one run (position by position, each wrote a column across all of a head's panel
+    rows: 0.46 ms a step here)."""
     P = ATTN_PANEL
-    k, v = A.k[w, b, p], A.v[w, b, p]
+    K, V = A.k[w, b], A.v[w, b]
     KC, VR, VC, KR = A.k_cols[w, b], A.v_rows[w, b], A.v_cols[w, b], A.k_rows[w, b]
     for h in range(H):
+        c0 = h * dh
         for e in range(dh):
-            KC[h, p // P, e, p % P] = k[h * dh + e]
-            VC[h, p // P, e, p % P] = v[h * dh + e]
-            VR[h, e // P, p, e % P] = v[h * dh + e]
-            KR[h, e // P, p, e % P] = k[h * dh + e]
+            for p in range(p0, p1):
+                KC[h, p // P, e, p % P] = K[p, c0 + e]
+                VC[h, p // P, e, p % P] = V[p, c0 + e]
+        for p in range(p0, p1):
+            for e in range(dh):
+                VR[h, e // P, p, e % P] = V[p, c0 + e]
+                KR[h, e // P, p, e % P] = K[p, c0 + e]
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -414,7 +422,7 @@ def keys_values_forward(model, A, w, b, p0, p1, kernel):
     ternary_forward(model, tensor_index(D, b, WV), d, d, N[p0:p1], A.v[w, b, p0:p1], kernel)
     for p in range(p0, p1):
         rotary_forward(A.k[w, b, p], model.cos, model.sin, p, H, dh)
-        cache_panels(A, w, b, p, H, dh)
+    cache_panels(A, w, b, p0, p1, H, dh)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
