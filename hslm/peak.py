@@ -9,8 +9,11 @@ compiles for (so an AVX2 build measures AVX2), runs long enough to settle the cl
 
 * FMA: acc = fmuladd(acc, x, c), the ternary kernels' operation (fused where the
   core has FMA, as in the kernels);
-* multiply + add: acc = acc * x + c, unfused, the weight gradient's operation (two
-  FMA-pipe slots on Intel cores; full rate on cores with separate add pipes).
+* multiply + add: acc = acc + x_i * c, unfused, the weight gradient's operation (two
+  FMA-pipe slots on Intel cores; full rate on cores with separate add pipes): as in
+  its tile, x_i is loaded (broadcast) each iteration and only the add waits on acc.
+  (acc = acc * x + c, the loop before, put a multiply and an add on each chain, and
+  measured 47.5-53.9 GFLOP/s on a core whose weight-gradient tile ran at 55.)
 
 Each uses 12 independent vector accumulators, enough to cover the latency of the
 pipes of every x86 core these machines have, and no more than 16 registers hold.
@@ -23,9 +26,12 @@ import time
 ACCUMULATORS = 12
 
 
+XS = 64  # the unfused loop's multiplicands, loaded in turn (an L1-resident array)
+
+
 def _loop_ir(lanes: int, fused: bool) -> str:
-    """double @peak(i64 n, double x, double c): n iterations of ACCUMULATORS vector
-    multiply-adds; returns a sum of the accumulators (so none is dead code)."""
+    """double @peak(i64 n, double x, double c, double* xs): n iterations of ACCUMULATORS
+    vector multiply-adds; returns a sum of the accumulators (so none is dead code)."""
     vt = f"<{lanes} x double>"
     splat = [f"  %{v}0 = insertelement {vt} undef, double %{v}s, i32 0\n"
              f"  %{v} = shufflevector {vt} %{v}0, {vt} undef, <{lanes} x i32> zeroinitializer"
@@ -39,14 +45,18 @@ def _loop_ir(lanes: int, fused: bool) -> str:
     if fused:
         ops = [f"  %b{k} = call {vt} @llvm.fmuladd.v{lanes}f64({vt} %a{k}, {vt} %x, {vt} %c)"
                for k in range(ACCUMULATORS)]
-    else:
-        ops = [f"  %p{k} = fmul {vt} %a{k}, %x\n  %b{k} = fadd {vt} %p{k}, %c"
-               for k in range(ACCUMULATORS)]
+    else:  # a product off the chain, then the add on it: acc_k += xs[i mod XS] * c_k
+        ops = [f"  %slot = and i64 %i, {XS - 1}", "  %xp = getelementptr double, double* %xv, "
+               "i64 %slot", "  %xl = load double, double* %xp",
+               f"  %xi0 = insertelement {vt} undef, double %xl, i32 0",
+               f"  %xi = shufflevector {vt} %xi0, {vt} undef, <{lanes} x i32> zeroinitializer"]
+        ops += [f"  %p{k} = fmul {vt} %xi, %init{k}\n  %b{k} = fadd {vt} %a{k}, %p{k}"
+                for k in range(ACCUMULATORS)]
     sums = [f"  %s1 = fadd {vt} %b0, %b1"] + [f"  %s{k} = fadd {vt} %s{k - 1}, %b{k}"
                                               for k in range(2, ACCUMULATORS)]
     return "\n".join([
         f"declare {vt} @llvm.fmuladd.v{lanes}f64({vt}, {vt}, {vt})",
-        "define double @peak(i64 %n, double %xs, double %cs) {",
+        "define double @peak(i64 %n, double %xs, double %cs, double* %xv) {",
         "entry:", *splat, *inits, "  br label %loop",
         "loop:", *phis, "  %i = phi i64 [ 0, %entry ], [ %inext, %loop ]", *ops,
         "  %inext = add i64 %i, 1", "  %done = icmp eq i64 %inext, %n",
@@ -72,28 +82,29 @@ def _compiled(lanes: int, fused: bool):
                                                                 opt=3)
     engine = llvm.create_mcjit_compiler(mod, tm)
     engine.finalize_object()
-    fn = ctypes.CFUNCTYPE(ctypes.c_double, ctypes.c_int64, ctypes.c_double, ctypes.c_double)(
-        engine.get_function_address("peak"))
+    fn = ctypes.CFUNCTYPE(ctypes.c_double, ctypes.c_int64, ctypes.c_double, ctypes.c_double,
+                          ctypes.c_void_p)(engine.get_function_address("peak"))
     return engine, fn
 
 
 def _rate(fn, lanes: int, seconds: float) -> float:
     """GFLOP/s of the loop (2 flops per lane and accumulator per iteration): the best of
     three runs of about `seconds` each, after one that settles the clock."""
+    xs = (ctypes.c_double * XS)(*[1e-9 * (1 + j / XS) for j in range(XS)])
     n = 1 << 16
     while True:  # grow n until one run takes a tenth of the time wanted
         t = time.perf_counter()
-        fn(n, 0.9999999, 1e-9)
+        fn(n, 0.9999999, 1e-9, ctypes.addressof(xs))
         dt = time.perf_counter() - t
         if dt > seconds / 10 or n > 1 << 34:
             break
         n *= 4
     n = max(int(n * seconds / max(dt, 1e-9)), 1)
-    fn(n, 0.9999999, 1e-9)
+    fn(n, 0.9999999, 1e-9, ctypes.addressof(xs))
     best = float("inf")
     for _ in range(3):
         t = time.perf_counter()
-        fn(n, 0.9999999, 1e-9)
+        fn(n, 0.9999999, 1e-9, ctypes.addressof(xs))
         best = min(best, time.perf_counter() - t)
     return 2.0 * lanes * ACCUMULATORS * n / best / 1e9
 
