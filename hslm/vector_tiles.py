@@ -163,6 +163,9 @@ def make_tile(rows: int, vecs: int, lanes: int, ternary: bool = True, add_into: 
     return intrinsic(tile)
 
 
+QQ2PD = "llvm.x86.avx512.sitofp.round.v8f64.v8i64"  # vcvtqq2pd: int64 lanes to float64
+
+
 def make_widen(panel: int):
     """An intrinsic widen(p_addr, a, dst_addr), all intp: `a` rows of `panel` int8 trits
     at p_addr (a ternary panel, contiguous) into float64 at dst_addr, row by row. A
@@ -171,6 +174,8 @@ def make_widen(panel: int):
 
     def codegen(context, builder, signature, args):
         pa, n, da = args
+        features = getattr(context.codegen(), "_tm_features", "") or ""
+        by_quadwords = panel % 8 == 0 and "+avx512dq" in features.split(",")
         i64, f64 = ir.IntType(64), ir.DoubleType()
         st, dt = ir.VectorType(ir.IntType(8), panel), ir.VectorType(f64, panel)
         src = builder.inttoptr(pa, ir.IntType(8).as_pointer())
@@ -182,9 +187,23 @@ def make_widen(panel: int):
         builder.position_at_end(loop)
         i = builder.phi(i64)
         at = builder.mul(i, ir.Constant(i64, panel))
-        trits = builder.load(builder.bitcast(builder.gep(src, [at]), st.as_pointer()), align=1)
-        builder.store(builder.sitofp(trits, dt),
-                      builder.bitcast(builder.gep(dst, [at]), dt.as_pointer()), align=8)
+        if by_quadwords:  # each 8 trits sign-extended to int64, then vcvtqq2pd
+            q8, v8, d8 = (ir.VectorType(t, 8) for t in (ir.IntType(8), i64, f64))
+            convert = builder.module.globals.get(QQ2PD) or ir.Function(
+                builder.module, ir.FunctionType(d8, [v8, ir.IntType(32)]), name=QQ2PD)
+            for h in range(0, panel, 8):
+                at_h = builder.add(at, ir.Constant(i64, h))
+                trits = builder.load(builder.bitcast(builder.gep(src, [at_h]), q8.as_pointer()),
+                                     align=1)
+                wide = builder.call(convert, [builder.sext(trits, v8),
+                                              ir.Constant(ir.IntType(32), 4)])  # as MXCSR says
+                builder.store(wide, builder.bitcast(builder.gep(dst, [at_h]), d8.as_pointer()),
+                              align=8)
+        else:
+            trits = builder.load(builder.bitcast(builder.gep(src, [at]), st.as_pointer()),
+                                 align=1)
+            builder.store(builder.sitofp(trits, dt),
+                          builder.bitcast(builder.gep(dst, [at]), dt.as_pointer()), align=8)
         i_next = builder.add(i, ir.Constant(i64, 1))
         i.add_incoming(ir.Constant(i64, 0), entry)
         i.add_incoming(i_next, loop)
