@@ -64,3 +64,24 @@ def test_vsa_random_table_matches_python_oracle():
     out = vsa_terms(tb.vsa, tokens, cfg.blocks, cfg.width, cfg.window)
     assert np.array_equal(out, vsa_stream(cfg, tb.vsa, tokens))
     assert np.abs(out[:, 0]).sum() > 0  # the gate fires at p = 0
+
+
+@pytest.mark.parametrize("vsa_dim,window", [(36, 9), (41, 13), (100, 27), (1024, 81)])
+@pytest.mark.parametrize("structured", [False, True], ids=["random", "structured"])
+def test_vsa_stream_of_awkward_sizes_matches_python_oracle(vsa_dim, window, structured):
+    """hslm.vsa pads each trit row to whole int16 vectors of 32 lanes: rows of 36, 41 and
+    100 trits end inside a vector, 1024 fills 32 of them, and a window of 81 (the most
+    the definition allows) gives the largest weighted sums. The control: the same
+    tokens in another order give another stream."""
+    from hslm.config import Config
+    from hslm.tables import vsa_table
+
+    cfg = Config(vocab=29, width=9, heads=3, head_width=3, mlp=27, blocks=2, window=window,
+                 vsa_dim=vsa_dim)
+    table = vsa_table(cfg, structured)
+    tokens = np.random.default_rng(vsa_dim).integers(0, cfg.vocab, window + 1)
+    out = vsa_terms(table, tokens, cfg.blocks, cfg.width, window)
+    assert np.array_equal(out, vsa_stream(cfg, table, tokens))
+    assert np.abs(out).sum() > 0
+    other = vsa_terms(table, tokens[::-1].copy(), cfg.blocks, cfg.width, window)
+    assert not np.array_equal(out, other)
