@@ -79,8 +79,8 @@ ACT_FIELDS = (
     ("attn", lambda D: (D.blocks, D.window, D.heads, D.window)),  # probabilities [b, p, h, j]
     ("attn_out", lambda D: (D.blocks, D.window, D.width)),  # o = sum_j a_j v_j
     ("h", lambda D: (D.blocks, D.window, D.width)),        # x + o Wo
-    ("u", lambda D: (D.blocks, D.window, D.mlp)),          # h Wup + bup
-    ("relu", lambda D: (D.blocks, D.window, D.mlp)),       # max(u, 0)
+    # max(u, 0) of u = h Wup + bup (u itself is not kept: u > 0 exactly where relu > 0)
+    ("relu", lambda D: (D.blocks, D.window, D.mlp)),
     ("x_final", lambda D: (D.window, D.width)),            # the last block's output
     ("rms_final", lambda D: (D.window,)),
     ("x_final_normed", lambda D: (D.window, D.width)),
@@ -483,18 +483,18 @@ def attn_residual_forward(model, A, w, b, p0, p1, kernel):
 @njit(cache=True, nogil=True, error_model="numpy")
 def mlp_forward(model, A, w, b, vsa, p0, p1, kernel):
     """u = h Wup + bup, relu = max(u, 0), x' = (h + (relu Wdown + bdown)) + vsa_b
-    for rows p0..p1-1.   h [L, d] -> u, relu [L, F] -> x_{b+1} (or x_final) [L, d]."""
+    for rows p0..p1-1.   h [L, d] -> relu [L, F] (u made in place) -> x_{b+1} (or
+    x_final) [L, d]."""
     D = model.dims
     d, F = D.width, D.mlp
-    U = A.u[w, b]
+    U = A.relu[w, b]
     ternary_forward(model, tensor_index(D, b, WUP), d, F, A.h[w, b, p0:p1], U[p0:p1], kernel)
     bup = view1(model.theta, model.offs, tensor_index(D, b, BUP))
     for p in range(p0, p1):
         u = U[p]
-        r = A.relu[w, b, p]
         for j in range(F):
-            u[j] = u[j] + bup[j]
-            r[j] = u[j] if u[j] > 0.0 else 0.0
+            uj = u[j] + bup[j]
+            u[j] = uj if uj > 0.0 else 0.0
     XO = A.x[w, b + 1] if b + 1 < D.blocks else A.x_final[w]
     ternary_forward(model, tensor_index(D, b, WDOWN), F, d, A.relu[w, b, p0:p1], XO[p0:p1],
                     kernel)
@@ -516,9 +516,9 @@ def mlp_backward(model, A, R, S, w, b, s, r0, r1, kernel):
     dU = R.d_u[w, b]
     ternary_input_grad(model, tensor_index(D, b, WDOWN), F, d, dXo[r0:r1], dU[r0:r1], kernel)
     for r in range(r0, r1):
-        u = A.u[w, b, s + r]
+        relu = A.relu[w, b, s + r]
         for j in range(F):
-            if not u[j] > 0.0:
+            if not relu[j] > 0.0:  # u > 0 exactly where relu > 0 (a NaN u gives relu 0)
                 dU[r, j] = 0.0
     T = S.tmp1
     ternary_input_grad(model, tensor_index(D, b, WUP), d, F, dU[r0:r1], T[r0:r1], kernel)

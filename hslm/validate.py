@@ -184,8 +184,8 @@ def memory_estimate(cfg, batch=0, threads=1, speed=3, training=True) -> int:
     total += 2 * P  # the ternary panels (int8)
     total += V * cfg.vsa_dim * 9  # the VSA table (drawn as int64, kept as int8)
     # per block and position: 17 rows of d, the KV cache's four panel copies (about 4 d,
-    # hslm.layers.cache_panels), 3 of the MLP width, the attention row
-    per_window = L * (nb * (21 * d + 3 * F + H * L + 1) + 3 * V + 3 * d + 1) * f64
+    # hslm.layers.cache_panels), 2 of the MLP width, the attention row
+    per_window = L * (nb * (21 * d + 2 * F + H * L + 1) + 3 * V + 3 * d + 1) * f64
     # per thread; the weight gradient's output-gradient panels and transposed inputs for
     # a group of windows
     from .micro import WGRAD_PANEL  # noqa: PLC0415 (numba, no compiling)
