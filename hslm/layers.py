@@ -555,10 +555,46 @@ def block_queries(model, A, w, vsa, b, q0, p1, kernel):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
+def blocks_forward(model, A, vsa, b, first, step, B, p0, p1, s, kernel):
+    """block_forward of windows first, first + step, ... < B (vsa [B, nb, L, d]), each layer
+    for all of them before the next, so that a layer's matrix and code stay in cache
+    (a window's block whole, then the next: the forward 1-2.5% slower here). Windows
+    are independent: the same bits as block_forward window by window."""
+    for w in range(first, B, step):
+        block_keys_values(model, A, w, b, p0, p1, kernel)
+    q0 = max(p0, s)
+    if q0 < p1:
+        for w in range(first, B, step):
+            queries_attention_forward(model, A, w, b, q0, p1, kernel)
+        for w in range(first, B, step):
+            attn_residual_forward(model, A, w, b, q0, p1, kernel)
+        for w in range(first, B, step):
+            mlp_forward(model, A, w, b, vsa[w], q0, p1, kernel)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
 def block_backward(model, A, R, S, w, b, s, r0, r1, kernel):
     """Block b's backward for record rows r0..r1-1: d_block_out[b] -> d_block_out[b - 1]
     (or d_x0 for block 0), recording each layer's output gradient on the way."""
     mlp_backward(model, A, R, S, w, b, s, r0, r1, kernel)
+    attention_norm_backward(model, A, R, S, w, b, s, r0, r1, kernel)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def blocks_backward(model, A, R, S, b, first, step, B, s, r0, r1, kernel):
+    """block_backward of windows first, first + step, ... < B: the MLP's for all of them,
+    then the rest of the block's for each (its parts pass through the thread's scratch S,
+    so they go window by window). The same bits; the backward 2.5-4% faster here."""
+    for w in range(first, B, step):
+        mlp_backward(model, A, R, S, w, b, s, r0, r1, kernel)
+    for w in range(first, B, step):
+        attention_norm_backward(model, A, R, S, w, b, s, r0, r1, kernel)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def attention_norm_backward(model, A, R, S, w, b, s, r0, r1, kernel):
+    """Block b's backward below the MLP (rows r0..r1-1): d_h -> attention, the norm and
+    the residual -> d_block_out[b - 1] (or d_x0 for block 0)."""
     qkv_attention_backward(model, A, R, S, w, b, s, r0, r1, kernel)
     # through the norm into tmp2 (its dk Wk^T part is read before it is overwritten)
     norm_gain_backward(model, A, R, w, b, s, r0, r1, S.tmp1, S.tmp2, S.d_n, S.tmp2)

@@ -29,8 +29,9 @@ from numba import njit
 from .kernels import column_sum_rows, input_columns, output_grad_panels
 from .micro import WGRAD_PANEL, panel_matmul_add
 from .layers import (COLUMN_SUM, MATRIX, block_backward, block_forward, block_keys_values,
-                     block_queries, embed_forward, head_backward, head_forward,
-                     loss_forward_backward, loss_rows, view1, view2, weight_grad_operands)
+                     block_queries, blocks_backward, blocks_forward, embed_forward,
+                     head_backward, head_forward, loss_forward_backward, loss_rows, view1, view2,
+                     weight_grad_operands)
 from .spin import add, publish, wait_for
 from .vsa import vsa_window
 
@@ -136,10 +137,9 @@ def windows_forward(model, vsa_table, windows, vsa, k, A, first, step, kernel):
     for w in range(first, B, step):
         vsa_window(vsa_table, windows[w], D.blocks, D.width, vsa[w])
         embed_forward(model, A, w, windows[w], 0, L)
-    for b in range(D.blocks):
-        for w in range(first, B, step):
-            # in the last block only the scored rows go past their keys and values
-            block_forward(model, A, w, vsa[w], b, 0, L, s if b == D.blocks - 1 else 0, kernel)
+    for b in range(D.blocks):  # in the last block only the scored rows go past their keys
+        blocks_forward(model, A, vsa, b, first, step, B, 0, L,
+                       s if b == D.blocks - 1 else 0, kernel)
     for w in range(first, B, step):
         head_forward(model, A, w, s, L, kernel)
 
@@ -241,8 +241,7 @@ def windows_backward(model, windows, k, scale, A, R, S, first, step, r0, r1, row
                 row_losses[w, r] = loss_rows(model, A, R, w, windows[w], s, r, r + 1, scale)
             head_backward(model, A, R, S, w, s, r0, r1, kernel)
     for b in range(b1 - 1, b0 - 1, -1):
-        for w in range(first, B, step):
-            block_backward(model, A, R, S, w, b, s, r0, r1, kernel)
+        blocks_backward(model, A, R, S, b, first, step, B, s, r0, r1, kernel)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
