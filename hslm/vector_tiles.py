@@ -40,8 +40,39 @@ def llvm_intrinsic(builder, name: str, vt, nargs: int):
         builder.module, ir.FunctionType(vt, [vt] * nargs), name=full)
 
 
+class CountedLoop:
+    """for i in range(0, n, step) in IR, skipped when n <= 0: `with CountedLoop(builder,
+    n, step, name) as loop:` leaves the builder in the loop's body, loop.i the counter;
+    after the block the builder is past the loop. loop.entry (the block before the loop)
+    and loop.latch (the body's last block) are the incoming blocks of phis."""
+
+    def __init__(self, builder, n, step: int, name: str):
+        self.builder, self.n, self.step = builder, n, step
+        self.entry = builder.block
+        self.head = builder.function.append_basic_block(f"{name}.loop")
+        self.done = builder.function.append_basic_block(f"{name}.done")
+
+    def __enter__(self):
+        b, i64 = self.builder, ir.IntType(64)
+        b.cbranch(b.icmp_signed(">", self.n, ir.Constant(i64, 0)), self.head, self.done)
+        b.position_at_end(self.head)
+        self.i = b.phi(i64)
+        return self
+
+    def __exit__(self, kind, value, trace):
+        if kind is None:
+            b, i64 = self.builder, ir.IntType(64)
+            self.latch = b.block
+            i_next = b.add(self.i, ir.Constant(i64, self.step))
+            self.i.add_incoming(ir.Constant(i64, 0), self.entry)
+            self.i.add_incoming(i_next, self.latch)
+            b.cbranch(b.icmp_signed("<", i_next, self.n), self.head, self.done)
+            b.position_at_end(self.done)
+        return False
+
+
 def splat(builder, x, vt):
-    """The double x in every lane of vt (x itself when vt is a double)."""
+    """The value x in every lane of vt (x itself when vt is a scalar type)."""
     if not isinstance(vt, ir.VectorType):
         return x
     i32 = ir.IntType(32)
@@ -180,35 +211,25 @@ def make_widen(panel: int):
         st, dt = ir.VectorType(ir.IntType(8), panel), ir.VectorType(f64, panel)
         src = builder.inttoptr(pa, ir.IntType(8).as_pointer())
         dst = builder.inttoptr(da, f64.as_pointer())
-        entry = builder.block
-        loop = builder.function.append_basic_block("widen.loop")
-        done = builder.function.append_basic_block("widen.done")
-        builder.cbranch(builder.icmp_signed(">", n, ir.Constant(i64, 0)), loop, done)
-        builder.position_at_end(loop)
-        i = builder.phi(i64)
-        at = builder.mul(i, ir.Constant(i64, panel))
-        if by_quadwords:  # each 8 trits sign-extended to int64, then vcvtqq2pd
-            q8, v8, d8 = (ir.VectorType(t, 8) for t in (ir.IntType(8), i64, f64))
-            convert = builder.module.globals.get(QQ2PD) or ir.Function(
-                builder.module, ir.FunctionType(d8, [v8, ir.IntType(32)]), name=QQ2PD)
-            for h in range(0, panel, 8):
-                at_h = builder.add(at, ir.Constant(i64, h))
-                trits = builder.load(builder.bitcast(builder.gep(src, [at_h]), q8.as_pointer()),
+        with CountedLoop(builder, n, 1, "widen") as loop:
+            at = builder.mul(loop.i, ir.Constant(i64, panel))
+            if by_quadwords:  # each 8 trits sign-extended to int64, then vcvtqq2pd
+                q8, v8, d8 = (ir.VectorType(t, 8) for t in (ir.IntType(8), i64, f64))
+                convert = builder.module.globals.get(QQ2PD) or ir.Function(
+                    builder.module, ir.FunctionType(d8, [v8, ir.IntType(32)]), name=QQ2PD)
+                for h in range(0, panel, 8):
+                    at_h = builder.add(at, ir.Constant(i64, h))
+                    trits = builder.load(builder.bitcast(builder.gep(src, [at_h]),
+                                                         q8.as_pointer()), align=1)
+                    wide = builder.call(convert, [builder.sext(trits, v8),
+                                                  ir.Constant(ir.IntType(32), 4)])  # MXCSR's
+                    builder.store(wide, builder.bitcast(builder.gep(dst, [at_h]),
+                                                        d8.as_pointer()), align=8)
+            else:
+                trits = builder.load(builder.bitcast(builder.gep(src, [at]), st.as_pointer()),
                                      align=1)
-                wide = builder.call(convert, [builder.sext(trits, v8),
-                                              ir.Constant(ir.IntType(32), 4)])  # as MXCSR says
-                builder.store(wide, builder.bitcast(builder.gep(dst, [at_h]), d8.as_pointer()),
-                              align=8)
-        else:
-            trits = builder.load(builder.bitcast(builder.gep(src, [at]), st.as_pointer()),
-                                 align=1)
-            builder.store(builder.sitofp(trits, dt),
-                          builder.bitcast(builder.gep(dst, [at]), dt.as_pointer()), align=8)
-        i_next = builder.add(i, ir.Constant(i64, 1))
-        i.add_incoming(ir.Constant(i64, 0), entry)
-        i.add_incoming(i_next, loop)
-        builder.cbranch(builder.icmp_signed("<", i_next, n), loop, done)
-        builder.position_at_end(done)
+                builder.store(builder.sitofp(trits, dt),
+                              builder.bitcast(builder.gep(dst, [at]), dt.as_pointer()), align=8)
         return context.get_dummy_value()
 
     def widen(typingctx, p_addr, a, dst_addr):

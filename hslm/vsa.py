@@ -12,6 +12,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from .config import PHI
+from .vector_tiles import CountedLoop, splat
 
 GATE = 1.0 / PHI  # 0.6180339887...
 
@@ -28,52 +29,37 @@ def _trit_loop(dot: bool):
     lanes are added in int32."""
 
     def codegen(context, builder, signature, args):
-        i16, i32, i64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
+        i16, i32 = ir.IntType(16), ir.IntType(32)
         vt = ir.VectorType(i16, LANES)
-        if dot:
-            a_addr, b_addr, n = args
-        else:
-            w, a_addr, b_addr, n = args
-            wv = builder.insert_element(ir.Constant(vt, ir.Undefined), builder.trunc(w, i16),
-                                        ir.Constant(i32, 0))
-            wv = builder.shuffle_vector(wv, ir.Constant(vt, ir.Undefined),
-                                        ir.Constant(ir.VectorType(i32, LANES), [0] * LANES))
+        a_addr, b_addr, n = args if dot else args[1:]
         a = builder.inttoptr(a_addr, i16.as_pointer())
         b = builder.inttoptr(b_addr, i16.as_pointer())
         zero = ir.Constant(vt, [0] * LANES)
-        entry = builder.block
-        loop = builder.function.append_basic_block("trits.loop")
-        done = builder.function.append_basic_block("trits.done")
-        builder.cbranch(builder.icmp_signed(">", n, ir.Constant(i64, 0)), loop, done)
-        builder.position_at_end(loop)
-        i = builder.phi(i64)
-        acc = builder.phi(vt) if dot else None
-        pa = builder.bitcast(builder.gep(a, [i]), vt.as_pointer())
-        pb = builder.bitcast(builder.gep(b, [i]), vt.as_pointer())
-        if dot:
-            new = builder.add(acc, builder.mul(builder.load(pa, align=2),
-                                               builder.load(pb, align=2)))
-        else:
-            builder.store(builder.add(builder.load(pb, align=2),
-                                      builder.mul(wv, builder.load(pa, align=2))), pb, align=2)
-        i_next = builder.add(i, ir.Constant(i64, LANES))
-        i.add_incoming(ir.Constant(i64, 0), entry)
-        i.add_incoming(i_next, loop)
-        if dot:
-            acc.add_incoming(zero, entry)
-            acc.add_incoming(new, loop)
-        builder.cbranch(builder.icmp_signed("<", i_next, n), loop, done)
-        builder.position_at_end(done)
+        if not dot:
+            wv = splat(builder, builder.trunc(args[0], i16), vt)
+        with CountedLoop(builder, n, LANES, "trits") as loop:
+            acc = builder.phi(vt) if dot else None  # (phis first in the block)
+            pa = builder.bitcast(builder.gep(a, [loop.i]), vt.as_pointer())
+            pb = builder.bitcast(builder.gep(b, [loop.i]), vt.as_pointer())
+            if dot:
+                new = builder.add(acc, builder.mul(builder.load(pa, align=2),
+                                                   builder.load(pb, align=2)))
+            else:
+                builder.store(builder.add(builder.load(pb, align=2),
+                                          builder.mul(wv, builder.load(pa, align=2))), pb,
+                              align=2)
         if not dot:
             return context.get_dummy_value()
-        total = builder.phi(vt)
-        total.add_incoming(zero, entry)
-        total.add_incoming(new, loop)
+        acc.add_incoming(zero, loop.entry)
+        acc.add_incoming(new, loop.latch)
+        total = builder.phi(vt)  # after the loop: 0 when n <= 0
+        total.add_incoming(zero, loop.entry)
+        total.add_incoming(new, loop.latch)
         wide = builder.sext(total, ir.VectorType(i32, LANES))
         reduce = builder.module.globals.get("llvm.vector.reduce.add.v32i32") or ir.Function(
             builder.module, ir.FunctionType(i32, [ir.VectorType(i32, LANES)]),
             name="llvm.vector.reduce.add.v32i32")
-        return builder.sext(builder.call(reduce, [wide]), i64)
+        return builder.sext(builder.call(reduce, [wide]), ir.IntType(64))
 
     if dot:
         def trit_dot(typingctx, a_addr, b_addr, n):
