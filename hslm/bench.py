@@ -220,9 +220,7 @@ def profile_layerwise(cfg, hyper, corpus, steps=PROFILE_STEPS):
     """Per-phase milliseconds of a speed-3 step on one thread: [(phase, ms)], each the
     median over `steps` steps (or calls), which a slow spell of a shared machine moves
     less than a mean."""
-    from .layers import KERNEL_PANELS
     from .vsa import vsa_window
-    from .windows import windows_forward
 
     run = Run.fresh(cfg, hyper, corpus, plain=False)
     runner = StepRunner(cfg, DEFAULT_SPEED, 1)
@@ -235,11 +233,9 @@ def profile_layerwise(cfg, hyper, corpus, steps=PROFILE_STEPS):
             run.train_step(runner)
             per_step.append({"step": time.perf_counter() - t0, **runner.timings})
         med = {key: float(np.median([x[key] for x in per_step])) for key in per_step[0]}
-        t_step, t_win, t_wg = med["step"], med["windows"], med["weight gradients"]
-        model = run.state.kernel_model()
+        t_step, t_wg = med["step"], med["weight gradients"]
         w = runner.workers[0]
         windows = corpus.draw_windows(Stream.seeded("bench", 0), hyper.batch, cfg.window)
-        k = hyper.loss_positions
 
         def timed(f):
             f()
@@ -252,16 +248,14 @@ def profile_layerwise(cfg, hyper, corpus, steps=PROFILE_STEPS):
 
         t_vsa = timed(lambda: [vsa_window(run.tables.vsa, x, cfg.blocks, cfg.width, w.vsa)
                                for x in windows])
-        # the step's own forward (with its VSA stream) over the batch, in the step's buffers
-        t_fwd = timed(lambda: windows_forward(model, run.tables.vsa, windows, runner.vsa_b, k,
-                                              runner.acts_b, 0, 1, KERNEL_PANELS)) - t_vsa
-        # timed inside the step: after the weight gradients, theta, m and v come from farther
-        # away than when the optimiser runs alone, back to back (about 3 ms more here)
-        t_opt = med["optimiser"]
+        # the forward (with its VSA stream, timed alone above), the backward and the
+        # optimiser are timed inside the step: there their operands come from farther away
+        # than when a phase runs alone, back to back (the forward alone ran 1-3 ms faster)
+        t_fwd, t_bwd = med["forward"] - t_vsa, med["backward"]
         rows = [("VSA stream", t_vsa), ("forward", t_fwd),
-                ("backward through the layers' inputs", t_win - t_fwd - t_vsa),
+                ("backward through the layers' inputs", t_bwd),
                 (WEIGHT_GRADIENTS, t_wg),
-                ("optimiser + requantise", t_opt)]
+                ("optimiser + requantise", med["optimiser"])]
         rows.append(("other (drawing windows, Python)", t_step - sum(t for _, t in rows)))
     finally:
         runner.close()

@@ -314,7 +314,8 @@ class StepRunner:
 
         def run_windows(j):  # thread slot j takes windows j, j + N, ...
             windows_layerwise(model, vsa_table, windows, self.vsa_b, k, scale, self.acts_b,
-                              self.rec_b, self.workers[j].scr, j, N, losses, kernel)
+                              self.rec_b, self.workers[j].scr, j, N, losses, kernel,
+                              self.timings if j == 0 else None)
 
         def run_units(j):
             lo, hi = self.parts[j]

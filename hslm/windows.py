@@ -23,6 +23,8 @@ the scored positions in position order from 0.0).
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 from numba import njit
 
@@ -112,17 +114,24 @@ def window_per_position(model, tokens, vsa, k, scale, A, R, S, acc, out, recompu
 
 # --------------------------------------------------------------- layerwise
 def windows_layerwise(model, vsa_table, windows, vsa, k, scale, A, R, S, first, step, losses,
-                      kernel):
+                      kernel, timings=None):
     """Speed 3 for windows first, first + step, ... of a batch (one thread's share):
     each layer runs for all of them before the next layer, so a layer's matrices
     are read once from memory and then from cache. Forward and the backward
     through every layer's input; the weight gradients come later, from the
     records (gradients_from_records). losses[w] gets window w's mean loss.
-    (Two kernels, so that a first run can compile them in two processes.)"""
+    (Two kernels, so that a first run can compile them in two processes.)
+    timings (a dict, hslm bench's profile): the forward's and the backward's seconds
+    are added to its "forward" and "backward"."""
     row_losses = np.empty((windows.shape[0], k))
+    t0 = time.perf_counter()
     windows_forward(model, vsa_table, windows, vsa, k, A, first, step, kernel)
+    t1 = time.perf_counter()
     windows_backward(model, windows, k, scale, A, R, S, first, step, 0, k, row_losses, kernel,
                      True, model.dims.blocks, 0)
+    if timings is not None:
+        timings["forward"] = timings.get("forward", 0.0) + t1 - t0
+        timings["backward"] = timings.get("backward", 0.0) + time.perf_counter() - t1
     mean_losses(row_losses, k, first, step, losses)
 
 
