@@ -19,10 +19,10 @@ WGRAD_WINDOWS = 8  # windows whose output gradients a thread holds in panels at 
 TERNARY_CHUNK = 96  # input indices per widened chunk of a ternary panel
 
 
-TILE_9x16 = make_tile(9, 2, 8, widened=True, resume=True)
-TILE_6x16 = make_tile(6, 2, 8, widened=True, resume=True)
-TILE_3x16 = make_tile(3, 2, 8, widened=True, resume=True)
-ROW_16 = make_tile(1, 2, 8, widened=True, resume=True)
+TILE_9x16 = make_tile(9, 2, 8, resume=True)
+TILE_6x16 = make_tile(6, 2, 8, resume=True)
+TILE_3x16 = make_tile(3, 2, 8, resume=True)
+ROW_16 = make_tile(1, 2, 8, resume=True)
 WIDEN_16 = make_widen(16)
 
 
@@ -71,8 +71,8 @@ def ternary_panel_matmul_9x16(X, P, b, alpha, Y):
                 Y[r, j + c] = alpha * sums[r * 16 + c]
 
 
-TILE_3x12 = make_tile(3, 3, 4, widened=True, resume=True)
-ROW_12 = make_tile(1, 3, 4, widened=True, resume=True)
+TILE_3x12 = make_tile(3, 3, 4, resume=True)
+ROW_12 = make_tile(1, 3, 4, resume=True)
 WIDEN_12 = make_widen(12)
 
 

@@ -82,12 +82,12 @@ def splat(builder, x, vt):
 
 
 def make_tile(rows: int, vecs: int, lanes: int, ternary: bool = True, add_into: bool = False,
-              p_stride: int = 0, widened: bool = False, resume: bool = False):
+              p_stride: int = 0, resume: bool = False):
     """An intrinsic tile(x_addr, x_stride, p_addr, a, out_addr), all intp:
 
     X: float64 rows at x_addr, x_stride elements apart; P: `a` rows of vecs * lanes
-    int8 trits (-1, 0, +1) at p_addr, contiguous (float64 values if not ternary, and
-    trits already widened to float64 if widened: see make_widen). For
+    float64 at p_addr, contiguous (ternary: trits -1, 0, +1, widened from a panel's
+    int8 by make_widen). For
     i = 0 .. a-1 in order: acc[r, c] = acc[r, c] + X[r, i] P[i, c], from 0.0 (fused
     for trits, else the product rounded and then added); then
     out[r * vecs * lanes + c] = acc[r, c] (float64 at out_addr).
@@ -109,10 +109,9 @@ def make_tile(rows: int, vecs: int, lanes: int, ternary: bool = True, add_into: 
         xa, xs, pa, n, oa = args[:5]
         f64, i64 = ir.DoubleType(), ir.IntType(64)
         vt = ir.VectorType(f64, lanes)
-        pt = ir.IntType(8) if ternary and not widened else f64
         zero = ir.Constant(vt, [0.0] * lanes)
         xptr = builder.inttoptr(xa, f64.as_pointer())
-        pptr = builder.inttoptr(pa, pt.as_pointer())
+        pptr = builder.inttoptr(pa, f64.as_pointer())
         optr = builder.inttoptr(oa, f64.as_pointer())
         fmuladd = llvm_intrinsic(builder, "fmuladd", vt, 3)
         if resume:  # go on from the earlier chunk's sums, or start from 0.0
@@ -153,9 +152,7 @@ def make_tile(rows: int, vecs: int, lanes: int, ternary: bool = True, add_into: 
         t = []
         for v in range(vecs):
             p = builder.gep(pptr, [builder.add(row_i, ir.Constant(i64, v * lanes))])
-            tv = builder.load(builder.bitcast(p, ir.VectorType(pt, lanes).as_pointer()),
-                              align=8 if pt is f64 else 1)
-            t.append(tv if pt is f64 else builder.sitofp(tv, vt))
+            t.append(builder.load(builder.bitcast(p, vt.as_pointer()), align=8))
         new = []
         for r in range(rows):
             x = builder.load(builder.gep(xptr, [builder.add(builder.mul(ir.Constant(i64, r), xs),
@@ -189,7 +186,7 @@ def make_tile(rows: int, vecs: int, lanes: int, ternary: bool = True, add_into: 
             return types.void(*[types.intp] * 5), codegen
 
     tile.__name__ = (f"{'ternary' if ternary else 'float64'}_tile_{rows}x{vecs * lanes}"
-                     + ("_widened" if widened else "") + ("_resume" if resume else "")
+                     + ("_resume" if resume else "")
                      + ("_add_into" if add_into else "") + (f"_of_{width}" if p_stride else ""))
     return intrinsic(tile)
 
@@ -203,8 +200,8 @@ QQ2PD = "llvm.x86.avx512.sitofp.round.v8f64.v8i64"
 def make_widen(panel: int):
     """An intrinsic widen(p_addr, a, dst_addr), all intp: `a` rows of `panel` int8 trits
     at p_addr (a ternary panel, contiguous) into float64 at dst_addr, row by row. A
-    ternary kernel widens each panel once for all its row tiles (the widened tile,
-    make_tile(widened=True), then loads its vectors as they are)."""
+    ternary kernel widens each panel once for all its row tiles, whose loops (make_tile)
+    then load its vectors as they are."""
 
     def codegen(context, builder, signature, args):
         pa, n, da = args

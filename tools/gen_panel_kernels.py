@@ -152,8 +152,7 @@ def ternary_kernel(rows, panel):
     lanes = VECTOR_LANES[panel]
     sizes = remainder_tiles(rows)
     names = {m: (f"TILE_{m}x{panel}" if m > 1 else f"ROW_{panel}") for m in sizes}
-    defs = "".join(f"{names[m]} = make_tile({m}, {panel // lanes}, {lanes}, widened=True, "
-                   "resume=True)\n"
+    defs = "".join(f"{names[m]} = make_tile({m}, {panel // lanes}, {lanes}, resume=True)\n"
                    for m in sizes) + f"WIDEN_{panel} = make_widen({panel})\n"
     loops = ""
     for m in sizes:
