@@ -19,6 +19,10 @@ from .vector_tiles import copy_bytes_16, transpose_bytes_16
 # panels (Pf, Pb, at their own offsets) for the register-tiled kernels.
 Model = namedtuple("Model", "theta offs Tf Tb alpha pos cos sin attn_scale head_scale dims "
                             "Pf pf_offs Pb pb_offs")
+# What requantisation writes, and the shapes it needs (ModelState.trits): per tensor
+# rows, cols, whether ternary, alpha and the count of zero trits; the trits in the
+# panels (Pf, Pb) and, with plain, as float64 (Tf, Tb).
+Trits = namedtuple("Trits", "rows cols is_ternary alpha plain Tf Tb pf_offs Pf pb_offs Pb zeros")
 
 
 def init_params(cfg: Config, seed: int) -> np.ndarray:
@@ -44,17 +48,18 @@ def ternary_mask(cfg: Config) -> np.ndarray:
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def quantize_into(theta, offs, rows, cols, is_ternary, alpha, plain, Tf, Tb, pf_offs, Pf,
-                  pb_offs, Pb, abs_sums, sums_given, zeros, t0, t1):
+def quantize_into(theta, offs, Q, abs_sums, sums_given, t0, t1):
     """alpha = mean|W| (1 if <= 1e-6); T = sign(W) where |W| > alpha/2 (spec section 3),
-    for tensors t0..t1-1, written in the layouts the kernels read. With sums_given,
-    abs_sums[t] already holds sum |W| in element order (adamw_step makes it).
-    zeros[t] gets the tensor's count of zero trits (the run's metrics report the share).
+    for tensors t0..t1-1, written in the layouts the kernels read (Q, a Trits). With
+    sums_given, abs_sums[t] already holds sum |W| in element order (adamw_step makes it).
+    Q.zeros[t] gets the tensor's count of zero trits (the run's metrics report the share).
 
     * always the column panels of T (Pf) and of its transpose (Pb), for the
       register-tiled kernels: P[q, i, c] = M[i, q * panel + c], zero past the last column;
     * with `plain`, also T input-major (Tf) and output-major (Tb) at the tensor's
       offsets, for the per-position speeds."""
+    rows, cols, is_ternary, alpha, plain = Q.rows, Q.cols, Q.is_ternary, Q.alpha, Q.plain
+    Tf, Tb, pf_offs, Pf, pb_offs, Pb, zeros = Q.Tf, Q.Tb, Q.pf_offs, Q.Pf, Q.pb_offs, Q.Pb, Q.zeros
     for t in range(t0, t1):
         if not is_ternary[t]:
             alpha[t] = 1.0
@@ -165,10 +170,13 @@ class ModelState:
         """Remake alpha and the trits of tensors t0..t1-1 from theta; abs_sums, when given,
         holds each tensor's sum |W| (adamw_step's by-product)."""
         t1 = len(self.rows) if t1 is None else t1
-        quantize_into(self.theta, self.offs, self.rows, self.cols, self.is_ternary, self.alpha,
-                      self.plain, self.Tf, self.Tb, self.pf_offs, self.Pf, self.pb_offs, self.Pb,
-                      self.alpha if abs_sums is None else abs_sums,
-                      abs_sums is not None, self.zeros, t0, t1)
+        quantize_into(self.theta, self.offs, self.trits(),
+                      self.alpha if abs_sums is None else abs_sums, abs_sums is not None, t0, t1)
+
+    def trits(self) -> Trits:
+        """What requantisation writes (quantize_into), as the kernels take it."""
+        return Trits(self.rows, self.cols, self.is_ternary, self.alpha, self.plain, self.Tf,
+                     self.Tb, self.pf_offs, self.Pf, self.pb_offs, self.Pb, self.zeros)
 
     def kernel_model(self) -> Model:
         c, tb = self.cfg, self.tables

@@ -138,11 +138,11 @@ def tensor_parts(cfg, n, t0=0, t1=None):
 
 
 def optimiser_shares(cfg, n):
-    """The optimiser's tensors for n threads: per thread, (its tensors as an int64
-    array, the same as contiguous runs [(lo, hi)] for requantisation). Each tensor goes,
-    largest first, to the thread with the least optimiser_cost so far: contiguous runs
-    could not balance hslm-3 on 2 threads better than 4.9 against 4.2 ms, a tensor
-    being up to 5% of the work."""
+    """The optimiser's tensors for n threads: per thread, its tensors as an increasing
+    int64 array (it updates and requantises them). Each tensor goes, largest first, to
+    the thread with the least optimiser_cost so far: contiguous runs could not balance
+    hslm-3 on 2 threads better than 4.9 against 4.2 ms, a tensor being up to 5% of the
+    work."""
     cost = optimiser_cost(cfg)
     load = [0.0] * n
     mine = [[] for _ in range(n)]
@@ -150,16 +150,7 @@ def optimiser_shares(cfg, n):
         j = min(range(n), key=lambda j: (load[j], j))
         load[j] += cost[t]
         mine[j].append(t)
-    shares = []
-    for ts in mine:
-        runs = []
-        for t in sorted(ts):
-            if runs and runs[-1][1] == t:
-                runs[-1] = (runs[-1][0], t + 1)
-            else:
-                runs.append((t, t + 1))
-        shares.append((np.array(sorted(ts), np.int64), runs))
-    return shares
+    return [np.array(sorted(ts), np.int64) for ts in mine]
 
 
 class Worker:

@@ -205,13 +205,12 @@ class Run:
                        bc1, bc2, lr, h.weight_decay, self.norms, self.abs_sums,
                        self.moment_sums, part[0], part[1])
 
+        trits = self.state.trits()
+
         def optimise_share(share):  # a thread's tensors (hslm.step.optimiser_shares)
-            tensors, runs = share
             adamw_tensors(self.state.theta, self.grad, self.m, self.v, self.state.offs,
                           self.decay, bc1, bc2, lr, h.weight_decay, self.norms, self.abs_sums,
-                          self.moment_sums, tensors)
-            for run in runs:
-                requantize(run)
+                          self.moment_sums, share, trits)  # requantised as it goes
 
         def requantize(part):  # alpha from the update's sums
             self.state.requantize(part[0], part[1], self.abs_sums)

@@ -176,3 +176,34 @@ def test_requantise_counts_the_zero_trits_it_makes():
         seg = st.theta[st.offs[t]:st.offs[t + 1]]
         assert st.zeros[t] == np.count_nonzero(np.abs(seg) <= st.alpha[t] / 2)
     assert 0 < st.zeros.sum() < st.theta.size
+
+
+def test_requantising_as_the_optimiser_goes_gives_the_same_trits():
+    """adamw_tensors with trits requantises each tensor right after its update (the
+    training step's path): alpha, the trits in every layout and the zero counts must be
+    the bytes of updating every tensor first and requantising afterwards."""
+    from hslm.config import PRESETS
+    from hslm.params import ModelState, init_params
+    from hslm.step import optimiser_shares
+    from hslm.tables import Tables
+    cfg = PRESETS["hslm-tiny"]
+    rng = np.random.default_rng(3)
+    g = rng.normal(size=cfg.n_params) * 0.05
+    decay = np.ones(len(cfg.offsets()) - 1, bool)
+    args = (decay, *bias_corrections(4), 0.01, 0.1)
+    for plain, threads in ((True, 1), (False, 2)):
+        states = [ModelState(cfg, init_params(cfg, 5), Tables(cfg), plain=plain) for _ in range(3)]
+        T = len(states[0].offs) - 1
+        sums = [[np.zeros(T) for _ in range(3)] for _ in states]
+        moments = [(np.full(cfg.n_params, 1e-3), np.full(cfg.n_params, 1e-6)) for _ in states]
+        for i, st in enumerate(states):
+            for share in optimiser_shares(cfg, threads):
+                adamw_tensors(st.theta, g, *moments[i], st.offs, *args, *sums[i], share,
+                              st.trits() if i == 0 else None)
+        states[1].requantize(abs_sums=sums[1][1])
+        states[2].requantize(abs_sums=sums[2][2])  # negative control: sum |m| + v as sum |w|
+        fields = ("alpha", "zeros", "Pf", "Pb") + (("Tf", "Tb") if plain else ())
+        for name in fields:
+            assert getattr(states[0], name).tobytes() == getattr(states[1], name).tobytes(), name
+        assert states[0].theta.tobytes() == states[1].theta.tobytes()
+        assert states[0].alpha.tobytes() != states[2].alpha.tobytes()
