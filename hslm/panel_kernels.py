@@ -13,7 +13,7 @@ from numba import njit
 
 from .vector_tiles import make_tile, make_widen
 
-TERNARY_TILES = ((9, 16), (3, 12))
+TERNARY_TILES = ((9, 16), (4, 12))
 WGRAD_TILES = ((3, 24), (3, 12))
 WGRAD_WINDOWS = 8  # windows whose output gradients a thread holds in panels at once
 TERNARY_CHUNK = 96  # input indices per widened chunk of a ternary panel
@@ -71,15 +71,16 @@ def ternary_panel_matmul_9x16(X, P, b, alpha, Y):
                 Y[r, j + c] = alpha * sums[r * 16 + c]
 
 
+TILE_4x12 = make_tile(4, 3, 4, resume=True)
 TILE_3x12 = make_tile(3, 3, 4, resume=True)
 ROW_12 = make_tile(1, 3, 4, resume=True)
 WIDEN_12 = make_widen(12)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def ternary_panel_matmul_3x12(X, P, b, alpha, Y):
+def ternary_panel_matmul_4x12(X, P, b, alpha, Y):
     """Y [n, b] = alpha * (X [n, a] . T), T ternary [a, b] in panels P (int8:
-    -1, 0 and +1 convert to float64 exactly). Tiles of 3 rows (then single
+    -1, 0 and +1 convert to float64 exactly). Tiles of 4, 3 rows (then single
     rows) by one panel, each summed by an LLVM IR loop (hslm/vector_tiles.py)
     with FMA where the core has it: each product x * t with t in {-1, 0, +1}
     is exact, so fma(x, t, y) rounds once, exactly like y + x * t: the bits do
@@ -100,6 +101,9 @@ def ternary_panel_matmul_3x12(X, P, b, alpha, Y):
             WIDEN_12(p + 12 * k0, kn, wide)
             more = 1 if k0 > 0 else 0
             r = 0
+            while r + 4 <= n:
+                TILE_4x12(x + 8 * (r * xs + k0), xs, wide, kn, s + 8 * 12 * r, more)
+                r += 4
             while r + 3 <= n:
                 TILE_3x12(x + 8 * (r * xs + k0), xs, wide, kn, s + 8 * 12 * r, more)
                 r += 3

@@ -16,7 +16,11 @@ from pathlib import Path
 #   3 tiles). 14 x 16 (27 = 14 + 13) ran 5-10% faster on hot caches and 2-3% in the
 #   forward here, but its 28 accumulators leave LLVM short of registers (it spilled
 #   some to the stack), which other AVX-512 cores may take worse: not used;
-# * 16 registers of 4 doubles (AVX2) or fewer: 3 x 12, 9 accumulators.
+# * 16 registers of 4 doubles (AVX2) or fewer: 4 x 12, its 12 accumulators, 3 panel
+#   vectors and the broadcast filling the 16 registers without a spill (27 rows = 6
+#   tiles + 3). Compiled for Haswell on an AVX-512 Xeon it ran 53-55 GFLOP/s hot against
+#   3 x 12's 49-50 (6 x 8: 49-50, 9 x 8: 36), and the step's forward and backward 6-7%
+#   faster.
 # The tiles' inner loops are written in LLVM IR with explicit vectors
 # (hslm/vector_tiles.py; VECTOR_LANES doubles per vector). They were named scalars for
 # LLVM's SLP vectoriser to pack: it packed the 9 x 16 ternary tile imperfectly (20 FMAs,
@@ -27,7 +31,7 @@ from pathlib import Path
 # accumulators) with 32 registers; with 16 registers 3 x 24 needs 18, so it spilled:
 # 3 x 12 ran 1.6x as fast compiled for Haswell and 3.2x for Zen 3 (timed on an Intel
 # core), while on AVX-512 3 x 24 is as fast as any other (2 x 24, 3 x 32, 4 x 16 ...).
-TERNARY_TILES = ((9, 16), (3, 12))
+TERNARY_TILES = ((9, 16), (4, 12))
 VECTOR_LANES = {24: 8, 16: 8, 12: 4}  # panel width: doubles per vector of a tile
 WGRAD_TILES = ((3, 24), (3, 12))
 WGRAD_WINDOWS = 8
