@@ -7,10 +7,10 @@ import numpy as np
 from numba import njit
 
 from .config import Config
-from .micro import TERNARY_PANEL
+from .micro import TERNARY_PANEL, wide_vectors
 from .rng import Stream
 from .tables import Tables
-from .vector_tiles import copy_bytes_16, transpose_bytes_16
+from .vector_tiles import make_copy_bytes, make_transpose_bytes, make_trits
 
 
 # The model as the kernels see it: flat parameters, their offsets, the ternary
@@ -41,6 +41,13 @@ def init_params(cfg: Config, seed: int) -> np.ndarray:
         else:
             parts.append(np.zeros(n))
     return np.ascontiguousarray(np.concatenate(parts), dtype=np.float64)
+
+
+# requantisation's byte moves for the panels' width (16 on AVX-512, 12 on AVX2)
+COPY_PANEL_ROW = make_copy_bytes(TERNARY_PANEL)
+TRANSPOSE_TO_PANEL = make_transpose_bytes(TERNARY_PANEL)
+TRITS_LANES = 8 if wide_vectors() else 16
+TRITS = make_trits(TRITS_LANES)
 
 
 def ternary_mask(cfg: Config) -> np.ndarray:
@@ -87,47 +94,43 @@ def quantize_into(theta, offs, Q, abs_sums, sums_given, t0, t1):
                     for i in range(i0, i1):
                         Tb[o + j * m + i] = Tf[o + i * n + j]
         # Pf[q, i, c] = T[i, q P + c] and Pb[q, j, c] = T[q P + c, j] (P = TERNARY_PANEL,
-        # a compile-time constant), both from one pass over theta, P rows at a time: their
-        # trits are made row by row into `block` (vectorised), each row copied into its Pf
-        # panels (contiguous runs), then the block is written out as one Pb panel, P trits
-        # per column in a contiguous run. With P = 16 (AVX-512) a run is one 16-byte
-        # vector and the block is transposed 16 x 16 bytes at a time in registers
-        # (hslm.vector_tiles): requantisation took 2.1 ms alone with theta in cache, 1.0
-        # ms since, the same bytes. The zero padding past the last column is never
+        # a compile-time constant <= 16), both from one pass over theta, P rows at a time:
+        # their trits are made row by row into `block` (TRITS, vectors), each row copied into
+        # its Pf panels (a P-byte vector each), then the block is written out as one Pb
+        # panel, 16 columns at a time transposed in registers (hslm.vector_tiles), P trits
+        # per column in a contiguous run. With P = 16, requantisation took 2.1 ms alone with
+        # theta in cache, 1.0 ms since, the same bytes. Built for AVX2 (P = 12), with byte
+        # loops for P != 16 and Numba's trits loop, the model's took 4.1-4.3 ms here (2.1
+        # built for AVX-512), now 2.8-3.1. The zero padding past the last column is never
         # written; the last block's padding rows are written as the zeros they are.
         P = TERNARY_PANEL
         pf, pb = pf_offs[t], pb_offs[t]
-        block = np.empty((P, n), np.int8)
+        block = np.empty((16, n), np.int8)  # rows P..15 (P < 16) are read, never stored
         nz = 0
         for i0 in range(0, m, P):
             rows_here = min(P, m - i0)
             for c in range(rows_here):
                 i = i0 + c
                 src, row = theta[o + i * n:o + (i + 1) * n], block[c]
-                for j in range(n):
+                j0 = n - n % TRITS_LANES
+                nz += TRITS(src.ctypes.data, n, half, row.ctypes.data)  # row[:j0]
+                for j in range(j0, n):
                     w = src[j]
                     row[j] = 1 if w > half else (-1 if w < -half else 0)
-                for j in range(n):
                     nz += 1 if row[j] == 0 else 0
                 for q in range(n // P):
-                    dst = pf + (q * m + i) * P
-                    if P == 16:
-                        copy_bytes_16(row.ctypes.data + q * P, Pf.ctypes.data + dst)
-                    else:
-                        for cc in range(P):
-                            Pf[dst + cc] = row[q * P + cc]
+                    COPY_PANEL_ROW(row.ctypes.data + q * P, Pf.ctypes.data + pf + (q * m + i) * P)
                 j0 = n - n % P  # the last panel's real columns
                 dst = pf + (n // P * m + i) * P
                 for cc in range(n - j0):
                     Pf[dst + cc] = row[j0 + cc]
             dst = pb + (i0 // P) * n * P
+            block[rows_here:P] = 0  # Pb's padding rows hold zeros
+            pb_addr = Pb.ctypes.data + dst
             j = 0
-            if P == 16:  # 16 columns at a time, transposed in registers
-                block[rows_here:] = 0  # Pb's padding rows hold zeros
-                pb_addr = Pb.ctypes.data + dst
-                while j + 16 <= n:
-                    transpose_bytes_16(block.ctypes.data + j, n, pb_addr + j * 16)
-                    j += 16
+            while j + 16 <= n:
+                TRANSPOSE_TO_PANEL(block.ctypes.data + j, n, pb_addr + j * P)
+                j += 16
             for j in range(j, n):
                 for c in range(rows_here):
                     Pb[dst + j * P + c] = block[c, j]

@@ -311,3 +311,75 @@ def test_train_says_the_parameter_count_and_memory_before_step_1(tmp_path, capsy
     assert code == 0, err
     header = out.splitlines()[0]
     assert header.startswith("model 31,350 parameters, about ") and " MiB for " in header
+
+
+def test_requantisation_writes_the_panels_of_the_thresholded_matrices():
+    """Every ternary tensor's panels, as requantisation writes them for this machine's
+    panel width (vector trits, byte copies and transposes), against numpy: Pf[q, i, c] =
+    T[i, q P + c] and Pb[q, j, c] = T[q P + c, j], zero past the matrix."""
+    from hslm.micro import TERNARY_PANEL as P
+    checked = 0
+    for cfg in SHAPES.values():
+        st = ModelState(cfg, init_params(cfg, 3), Tables(cfg), plain=False)
+        st.theta[::97] = np.nan  # a NaN gives a zero trit
+        st.requantize()
+        checked += check_panels(st, P)
+    assert checked > 10
+
+
+def check_panels(st, P):
+    checked = 0
+    for t in np.flatnonzero(st.is_ternary):
+        m, n = int(st.rows[t]), int(st.cols[t])
+        W = st.theta[st.offs[t]:st.offs[t + 1]].reshape(m, n)
+        half = st.alpha[t] / 2.0
+        T = np.where(W > half, 1, np.where(W < -half, -1, 0)).astype(np.int8)
+        for M, panels, offs in ((T, st.Pf, st.pf_offs), (T.T, st.Pb, st.pb_offs)):
+            rows, cols = M.shape
+            npan = -(-cols // P)
+            padded = np.zeros((rows, npan * P), np.int8)
+            padded[:, :cols] = M
+            want = padded.reshape(rows, npan, P).transpose(1, 0, 2)
+            assert panels[offs[t]:offs[t + 1]].tobytes() == want.tobytes()
+        assert st.zeros[t] == np.count_nonzero(T == 0)
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("width", [12, 16])
+def test_byte_transposes_copies_and_trits_in_vectors(width):
+    """The vector byte moves requantisation uses, for both panel widths: a 16 x 16
+    transpose storing `width` bytes per column, a `width`-byte copy, and float64 to
+    trits 8 or 16 at a time (its zero count too); none writes past its bytes."""
+    from numba import njit
+    from hslm.vector_tiles import make_copy_bytes, make_transpose_bytes, make_trits
+    transpose, copy = make_transpose_bytes(width), make_copy_bytes(width)
+    trits = make_trits(width - width % 8)  # lanes 8 and 16
+
+    @njit
+    def moves(src, n, dst, row, out, x, half, t):
+        transpose(src.ctypes.data + 3, n, dst.ctypes.data)
+        copy(row.ctypes.data, out.ctypes.data)
+        return trits(x.ctypes.data, x.shape[0], half, t.ctypes.data)
+
+    rng = np.random.default_rng(width)
+    n = 40
+    src = rng.integers(-128, 128, (16, n)).astype(np.int8)
+    dst = np.full(16 * width + 8, 99, np.int8)
+    row, out = rng.integers(-1, 2, 20).astype(np.int8), np.full(24, 99, np.int8)
+    lanes = width - width % 8
+    x = rng.normal(size=3 * lanes + 5)
+    x[[0, 3, 5, 7]] = [np.nan, 0.5, -0.5, np.inf]
+    t = np.full(x.size, 99, np.int8)
+    done = moves(src, n, dst, row, out, x, 0.5, t)
+    want = src[:width, 3:19].T  # [16 columns, width rows]
+    assert dst[:16 * width].tobytes() == np.ascontiguousarray(want).tobytes()
+    assert (dst[16 * width:] == 99).all()
+    assert out[:width].tobytes() == row[:width].tobytes() and (out[width:] == 99).all()
+    assert done == np.count_nonzero(t[:3 * lanes] == 0) > 0
+    exact = np.where(x > 0.5, 1, np.where(x < -0.5, -1, 0)).astype(np.int8)
+    assert t[:3 * lanes].tobytes() == exact[:3 * lanes].tobytes()
+    assert (t[3 * lanes:] == 99).all()
+    assert exact[0] == 0 and exact[3] == 0 and exact[7] == 1
+    control = np.where(x >= 0.5, 1, np.where(x <= -0.5, -1, 0)).astype(np.int8)
+    assert control[:3 * lanes].tobytes() != t[:3 * lanes].tobytes()
