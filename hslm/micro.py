@@ -28,15 +28,18 @@ ternary_panel_matmul = getattr(panel_kernels,
 # gradients' scratch layout (hslm.kernels.output_grad_panels).
 WGRAD_ROWS, WGRAD_PANEL = panel_kernels.WGRAD_TILES[0 if wide_vectors() else 1]
 panel_matmul_add = getattr(panel_kernels, f"panel_matmul_add_{WGRAD_ROWS}x{WGRAD_PANEL}")
+# two windows a call (a pair tile where the registers hold two tiles' sums)
+panel_matmul_add2 = getattr(panel_kernels, f"panel_matmul_add2_{WGRAD_ROWS}x{WGRAD_PANEL}")
 
-# name: (kernel, the one signature it is compiled for). Ternary panels are int8
+# name: [(kernel, the one signature it is compiled for)]. Ternary panels are int8
 # (exact for -1, 0, +1; an eighth of float64's memory traffic).
+_X, _P, _G = "float64[:, ::1]", "float64[:, :, ::1]", "float64[:, ::1]"
 MICRO_KERNELS = {
-    "ternary tile": (ternary_panel_matmul,
-                     "(float64[:, ::1], int8[:, :, ::1], int64, float64, float64[:, ::1])"),
-    "weight-gradient tile": (panel_matmul_add,
-                             "(float64[:, ::1], float64[:, :, ::1], int64, float64[:, ::1], "
-                             "boolean)"),
+    "ternary tile": [(ternary_panel_matmul,
+                      f"({_X}, int8[:, :, ::1], int64, float64, {_G})")],
+    "weight-gradient tile": [(panel_matmul_add, f"({_X}, {_P}, int64, {_G}, boolean)"),
+                             (panel_matmul_add2,
+                              f"({_X}, {_X}, {_P}, {_P}, int64, {_G}, boolean)")],
 }
 
 
@@ -44,8 +47,8 @@ def compile_micro(name: str) -> None:
     """Compile a register-tiled kernel (with cache=True a cached build loads instead).
     Other signatures are then refused, so a wrong-typed call fails loudly instead of
     building a slow copy."""
-    kernel, signature = MICRO_KERNELS[name]
-    if not kernel._can_compile:  # done already in this process
-        return
-    kernel.compile(signature)
-    kernel.disable_compile()
+    for kernel, signature in MICRO_KERNELS[name]:
+        if not kernel._can_compile:  # done already in this process
+            continue
+        kernel.compile(signature)
+        kernel.disable_compile()

@@ -82,7 +82,7 @@ def splat(builder, x, vt):
 
 
 def make_tile(rows: int, vecs: int, lanes: int, ternary: bool = True, add_into: bool = False,
-              p_stride: int = 0, resume: bool = False):
+              p_stride: int = 0, resume: bool = False, pair: bool = False):
     """An intrinsic tile(x_addr, x_stride, p_addr, a, out_addr), all intp:
 
     X: float64 rows at x_addr, x_stride elements apart; P: `a` rows of vecs * lanes
@@ -102,16 +102,31 @@ def make_tile(rows: int, vecs: int, lanes: int, ternary: bool = True, add_into: 
     resume (a sum over i in chunks): the intrinsic takes one more argument, tile(x_addr,
     x_stride, p_addr, a, out_addr, more), and where more is nonzero the sums start from
     out's values (an earlier chunk's sums, stored by the tile) instead of 0.0, and go on
-    adding: the same chain of additions as one loop over every i."""
+    adding: the same chain of additions as one loop over every i.
+
+    pair (with add_into; the weight gradient of two windows): tile(x_addr, x_stride,
+    x_off, p_addr, p_off, a, out_addr, out_stride, fresh). A second X and P lie x_off and
+    p_off elements after the first; both tiles are summed in the same loop, each from 0.0
+    in its own registers, and out[r, c] = (base + acc[r, c]) + acc2[r, c]: the bits of the
+    two windows' tiles added into out one after the other, with half the stores, loads of
+    out and loop exits."""
     width = p_stride or vecs * lanes
+    sets = 2 if pair else 1
 
     def codegen(context, builder, signature, args):
-        xa, xs, pa, n, oa = args[:5]
+        if pair:
+            xa, xs, x_off, pa, p_off, n, oa = args[:7]
+            args = (xa, xs, pa, n, oa) + tuple(args[7:])
+        else:
+            xa, xs, pa, n, oa = args[:5]
         f64, i64 = ir.DoubleType(), ir.IntType(64)
         vt = ir.VectorType(f64, lanes)
         zero = ir.Constant(vt, [0.0] * lanes)
-        xptr = builder.inttoptr(xa, f64.as_pointer())
-        pptr = builder.inttoptr(pa, f64.as_pointer())
+        xptrs = [builder.inttoptr(xa, f64.as_pointer())]
+        pptrs = [builder.inttoptr(pa, f64.as_pointer())]
+        if pair:
+            xptrs.append(builder.gep(xptrs[0], [x_off]))
+            pptrs.append(builder.gep(pptrs[0], [p_off]))
         optr = builder.inttoptr(oa, f64.as_pointer())
         fmuladd = llvm_intrinsic(builder, "fmuladd", vt, 3)
         if resume:  # go on from the earlier chunk's sums, or start from 0.0
@@ -128,7 +143,7 @@ def make_tile(rows: int, vecs: int, lanes: int, ternary: bool = True, add_into: 
         done = builder.function.append_basic_block("tile.done")
         builder.cbranch(builder.icmp_signed(">", n, ir.Constant(i64, 0)), loop, zeros)
 
-        def store_all(values):  # out[(r * vecs + v) * lanes ...] = values[r][v]
+        def store_all(values):  # out[(r * vecs + v) * lanes ...] = values[0][r][v]
             for r in range(rows):
                 for v in range(vecs):
                     if add_into:  # out[r * out_stride + v * lanes ...] = base + values[r][v]
@@ -137,45 +152,54 @@ def make_tile(rows: int, vecs: int, lanes: int, ternary: bool = True, add_into: 
                     else:
                         at = ir.Constant(i64, (r * vecs + v) * lanes)
                     p = builder.bitcast(builder.gep(optr, [at]), vt.as_pointer())
-                    value = values[r][v]
+                    value = values[0][r][v]
                     if add_into:
                         fresh = builder.icmp_signed("!=", args[6], ir.Constant(i64, 0))
-                        base = builder.select(fresh, zero, builder.load(p, align=8))
-                        value = builder.fadd(base, value)
+                        value = builder.select(fresh, zero, builder.load(p, align=8))
+                        for k in range(sets):  # (base + acc) + acc2: window order
+                            value = builder.fadd(value, values[k][r][v])
                     builder.store(value, p, align=8)
             builder.branch(done)
 
         builder.position_at_end(loop)  # one input index i per iteration
         i = builder.phi(i64)
-        acc = [[builder.phi(vt) for _ in range(vecs)] for _ in range(rows)]
+        acc = [[[builder.phi(vt) for _ in range(vecs)] for _ in range(rows)] for _ in range(sets)]
         row_i = builder.mul(i, ir.Constant(i64, width))
-        t = []
-        for v in range(vecs):
-            p = builder.gep(pptr, [builder.add(row_i, ir.Constant(i64, v * lanes))])
-            t.append(builder.load(builder.bitcast(p, vt.as_pointer()), align=8))
         new = []
-        for r in range(rows):
-            x = builder.load(builder.gep(xptr, [builder.add(builder.mul(ir.Constant(i64, r), xs),
-                                                            i)]), align=8)
-            xv = splat(builder, x, vt)
-            new.append([builder.call(fmuladd, [xv, t[v], acc[r][v]]) if ternary else
-                        builder.fadd(acc[r][v], builder.fmul(xv, t[v])) for v in range(vecs)])
+        for k in range(sets):
+            t = []
+            for v in range(vecs):
+                p = builder.gep(pptrs[k], [builder.add(row_i, ir.Constant(i64, v * lanes))])
+                t.append(builder.load(builder.bitcast(p, vt.as_pointer()), align=8))
+            new.append([])
+            for r in range(rows):
+                x = builder.load(builder.gep(xptrs[k], [builder.add(
+                    builder.mul(ir.Constant(i64, r), xs), i)]), align=8)
+                xv = splat(builder, x, vt)
+                new[k].append([builder.call(fmuladd, [xv, t[v], acc[k][r][v]]) if ternary else
+                               builder.fadd(acc[k][r][v], builder.fmul(xv, t[v]))
+                               for v in range(vecs)])
         i_next = builder.add(i, ir.Constant(i64, 1))
         i.add_incoming(ir.Constant(i64, 0), entry)
         i.add_incoming(i_next, loop)
-        for r in range(rows):
-            for v in range(vecs):
-                acc[r][v].add_incoming(start[r][v], entry)
-                acc[r][v].add_incoming(new[r][v], loop)
+        for k in range(sets):
+            for r in range(rows):
+                for v in range(vecs):
+                    acc[k][r][v].add_incoming(start[r][v], entry)
+                    acc[k][r][v].add_incoming(new[k][r][v], loop)
         builder.cbranch(builder.icmp_signed("<", i_next, n), loop, sums)
         builder.position_at_end(sums)  # the sums out to memory
         store_all(new)
         builder.position_at_end(zeros)  # a = 0: every sum is 0.0 (or as it was)
-        store_all(start)
+        store_all([start] * sets)
         builder.position_at_end(done)
         return context.get_dummy_value()
 
-    if add_into:
+    if pair:
+        def tile(typingctx, x_addr, x_stride, x_off, p_addr, p_off, a, out_addr, out_stride,
+                 fresh):
+            return types.void(*[types.intp] * 9), codegen
+    elif add_into:
         def tile(typingctx, x_addr, x_stride, p_addr, a, out_addr, out_stride, fresh):
             return types.void(*[types.intp] * 7), codegen
     elif resume:
@@ -187,7 +211,8 @@ def make_tile(rows: int, vecs: int, lanes: int, ternary: bool = True, add_into: 
 
     tile.__name__ = (f"{'ternary' if ternary else 'float64'}_tile_{rows}x{vecs * lanes}"
                      + ("_resume" if resume else "")
-                     + ("_add_into" if add_into else "") + (f"_of_{width}" if p_stride else ""))
+                     + ("_add_into" if add_into else "") + (f"_of_{width}" if p_stride else "")
+                     + ("_pair" if pair else ""))
     return intrinsic(tile)
 
 

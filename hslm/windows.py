@@ -29,7 +29,7 @@ import numpy as np
 from numba import njit
 
 from .kernels import column_sum_rows, input_columns, output_grad_panels
-from .micro import WGRAD_PANEL, panel_matmul_add
+from .micro import WGRAD_PANEL, panel_matmul_add, panel_matmul_add2
 from .layers import (COLUMN_SUM, MATRIX, block_backward, block_forward, block_keys_values,
                      block_queries, blocks_backward, blocks_forward, embed_forward,
                      head_backward, head_forward, loss_forward_backward, loss_rows, view1, view2,
@@ -277,7 +277,9 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, f
     panels and its input's columns transposed (XT, their rows only): for each group of
     windows (as many as WG and XT have rows) both are made once, reading the records
     row by row as they lie in memory, then every unit adds that group's windows, so
-    each element still gets its windows in order. (Transposing each unit's columns
+    each element still gets its windows in order, two windows a call where two are left
+    (panel_matmul_add2: with 32 registers one loop sums both windows' tiles, and G's tile
+    is loaded and stored once for the two). (Transposing each unit's columns
     apart, and the panels column by column, had cost 2-3 ms more a step here: the
     records come from far caches, in short strided runs.) fresh: out's units get the
     batch's sums, whatever they held (the first window's sum is stored as 0.0 + S, the
@@ -309,10 +311,21 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, f
                 npan = (n + WGRAD_PANEL - 1) // WGRAD_PANEL
                 for v in range(u, ue):
                     r0, r1 = units[v, 1], units[v, 2]
-                    for w in range(w0, w1):
+                    w = w0
+                    while w < w1:  # two windows a call where two are left (the pair tile)
                         pd = WG[w - w0, :npan * k * WGRAD_PANEL].reshape((npan, k, WGRAD_PANEL))
                         xt = XT[w - w0, :(rb - ra) * k].reshape((rb - ra, k))
-                        panel_matmul_add(xt[r0 - ra:r1 - ra], pd, n, G[r0:r1], fresh and w == 0)
+                        if w + 1 < w1:
+                            pd2 = WG[w + 1 - w0, :npan * k * WGRAD_PANEL].reshape(
+                                (npan, k, WGRAD_PANEL))
+                            xt2 = XT[w + 1 - w0, :(rb - ra) * k].reshape((rb - ra, k))
+                            panel_matmul_add2(xt[r0 - ra:r1 - ra], xt2[r0 - ra:r1 - ra], pd, pd2,
+                                              n, G[r0:r1], fresh and w == 0)
+                            w += 2
+                        else:
+                            panel_matmul_add(xt[r0 - ra:r1 - ra], pd, n, G[r0:r1],
+                                             fresh and w == 0)
+                            w += 1
             u = ue
             continue
         for v in range(u, ue):  # a whole tensor a unit

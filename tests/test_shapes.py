@@ -90,7 +90,8 @@ def test_every_weight_gradient_tile_gives_the_plain_sums_bit_for_bit(n, a, b):
     """G += X . D for each tile: each sum over i in order from 0.0, then added to G
     (a multiply and an add per term, never fused), whatever rows and columns are
     left over, and on a narrow last panel (243, 32 and 28 columns end in one); fresh,
-    G = 0.0 + X . D over G full of NaN."""
+    G = 0.0 + X . D over G full of NaN. Likewise two windows a call (the pair driver):
+    G = (G + S1) + S2."""
     rng = np.random.default_rng(n * a + b)
     X = rng.standard_normal((n, a))
     D = rng.standard_normal((a, b))
@@ -99,6 +100,19 @@ def test_every_weight_gradient_tile_gives_the_plain_sums_bit_for_bit(n, a, b):
     for i in range(a):
         s += X[:, i:i + 1] * D[i]
     plain = G0 + s
+    X2 = rng.standard_normal((n, a)) * 3.0  # a second window
+    D2 = rng.standard_normal((a, b))
+    s2 = np.zeros((n, b))
+    for i in range(a):
+        s2 += X2[:, i:i + 1] * D2[i]
+    P2 = {}
+    for _, panel in WGRAD_TILES:
+        npan = -(-b // panel)
+        P2[panel] = np.zeros((npan, a, panel))
+        for q in range(npan):
+            cols = D2[:, q * panel:(q + 1) * panel]
+            P2[panel][q, :, :cols.shape[1]] = cols
+
     for rows, panel in WGRAD_TILES:
         npan = -(-b // panel)
         P = np.zeros((npan, a, panel))
@@ -112,6 +126,15 @@ def test_every_weight_gradient_tile_gives_the_plain_sums_bit_for_bit(n, a, b):
         G = np.full((n, b), np.nan)
         kernel(X, P, b, G, True)
         assert G.tobytes() == (0.0 + s).tobytes(), f"tile {rows}x{panel}, fresh"
+        # two windows a call: the second window's sums added after the first's
+        pair = getattr(panel_kernels, f"panel_matmul_add2_{rows}x{panel}")
+        G = G0.copy()
+        pair(X, X2, P, P2[panel], b, G, False)
+        assert G.tobytes() == (plain + s2).tobytes(), f"pair {rows}x{panel}"
+        G = np.full((n, b), np.nan)
+        pair(X, X2, P, P2[panel], b, G, True)
+        assert G.tobytes() == ((0.0 + s) + s2).tobytes(), f"pair {rows}x{panel}, fresh"
+    assert (G0 + (s + s2)).tobytes() != (plain + s2).tobytes()  # the windows summed first
     # negative controls: the terms in another order, or added straight into G
     other = np.zeros((n, b))
     for i in reversed(range(a)):

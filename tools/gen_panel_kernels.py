@@ -35,6 +35,12 @@ TERNARY_TILES = ((9, 16), (4, 12))
 VECTOR_LANES = {24: 8, 16: 8, 12: 4}  # panel width: doubles per vector of a tile
 WGRAD_TILES = ((3, 24), (3, 12))
 WGRAD_WINDOWS = 8
+# The weight gradient takes windows two at a time (panel_matmul_add2_*): with 32
+# registers one loop sums a 3 x 24 tile of both (18 accumulators), the tile of G loaded,
+# added to and stored once for the two: the phase 2% faster here (21.4 to 21.0 ms hot,
+# alternating), the pair tile alone 2-8%. With 16 registers the 3 x 12 pair spilled (29
+# to 34-36 ms): there the pair driver runs the one-window driver twice.
+PAIR_TILES = {24: True, 12: False}
 # The weight gradient's last panel, when its real columns fit in one vector (EDGES[panel]
 # of them), runs a tile that narrow instead of summing zeros: 243 = 10 x 24 + 3, so the
 # model's 243-column gradients did 8.6% more work than needed (the phase ran 2-4% faster).
@@ -80,6 +86,19 @@ WGRAD_DOC = ("G [n, b] += X [n, a] . D, D [a, b] in panels P: the weight gradien
              "    and then added to, without a pass that zeroes it).")
 
 
+def through_out(name, m, width, pad, x="x", p="p", fresh="fresh"):
+    """Lines that add an m-row tile of `width` columns into G through `out` (G's columns
+    before b, zero past them; a tile of a last panel that ends past column b)."""
+    rr, at = ("rr", "rr * {width} + c".format(width=width)) if m > 1 else ("0", "c")
+    loop = [f"{pad}for rr in range({m}):"] if m > 1 else []
+    inner = pad + ("    " if m > 1 else "")
+    return (loop + [f"{inner}for c in range({width}):",
+                    f"{inner}    out[{at}] = 0.0 if {fresh} or c >= cols else G[r + {rr}, j + c]",
+                    f"{pad}{name}({x} + r * xb, xs, {p}, a, out.ctypes.data, {width}, 0)"]
+            + loop + [f"{inner}for c in range(cols):",
+                      f"{inner}    G[r + {rr}, j + c] = out[{at}]"])
+
+
 def wgrad_kernel(rows, panel):
     """The driver of one weight-gradient tile: the IR loop (hslm/vector_tiles.py, no
     contraction) adds a tile's sums straight into G, or, on a last panel that ends past
@@ -93,17 +112,6 @@ def wgrad_kernel(rows, panel):
               "edge row": (1, edge // lanes, f", p_stride={panel}")}
     defs = "".join(f"{names[k]} = make_tile({m}, {v}, {lanes}, ternary=False, "
                    f"add_into=True{extra})\n" for k, (m, v, extra) in shapes.items())
-
-    def through_out(name, m, width, pad):
-        """Lines that add an m-row tile of `width` columns into G through `out`."""
-        rr, at = ("rr", "rr * {width} + c".format(width=width)) if m > 1 else ("0", "c")
-        loop = [f"{pad}for rr in range({m}):"] if m > 1 else []
-        inner = pad + ("    " if m > 1 else "")
-        return (loop + [f"{inner}for c in range({width}):",
-                        f"{inner}    out[{at}] = 0.0 if fresh or c >= cols else G[r + {rr}, j + c]",
-                        f"{pad}{name}(x + r * xb, xs, p, a, out.ctypes.data, {width}, 0)"]
-                + loop + [f"{inner}for c in range(cols):",
-                          f"{inner}    G[r + {rr}, j + c] = out[{at}]"])
 
     L = [defs, "", '@njit(cache=True, nogil=True, error_model="numpy")',
          f"def panel_matmul_add_{rows}x{panel}(X, P, b, G, fresh):", f'    """{WGRAD_DOC}"""',
@@ -130,7 +138,67 @@ def wgrad_kernel(rows, panel):
     L += [f"                {names['row']}(x + r * xb, xs, p, a, g + (r * gs + j) * 8, gs, "
           "from_zero)", "            else:"]
     L += through_out(names["row"], 1, panel, " " * 16) + ["            r += 1"]
-    return "\n".join(L) + "\n"
+    return "\n".join(L) + "\n" + wgrad_pair_kernel(rows, panel, vecs, lanes, names, edge)
+
+
+def wgrad_pair_kernel(rows, panel, vecs, lanes, names, edge):
+    """The driver of two windows at once: their full tiles in one pair tile (two sets of
+    accumulators in one loop, added into G in window order); the rows and the columns
+    left over go through the one-window driver, window by window. Where two tiles'
+    accumulators would not fit the registers (PAIR_TILES), the one-window driver twice."""
+    if not PAIR_TILES[panel]:
+        return f"""
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def panel_matmul_add2_{rows}x{panel}(X, X2, P, P2, b, G, fresh):
+    \"\"\"panel_matmul_add_{rows}x{panel}(X, P, b, G, fresh), then (X2, P2, b, G, False): two
+    windows' sums added into G in window order. (A pair tile would need {2 * rows * vecs}
+    accumulators, more than the 16 registers: it spilled and ran 15-25% slower.)\"\"\"
+    panel_matmul_add_{rows}x{panel}(X, P, b, G, fresh)
+    panel_matmul_add_{rows}x{panel}(X2, P2, b, G, False)
+"""
+    name = f"WGRAD_{rows}x{panel}_PAIR"
+    edge_lines = "\n".join(through_out(names["edge"], rows, edge, " " * 20, "xw", "p", "first"))
+    full_lines = "\n".join(through_out(names["tile"], rows, panel, " " * 20, "xw", "p", "first"))
+    return f"""
+
+{name} = make_tile({rows}, {vecs}, {lanes}, ternary=False, add_into=True, pair=True)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def panel_matmul_add2_{rows}x{panel}(X, X2, P, P2, b, G, fresh):
+    \"\"\"panel_matmul_add_{rows}x{panel}(X, P, b, G, fresh), then (X2, P2, b, G, False): two
+    windows' sums added into G in window order (X2 and P2 shaped as X and P). Every
+    full tile of both windows is summed in one loop (the pair tile: a tile is loaded,
+    added to and stored once for the two, and its loop exits once), the same bits.\"\"\"
+    n, a = X.shape
+    n_full = n - n % {rows}
+    q_full = b // {panel}
+    x, xb, xs = X.ctypes.data, X.strides[0], X.strides[0] // 8
+    x_off = (X2.ctypes.data - x) // 8
+    p_off = (P2.ctypes.data - P.ctypes.data) // 8
+    g, gs = G.ctypes.data, G.strides[0] // 8
+    from_zero = 1 if fresh else 0
+    for q in range(q_full):  # a panel pair is reused by every row while it is in cache
+        p = P.ctypes.data + q * P.strides[0]
+        for r in range(0, n_full, {rows}):
+            {name}(x + r * xb, xs, x_off, p, p_off, a, g + (r * gs + q * {panel}) * 8,
+                gs, from_zero)
+    if q_full < P.shape[0]:  # the last panel, partly past column b: window by window
+        out = np.empty({rows * panel})
+        j = q_full * {panel}
+        cols = b - j
+        for pw, xw, first in ((P.ctypes.data, x, fresh), (P2.ctypes.data, X2.ctypes.data, False)):
+            p = pw + q_full * P.strides[0]
+            for r in range(0, n_full, {rows}):
+                if cols <= {edge}:
+{edge_lines}
+                else:
+{full_lines}
+    if n_full < n:  # the rows left over
+        panel_matmul_add_{rows}x{panel}(X[n_full:], P, b, G[n_full:], fresh)
+        panel_matmul_add_{rows}x{panel}(X2[n_full:], P2, b, G[n_full:], False)
+"""
 
 
 TERNARY_DOC = ("Y [n, b] = alpha * (X [n, a] . T), T ternary [a, b] in panels P (int8:\n"
