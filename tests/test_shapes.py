@@ -193,12 +193,12 @@ def plain_attention(q, K, V, do, p, H, dh, scale, e_order=None):
 @pytest.mark.parametrize("heads,head_width,window", [(3, 81, 27), (3, 11, 13), (2, 7, 5),
                                                      (1, 27, 30), (2, 25, 49)])
 def test_attention_in_panels_gives_the_plain_sums_bit_for_bit(heads, head_width, window):
-    """attention_position and its backward, reading the cache from its panels
+    """attention_rows and attention_rows_backward, reading the cache from its panels
     (cache_panels), against the plain loops at every position: head widths and windows
-    below, at and past a panel (ATTN_PANEL columns) and past two. The control: the
-    scores summed over e in reverse give other bits."""
-    from hslm.layers import (alloc_acts, attention_position, attention_position_backward,
-                             cache_panels)
+    below, at and past a panel (ATTN_PANEL columns) and past two; the rows in ranges
+    that start and end inside a group of ATTN_GROUP, the backward's from a record row
+    s > 0 as well. The control: the scores summed over e in reverse give other bits."""
+    from hslm.layers import alloc_acts, attention_rows, attention_rows_backward, cache_panels
     d = heads * head_width
     cfg = Config(vocab=31, width=d, heads=heads, head_width=head_width, mlp=9, blocks=1,
                  window=window, vsa_dim=4 * d)
@@ -209,12 +209,24 @@ def test_attention_in_panels_gives_the_plain_sums_bit_for_bit(heads, head_width,
     for p0, p1 in ((0, window // 2), (window // 2, window)):  # rows in two ranges
         cache_panels(A, 0, 0, p0, p1, heads, head_width)
     scale = 1.0 / np.sqrt(head_width)
+    ranges = ((0, 1), (1, window // 2 + 1), (window // 2 + 1, window))
+    for p0, p1 in ranges:
+        attention_rows(A.q[0, 0], A.k_cols[0, 0], A.v_rows[0, 0], p0, p1, heads, head_width,
+                       scale, A.attn[0, 0], A.attn_out[0, 0])
+    DO = np.tile(do, (window, 1))
+    DQ, DK, DV = (np.zeros((window, d)) for _ in range(3))
+    for r0, r1 in ranges:
+        attention_rows_backward(A.q[0, 0], A.v_cols[0, 0], A.k_rows[0, 0], A.attn[0, 0], 0,
+                                r0, r1, heads, head_width, scale, DO, DQ, DK, DV)
+    s0 = window // 3  # record rows from position s0 on, as with k < window
+    late = [np.zeros((window - s0, d)) for _ in range(3)]
+    for r0, r1 in ((0, 2), (2, window - s0)):
+        attention_rows_backward(A.q[0, 0], A.v_cols[0, 0], A.k_rows[0, 0], A.attn[0, 0], s0,
+                                r0, r1, heads, head_width, scale, DO, *late)
+    for grads, late_grads in zip((DQ, DK, DV), late):
+        assert late_grads.tobytes() == grads[s0:].tobytes()
     for p in range(window):
-        o, dq, dk, dv = (np.zeros(d) for _ in range(4))
-        attention_position(A.q[0, 0, p], A.k_cols[0, 0], A.v_rows[0, 0], p, heads, head_width,
-                           scale, A.attn[0, 0, p], o)
-        attention_position_backward(A.q[0, 0, p], A.v_cols[0, 0], A.k_rows[0, 0],
-                                    A.attn[0, 0, p], p, heads, head_width, scale, do, dq, dk, dv)
+        o, dq, dk, dv = A.attn_out[0, 0, p], DQ[p], DK[p], DV[p]
         ref = plain_attention(A.q[0, 0, p], A.k[0, 0], A.v[0, 0], do, p, heads, head_width,
                               scale)
         got = (A.attn[0, 0, p][:, :p + 1].copy(), o, dq, dk, dv)
