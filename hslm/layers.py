@@ -240,28 +240,75 @@ def embed_forward(model, A, w, tokens, p0, p1):
 
 # ----------------------------------------------------- RMSNorm and the gain
 @njit(cache=True, nogil=True, error_model="numpy")
-def rms_forward(x, xr):
-    """xr = x / sqrt(mean(x^2) + 1e-6); returns the factor r."""
-    n = x.shape[0]
-    ss = 0.0
-    for i in range(n):
-        ss += x[i] * x[i]
-    r = 1.0 / math.sqrt(ss / n + RMS_EPS)
-    for i in range(n):
+def rms_forward(x, xr, ss):
+    """xr = x / sqrt(mean(x^2) + 1e-6), given ss = sum_i x_i^2 (in order from 0.0);
+    returns the factor r."""
+    r = 1.0 / math.sqrt(ss / x.shape[0] + RMS_EPS)
+    for i in range(x.shape[0]):
         xr[i] = x[i] * r
     return r
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def rms_backward(x, r, dxr, dx):
-    """dx = dxr * r - x * (sum_i dxr_i x_i) r^3 / n."""
+def rms_rows(X, XR, rms):
+    """rms_forward of each row of X [rows, n] into XR, its factor into rms [rows]. Each
+    row's sum of squares is a chain of n dependent adds: four rows' chains run in one
+    loop, side by side (one row's alone waited on the adds' latency)."""
+    rows, n = X.shape
+    r = 0
+    while r + 4 <= rows:
+        x0, x1, x2, x3 = X[r], X[r + 1], X[r + 2], X[r + 3]
+        s0 = s1 = s2 = s3 = 0.0
+        for i in range(n):
+            s0 += x0[i] * x0[i]
+            s1 += x1[i] * x1[i]
+            s2 += x2[i] * x2[i]
+            s3 += x3[i] * x3[i]
+        rms[r] = rms_forward(x0, XR[r], s0)
+        rms[r + 1] = rms_forward(x1, XR[r + 1], s1)
+        rms[r + 2] = rms_forward(x2, XR[r + 2], s2)
+        rms[r + 3] = rms_forward(x3, XR[r + 3], s3)
+        r += 4
+    for r in range(r, rows):
+        ss = 0.0
+        for i in range(n):
+            ss += X[r, i] * X[r, i]
+        rms[r] = rms_forward(X[r], XR[r], ss)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def rms_backward(x, r, dxr, dx, dot):
+    """dx = dxr * r - x * (sum_i dxr_i x_i) r^3 / n, given dot = sum_i dxr_i x_i (in
+    order from 0.0)."""
     n = x.shape[0]
-    dot = 0.0
-    for i in range(n):
-        dot += dxr[i] * x[i]
     coef = dot * (r * r * r) / n
     for i in range(n):
         dx[i] = dxr[i] * r - x[i] * coef
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def rms_backward_rows(X, rms, DXR, DX):
+    """rms_backward of each row (X [rows, n], rms [rows], DXR -> DX), four rows' dot
+    products side by side (as rms_rows)."""
+    rows, n = X.shape
+    r = 0
+    while r + 4 <= rows:
+        s0 = s1 = s2 = s3 = 0.0
+        for i in range(n):
+            s0 += DXR[r, i] * X[r, i]
+            s1 += DXR[r + 1, i] * X[r + 1, i]
+            s2 += DXR[r + 2, i] * X[r + 2, i]
+            s3 += DXR[r + 3, i] * X[r + 3, i]
+        rms_backward(X[r], rms[r], DXR[r], DX[r], s0)
+        rms_backward(X[r + 1], rms[r + 1], DXR[r + 1], DX[r + 1], s1)
+        rms_backward(X[r + 2], rms[r + 2], DXR[r + 2], DX[r + 2], s2)
+        rms_backward(X[r + 3], rms[r + 3], DXR[r + 3], DX[r + 3], s3)
+        r += 4
+    for r in range(r, rows):
+        dot = 0.0
+        for i in range(n):
+            dot += DXR[r, i] * X[r, i]
+        rms_backward(X[r], rms[r], DXR[r], DX[r], dot)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -269,10 +316,10 @@ def norm_gain_forward(model, A, w, b, p0, p1):
     """n = rms(x_b) * gamma_b for rows p0..p1-1.   x [L, d] -> rms [L], x_normed, n [L, d]."""
     D = model.dims
     gamma = view1(model.theta, model.offs, tensor_index(D, b, GAMMA))
+    rms_rows(A.x[w, b, p0:p1], A.x_normed[w, b, p0:p1], A.rms[w, b, p0:p1])
     for p in range(p0, p1):
         xr = A.x_normed[w, b, p]
         n = A.n[w, b, p]
-        A.rms[w, b, p] = rms_forward(A.x[w, b, p], xr)
         for i in range(D.width):
             n[i] = xr[i] * gamma[i]
 
@@ -281,18 +328,18 @@ def norm_gain_forward(model, A, w, b, p0, p1):
 def norm_gain_backward(model, A, R, w, b, s, r0, r1, DQ, DK, DV, DX):
     """dn = ((dq Wq^T) + dk Wk^T) + dv Wv^T [rows, d] (given as DQ, DK, DV) -> the gain's
     rows d_gain = dn * x_normed, and DX = dloss/dx_b through the norm (rows r0..r1-1).
-    DV is overwritten with dn * gamma; DX may be DK (each row is read before it is written)."""
+    DV is overwritten with dn * gamma; DX may be DK (every row is read before any is written)."""
     D = model.dims
     gamma = view1(model.theta, model.offs, tensor_index(D, b, GAMMA))
     for r in range(r0, r1):
-        p = s + r
-        xr = A.x_normed[w, b, p]
+        xr = A.x_normed[w, b, s + r]
         dn = DV[r]  # reused: dv Wv^T becomes dn * gamma
         for i in range(D.width):
             g = (DQ[r, i] + DK[r, i]) + dn[i]
             R.d_gain[w, b, r, i] = g * xr[i]
             dn[i] = g * gamma[i]
-        rms_backward(A.x[w, b, p], A.rms[w, b, p], dn, DX[r])
+    rms_backward_rows(A.x[w, b, s + r0:s + r1], A.rms[w, b, s + r0:s + r1], DV[r0:r1],
+                      DX[r0:r1])
 
 
 # ------------------------------------------------------------------ rotary
@@ -667,8 +714,7 @@ def attention_norm_backward(model, A, R, S, w, b, s, r0, r1, kernel):
 def head_forward(model, A, w, p0, p1, kernel):
     """z = c (rms(x_final) Wout) + bout for rows p0..p1-1.   x_final [L, d] -> logits [L, V]."""
     D = model.dims
-    for p in range(p0, p1):
-        A.rms_final[w, p] = rms_forward(A.x_final[w, p], A.x_final_normed[w, p])
+    rms_rows(A.x_final[w, p0:p1], A.x_final_normed[w, p0:p1], A.rms_final[w, p0:p1])
     t = wout_index(D)
     Z = A.logits[w]
     ternary_forward(model, t, D.width, D.vocab, A.x_final_normed[w, p0:p1], Z[p0:p1], kernel)
@@ -692,9 +738,8 @@ def head_backward(model, A, R, S, w, s, r0, r1, kernel):
             dY[r, j] = c * R.d_logits[w, r, j]
     dXR = S.d_x_final_normed
     ternary_input_grad(model, wout_index(D), D.width, D.vocab, dY[r0:r1], dXR[r0:r1], kernel)
-    for r in range(r0, r1):
-        p = s + r
-        rms_backward(A.x_final[w, p], A.rms_final[w, p], dXR[r], R.d_block_out[w, D.blocks - 1, r])
+    rms_backward_rows(A.x_final[w, s + r0:s + r1], A.rms_final[w, s + r0:s + r1], dXR[r0:r1],
+                      R.d_block_out[w, D.blocks - 1, r0:r1])
 
 
 # -------------------------------------------------------------------- loss
