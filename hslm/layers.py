@@ -744,22 +744,77 @@ def head_backward(model, A, R, S, w, s, r0, r1, kernel):
 
 # -------------------------------------------------------------------- loss
 @njit(cache=True, nogil=True, error_model="numpy")
-def loss_forward_backward(z, target, scale, dz):
-    """Label-smoothed cross-entropy of one scored position; dz = dloss/dz * scale.
-    z [V] -> loss; dz [V]."""
+def loss_rows(Z, targets, scale, DZ, losses):
+    """Label-smoothed cross-entropy of scored positions: Z [rows, V] (their logits) and
+    targets [rows] -> losses [rows]; DZ [rows, V] = dloss/dz * scale.
+
+    A row's max, and its sums of exp(z - max) and of z, each run over j in order; each
+    sum is a chain of V dependent adds, so four rows' chains run side by side in one
+    loop (row by row the loss waited on the adds' latency), the rows left over alone."""
+    V = Z.shape[1]
+    mx, se, zs = np.empty(4), np.empty(4), np.empty(4)
+    r = 0
+    while r < Z.shape[0]:
+        n = min(4, Z.shape[0] - r)
+        if n == 4:
+            z0, z1, z2, z3 = Z[r], Z[r + 1], Z[r + 2], Z[r + 3]
+            m0 = m1 = m2 = m3 = -np.inf
+            for j in range(V):
+                if z0[j] > m0:
+                    m0 = z0[j]
+                if z1[j] > m1:
+                    m1 = z1[j]
+                if z2[j] > m2:
+                    m2 = z2[j]
+                if z3[j] > m3:
+                    m3 = z3[j]
+            mx[0], mx[1], mx[2], mx[3] = m0, m1, m2, m3
+        else:
+            for i in range(n):
+                m = -np.inf
+                for j in range(V):
+                    if Z[r + i, j] > m:
+                        m = Z[r + i, j]
+                mx[i] = m
+        for i in range(n):  # kept, so exp runs once per id; apart from the sums: it vectorises
+            z, dz, m = Z[r + i], DZ[r + i], mx[i]
+            for j in range(V):
+                dz[j] = exp(z[j] - m)
+        if n == 4:
+            d0, d1, d2, d3 = DZ[r], DZ[r + 1], DZ[r + 2], DZ[r + 3]
+            e0 = e1 = e2 = e3 = 0.0
+            s0 = s1 = s2 = s3 = 0.0
+            for j in range(V):
+                e0 += d0[j]
+                s0 += z0[j]
+                e1 += d1[j]
+                s1 += z1[j]
+                e2 += d2[j]
+                s2 += z2[j]
+                e3 += d3[j]
+                s3 += z3[j]
+            se[0], se[1], se[2], se[3] = e0, e1, e2, e3
+            zs[0], zs[1], zs[2], zs[3] = s0, s1, s2, s3
+        else:
+            for i in range(n):
+                e = 0.0
+                t = 0.0
+                for j in range(V):
+                    e += DZ[r + i, j]
+                    t += Z[r + i, j]
+                se[i], zs[i] = e, t
+        for i in range(n):
+            losses[r + i] = loss_finish(Z[r + i], targets[r + i], scale, DZ[r + i], mx[i], se[i],
+                                        zs[i])
+        r += n
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def loss_finish(z, target, scale, dz, m, se, zs):
+    """One row's loss from its max m, se = sum_j exp(z_j - m) (dz holds the exp terms)
+    and zs = sum_j z_j; dz becomes dloss/dz * scale."""
     V = z.shape[0]
     eps = LABEL_SMOOTH
-    m = -np.inf
-    for j in range(V):
-        if z[j] > m:
-            m = z[j]
-    for j in range(V):  # kept, so exp runs once per id; apart from the sums: it vectorises
-        dz[j] = exp(z[j] - m)
-    se = 0.0
-    zs = 0.0
-    for j in range(V):
-        se += dz[j]
-        zs += z[j]
     lse = m + log(se)
     loss = (1.0 - eps) * (lse - z[target]) + eps * (lse - zs / V)
     for j in range(V):
@@ -771,13 +826,11 @@ def loss_forward_backward(z, target, scale, dz):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def loss_rows(model, A, R, w, tokens, s, r0, r1, scale):
-    """The scored rows' losses and d_logits (rows r0..r1-1); returns their sum."""
-    total = 0.0
-    for r in range(r0, r1):
-        p = s + r
-        total += loss_forward_backward(A.logits[w, p], tokens[p + 1], scale, R.d_logits[w, r])
-    return total
+def window_loss_rows(model, A, R, w, tokens, s, r0, r1, scale, losses):
+    """Window w's scored rows r0..r1-1 (positions s + r): their losses into
+    losses[r0..r1-1] and their d_logits."""
+    loss_rows(A.logits[w, s + r0:s + r1], tokens[s + r0 + 1:s + r1 + 1], scale,
+              R.d_logits[w, r0:r1], losses[r0:r1])
 
 
 # -------------------------------------------------- weight-gradient operands

@@ -32,7 +32,7 @@ from .kernels import column_sum_rows, input_columns, output_grad_panels
 from .micro import WGRAD_PANEL, panel_matmul_add, panel_matmul_add2
 from .layers import (COLUMN_SUM, MATRIX, block_backward, block_forward, block_keys_values,
                      block_queries, blocks_backward, blocks_forward, embed_forward,
-                     head_backward, head_forward, loss_forward_backward, loss_rows, view1, view2,
+                     head_backward, head_forward, loss_rows, view1, view2, window_loss_rows,
                      weight_grad_operands)
 from .spin import add, publish, wait_for
 from .vsa import vsa_window
@@ -88,6 +88,7 @@ def window_per_position(model, tokens, vsa, k, scale, A, R, S, acc, out, recompu
     s = L - k
     acc[:] = 0.0
     loss_sum = 0.0
+    row_loss = np.empty(k)
     for p in range(L):
         scored = p >= s
         if recompute_prefix:
@@ -102,7 +103,8 @@ def window_per_position(model, tokens, vsa, k, scale, A, R, S, acc, out, recompu
                              kernel=kernel)
         if scored:
             r = p - s
-            loss_sum += loss_rows(model, A, R, 0, tokens, s, r, r + 1, scale)
+            window_loss_rows(model, A, R, 0, tokens, s, r, r + 1, scale, row_loss)
+            loss_sum += row_loss[r]
             head_backward(model, A, R, S, 0, s, r, r + 1, kernel)
             for b in range(D.blocks - 1, -1, -1):
                 block_backward(model, A, R, S, 0, b, s, r, r + 1, kernel)
@@ -246,8 +248,7 @@ def windows_backward(model, windows, k, scale, A, R, S, first, step, r0, r1, row
     B = windows.shape[0]
     if head:
         for w in range(first, B, step):
-            for r in range(r0, r1):
-                row_losses[w, r] = loss_rows(model, A, R, w, windows[w], s, r, r + 1, scale)
+            window_loss_rows(model, A, R, w, windows[w], s, r0, r1, scale, row_losses[w])
             head_backward(model, A, R, S, w, s, r0, r1, kernel)
     for b in range(b1 - 1, b0 - 1, -1):
         blocks_backward(model, A, R, S, b, first, step, B, s, r0, r1, kernel)
@@ -363,9 +364,12 @@ def windows_loss(windows, k, A, S, first, step, losses):
     """Evaluation, after windows_forward: losses[w] = window w's mean loss over its last
     k positions (windows first, first + step, ...)."""
     L = windows.shape[1] - 1
+    row_loss = np.empty(k)
     for w in range(first, windows.shape[0], step):
         tokens = windows[w]
+        loss_rows(A.logits[w, L - k:L], tokens[L - k + 1:L + 1], 1.0, S.loss_grad[L - k:L],
+                  row_loss)
         loss_sum = 0.0
-        for p in range(L - k, L):
-            loss_sum += loss_forward_backward(A.logits[w, p], tokens[p + 1], 1.0, S.loss_grad[p])
+        for r in range(k):
+            loss_sum += row_loss[r]
         losses[w] = loss_sum / k
