@@ -413,19 +413,13 @@ def attention_rows(Q, KC, VR, p0, p1, H, dh, scale, AP, O):
     P = ATTN_PANEL
     sums = np.empty(ATTN_GROUP * P)
     S = sums.ctypes.data
-    qs = Q.strides[0] // 8
     p = p0
     while p < p1:
         g = min(ATTN_GROUP, p1 - p)  # this group's rows: p .. p + g - 1
         for h in range(H):
             c0 = h * dh
             for qq in range((p + g - 1) // P + 1):  # scores of keys qq P .. qq P + P - 1
-                if g == ATTN_GROUP:
-                    ATTN_ROWS(Q[p].ctypes.data + 8 * c0, qs, KC[h, qq].ctypes.data, dh, S)
-                else:
-                    for i in range(g):
-                        ATTN_ROW(Q[p + i].ctypes.data + 8 * c0, 0, KC[h, qq].ctypes.data, dh,
-                                 S + 8 * P * i)
+                group_against_panel(Q, p, g, c0, KC[h, qq], dh, S)
                 for i in range(g):
                     for c in range(min(P, p + i + 1 - qq * P)):
                         AP[p + i, h, qq * P + c] = sums[i * P + c] * scale
@@ -433,6 +427,19 @@ def attention_rows(Q, KC, VR, p0, p1, H, dh, scale, AP, O):
                 attention_softmax_output(AP[p + i, h], VR[h], p + i, dh, O[p + i, c0:c0 + dh],
                                          sums)
         p += g
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def group_against_panel(X, r, n, c0, panel, dh, S):
+    """Rows r..r+n-1 of X, from column c0 (dh of them), times a panel [dh, ATTN_PANEL]
+    into sums [n, ATTN_PANEL] at address S, each sum over e in order from 0.0:
+    n = ATTN_GROUP rows in one tile (ATTN_ROWS), fewer one by one (ATTN_ROW)."""
+    if n == ATTN_GROUP:
+        ATTN_ROWS(X[r].ctypes.data + 8 * c0, X.strides[0] // 8, panel.ctypes.data, dh, S)
+    else:
+        for i in range(n):
+            ATTN_ROW(X[r + i].ctypes.data + 8 * c0, 0, panel.ctypes.data, dh,
+                     S + 8 * ATTN_PANEL * i)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -471,19 +478,13 @@ def attention_rows_backward(Q, VC, KR, AP, s, r0, r1, H, dh, scale, DO, DQ, DK, 
     sums = np.empty(ATTN_GROUP * P)
     S = sums.ctypes.data
     g = np.empty((ATTN_GROUP, AP.shape[2]))  # per row: da_j, then the scores' gradients g_j
-    ds = DO.strides[0] // 8
     r = r0
     while r < r1:
         n = min(ATTN_GROUP, r1 - r)  # this group's rows: r .. r + n - 1
         for h in range(H):
             c0 = h * dh
             for qq in range((s + r + n - 1) // P + 1):
-                if n == ATTN_GROUP:
-                    ATTN_ROWS(DO[r].ctypes.data + 8 * c0, ds, VC[h, qq].ctypes.data, dh, S)
-                else:
-                    for i in range(n):
-                        ATTN_ROW(DO[r + i].ctypes.data + 8 * c0, 0, VC[h, qq].ctypes.data, dh,
-                                 S + 8 * P * i)
+                group_against_panel(DO, r, n, c0, VC[h, qq], dh, S)
                 for i in range(n):
                     for c in range(min(P, s + r + i + 1 - qq * P)):
                         g[i, qq * P + c] = sums[i * P + c]
