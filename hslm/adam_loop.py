@@ -22,7 +22,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from .vector_tiles import llvm_intrinsic, splat
+from .vector_tiles import declare, llvm_intrinsic, splat
 
 # the order of the scalars in the parameter array (float64)
 CLIP, DECAY, STEP_SIZE, SQRT_BC2, B1, ONE_MINUS_B1, B2, ONE_MINUS_B2, EPS = range(9)
@@ -39,9 +39,7 @@ PREFETCH_AHEAD = 512
 def prefetch(builder, address, for_write: bool):
     """llvm.prefetch of the cache line at address (a double*), into every cache level."""
     i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-    fn = builder.module.globals.get("llvm.prefetch.p0i8") or ir.Function(
-        builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-        name="llvm.prefetch.p0i8")
+    fn = declare(builder, "llvm.prefetch.p0i8", ir.VoidType(), [i8p, i32, i32, i32])
     builder.call(fn, [builder.bitcast(address, i8p), ir.Constant(i32, int(for_write)),
                       ir.Constant(i32, 3), ir.Constant(i32, 1)])
 

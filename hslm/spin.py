@@ -16,6 +16,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from .vector_tiles import declare
+
 SPINS_PER_YIELD = 1024
 
 
@@ -55,8 +57,7 @@ def fetch_add(typingctx, addr, value):
 def yield_core(typingctx):
     """sched_yield(): let another runnable thread have this core."""
     def codegen(context, builder, signature, args):
-        fn = builder.module.globals.get("sched_yield") or ir.Function(
-            builder.module, ir.FunctionType(ir.IntType(32), []), name="sched_yield")
+        fn = declare(builder, "sched_yield", ir.IntType(32), [])
         builder.call(fn, [])
         return context.get_dummy_value()
     return types.void(), codegen

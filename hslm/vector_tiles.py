@@ -31,13 +31,18 @@ from numba import types
 from numba.extending import intrinsic
 
 
+def declare(builder, name: str, ret, args):
+    """The module's declaration of the function `name` (an LLVM intrinsic or a C
+    function) returning ret and taking args (LLVM types), made on first use."""
+    return builder.module.globals.get(name) or ir.Function(
+        builder.module, ir.FunctionType(ret, list(args)), name=name)
+
+
 def llvm_intrinsic(builder, name: str, vt, nargs: int):
     """The module's declaration of llvm.<name> for vt (a vector of doubles, or a double)
     taking nargs of them, made on first use."""
     suffix = f"v{vt.count}f64" if isinstance(vt, ir.VectorType) else "f64"
-    full = f"llvm.{name}.{suffix}"
-    return builder.module.globals.get(full) or ir.Function(
-        builder.module, ir.FunctionType(vt, [vt] * nargs), name=full)
+    return declare(builder, f"llvm.{name}.{suffix}", vt, [vt] * nargs)
 
 
 class CountedLoop:
@@ -240,8 +245,7 @@ def make_widen(panel: int):
             at = builder.mul(loop.i, ir.Constant(i64, panel))
             if by_quadwords:  # each 8 trits sign-extended to int64, then vcvtqq2pd
                 q8, v8, d8 = (ir.VectorType(t, 8) for t in (ir.IntType(8), i64, f64))
-                convert = builder.module.globals.get(QQ2PD) or ir.Function(
-                    builder.module, ir.FunctionType(d8, [v8, ir.IntType(32)]), name=QQ2PD)
+                convert = declare(builder, QQ2PD, d8, [v8, ir.IntType(32)])
                 for h in range(0, panel, 8):
                     at_h = builder.add(at, ir.Constant(i64, h))
                     trits = builder.load(builder.bitcast(builder.gep(src, [at_h]),

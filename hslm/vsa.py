@@ -12,7 +12,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from .config import PHI
-from .vector_tiles import CountedLoop, splat
+from .vector_tiles import CountedLoop, declare, splat
 
 GATE = 1.0 / PHI  # 0.6180339887...
 
@@ -56,9 +56,8 @@ def _trit_loop(dot: bool):
         total.add_incoming(zero, loop.entry)
         total.add_incoming(new, loop.latch)
         wide = builder.sext(total, ir.VectorType(i32, LANES))
-        reduce = builder.module.globals.get("llvm.vector.reduce.add.v32i32") or ir.Function(
-            builder.module, ir.FunctionType(i32, [ir.VectorType(i32, LANES)]),
-            name="llvm.vector.reduce.add.v32i32")
+        reduce = declare(builder, f"llvm.vector.reduce.add.v{LANES}i32", i32,
+                         [ir.VectorType(i32, LANES)])
         return builder.sext(builder.call(reduce, [wide]), ir.IntType(64))
 
     if dot:
