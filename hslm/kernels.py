@@ -15,10 +15,12 @@ Only one contraction is allowed, in the ternary kernels, where it is exact.
 """
 from __future__ import annotations
 
+import numpy as np
 from numba import njit
 
-from .micro import (MICRO_KERNELS, TERNARY_PANEL, WGRAD_PANEL, compile_micro, panel_matmul_add,
-                    ternary_panel_matmul)
+from .micro import (ACTIVE_LANES, ACTIVE_VECS, MICRO_KERNELS, TERNARY_PANEL, WGRAD_PANEL,
+                    compile_micro, panel_matmul_add, ternary_panel_matmul)
+from .vector_tiles import make_active_rows_tile
 
 COL_TILE = 256  # columns per tile: a pass's 4 matrix-row slices (8 KB) stay in L1
 
@@ -133,3 +135,106 @@ def column_sum_rows(DY, g):
         for r in range(n):
             acc += DY[r, j]
         g[j] += acc
+
+
+# ------------------------------------------------- the MLP's weight gradients, active rows
+# Tiles of ACTIVE_VECS and ACTIVE_VECS - 1 vectors (a row of 243 columns: 16 + 15 vectors
+# of 8, or 13 + 4 x 12 of 4), and, for narrower rows, a slower one of up to ACTIVE_VECS.
+ACTIVE_ROW = make_active_rows_tile(ACTIVE_VECS, ACTIVE_LANES)
+ACTIVE_ROW_LESS = make_active_rows_tile(ACTIVE_VECS - 1, ACTIVE_LANES)
+ACTIVE_ROW_ANY = make_active_rows_tile(ACTIVE_VECS, ACTIVE_LANES, exact=False)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def active_masks(X, j0, j1, M):
+    """M[w, j] for j0 <= j < j1: bit t % 64 of word w = t // 64 set where X[t, j] > 0.0
+    (X [k, F]: the ReLU's outputs at the scored positions; a NaN is not active)."""
+    for w in range(M.shape[0]):
+        for j in range(j0, j1):
+            M[w, j] = 0
+    for t in range(X.shape[0]):
+        w, bit = t >> 6, t & 63
+        x = X[t]
+        m = M[w]
+        for j in range(j0, j1):
+            m[j] |= np.int64(x[j] > 0.0) << bit
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def active_tiles(n):
+    """How many register tiles active_rows_grad cuts a row of n columns into."""
+    nv = (n + ACTIVE_LANES - 1) // ACTIVE_LANES
+    return (nv + ACTIVE_VECS - 1) // ACTIVE_VECS
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def active_span(n, q):
+    """Columns (c0, c1) of tile q of active_tiles(n): the row's vectors shared out as
+    evenly as the tiles allow, so no tile runs mostly empty."""
+    T = active_tiles(n)
+    nv = (n + ACTIVE_LANES - 1) // ACTIVE_LANES
+    base, extra = nv // T, nv % T
+    v0 = q * base + min(q, extra)
+    v1 = v0 + base + (1 if q < extra else 0)
+    return v0 * ACTIVE_LANES, min(n, v1 * ACTIVE_LANES)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def active_rows_grad(M, S, D, c0, c1, j0, j1, O, fresh):
+    """O[j, c - c0] = base + sum_t S[t, j] D[t, c] for j0 <= j < j1, c0 <= c < c1 (at
+    least ACTIVE_LANES columns), base O[j, c - c0] or, where fresh, 0.0: one window's
+    weight-gradient rows of a matrix beside the ReLU, summed over the positions t where
+    unit j is active (M, active_masks) in increasing order from 0.0, the product
+    rounded and then added. The positions left out add S[t, j] D[t, c] = +-0.0, which
+    changes no bit of such a sum (vector_tiles.make_active_rows_tile), so these are
+    the dense sums' bits. S [k, F] (its column j: unit j's factor), D [k, >= c1] rows
+    contiguous, O [>= j1, >= c1 - c0] rows contiguous.
+
+    Tiles of up to ACTIVE_VECS vectors; for each, every row j (D's columns of the tile,
+    27 x 128 doubles, stay in L1 while the rows pass)."""
+    words, F = M.shape
+    n = c1 - c0
+    xs, ds, os = S.strides[0] // 8, D.strides[0] // 8, O.strides[0] // 8
+    for q in range(active_tiles(n)):
+        a, b = active_span(n, q)
+        d = D.ctypes.data + (c0 + a) * 8
+        vecs = (b - a + ACTIVE_LANES - 1) // ACTIVE_LANES
+        last, first = b - a - ACTIVE_LANES, 1 if fresh else 0
+        for j in range(j0, j1):
+            m, x, o = M.ctypes.data + j * 8, S.ctypes.data + j * 8, O.ctypes.data + (j * os + a) * 8
+            if vecs == ACTIVE_VECS:
+                ACTIVE_ROW(m, F, words, x, xs, d, ds, last, o, first)
+            elif vecs == ACTIVE_VECS - 1:
+                ACTIVE_ROW_LESS(m, F, words, x, xs, d, ds, last, o, first)
+            else:
+                ACTIVE_ROW_ANY(m, F, words, x, xs, d, ds, last, o, first)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def aligned_rows(X, flat, start):
+    """X [k, n] copied into flat from element `start` on, each row starting on 64 bytes,
+    rows a multiple of 8 elements apart and not of 64 (so that rows do not share L1
+    sets); returns the [k, n] view. The tile's vector loads from records' rows (243
+    doubles apart) split cache lines: 1.24 against 0.99-1.03 ms for Wdown's gradient.
+    Uses at most k * (n + 15) + 7 elements of flat past start."""
+    k, n = X.shape
+    stride = (n + 7) // 8 * 8
+    if stride % 64 == 0:
+        stride += 8
+    a = start + (-(flat.ctypes.data // 8 + start)) % 8
+    out = flat[a:a + k * stride].reshape((k, stride))[:, :n]
+    for r in range(k):
+        for c in range(n):
+            out[r, c] = X[r, c]
+    return out
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def transpose_rows(T, G):
+    """G [w, F] = T^T, T [F, w], eight of T's rows at a time (G's rows in runs of 64 bytes)."""
+    F, w = T.shape
+    for j0 in range(0, F, 8):
+        j1 = min(j0 + 8, F)
+        for i in range(w):
+            for j in range(j0, j1):
+                G[i, j] = T[j, i]

@@ -838,6 +838,19 @@ def window_loss_rows(model, A, R, w, tokens, s, r0, r1, scale, losses):
 MATRIX = 0       # G_t += X^T . DY over the rows
 COLUMN_SUM = 1   # g_t += sum of DY's rows (biases, the gain)
 EMBED_ROWS = 2   # E[t_p] += DY row of position p (the embedding)
+RELU_INPUT = 1   # relu_side: Wdown, whose input is the ReLU's output (G's rows are its units)
+RELU_OUTPUT = 2  # Wup, whose output gradient is zero where the ReLU is (G's columns)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def relu_side(dims, t):
+    """Whether tensor t's weight gradient has a factor that is 0.0 wherever the MLP's
+    ReLU unit is inactive: RELU_INPUT (Wdown), RELU_OUTPUT (Wup), else 0. Those sums
+    need only the active positions (hslm.kernels.active_rows_grad)."""
+    if t == 0 or t >= wout_index(dims):
+        return 0
+    which = (t - 1) % TENSORS_PER_BLOCK
+    return RELU_INPUT if which == WDOWN else RELU_OUTPUT if which == WUP else 0
 
 
 @njit(cache=True, nogil=True, error_model="numpy")

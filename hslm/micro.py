@@ -30,6 +30,10 @@ WGRAD_ROWS, WGRAD_PANEL = panel_kernels.WGRAD_TILES[0 if wide_vectors() else 1]
 panel_matmul_add = getattr(panel_kernels, f"panel_matmul_add_{WGRAD_ROWS}x{WGRAD_PANEL}")
 # two windows a call (a pair tile where the registers hold two tiles' sums)
 panel_matmul_add2 = getattr(panel_kernels, f"panel_matmul_add2_{WGRAD_ROWS}x{WGRAD_PANEL}")
+# The MLP's weight gradients over the ReLU's active positions only (hslm.kernels.
+# active_rows_grad): a row of up to ACTIVE_VECS vectors of ACTIVE_LANES doubles in
+# registers (with the broadcast and a product: 18 of 32 registers, 15 of 16).
+ACTIVE_VECS, ACTIVE_LANES = (16, 8) if wide_vectors() else (13, 4)
 
 # name: [(kernel, the one signature it is compiled for)]. Ternary panels are int8
 # (exact for -1, 0, +1; an eighth of float64's memory traffic).

@@ -38,25 +38,39 @@ import numpy as np
 from numba import njit
 
 from .config import TENSORS_PER_BLOCK
-from .kernels import WGRAD_ROW_BLOCK
-from .layers import alloc_acts, alloc_record, alloc_scratch
+from .kernels import WGRAD_ROW_BLOCK, active_span, active_tiles
+from .micro import ACTIVE_LANES
+from .layers import RELU_OUTPUT, alloc_acts, alloc_record, alloc_scratch, relu_side
 from .speeds import KERNEL_PANELS, PER_POSITION, SPEEDS
 from .vsa import vsa_window
 from .windows import (gradients_from_records, mean_losses, team_counters, team_slot,
                       window_per_position, windows_backward, windows_forward, windows_layerwise,
                       windows_loss)
 
+# The share of the MLP's weight-gradient products that are summed: the ReLU's active
+# positions, about half of them (measured over 300 steps of hslm-3: 0.42-0.64 a block).
+ACTIVE_SHARE = 0.5
+
+
 def gradient_units(cfg):
     """[(tensor, row0, row1)] covering the gradient, and each unit's cost (multiply-adds
-    per scored position): blocks of WGRAD_ROW_BLOCK rows of each ternary matrix, and
-    each other tensor whole."""
+    per scored position): blocks of WGRAD_ROW_BLOCK rows of each ternary matrix (Wup:
+    one unit per tile of its active rows, kernels.active_span), and each other tensor
+    whole."""
     units, cost = [], []
+    dims = cfg.dims()
     for t, (_, shape, kind) in enumerate(cfg.tensors()):
         if kind == "ternary":
-            for r0 in range(0, shape[0], WGRAD_ROW_BLOCK):
-                r1 = min(r0 + WGRAD_ROW_BLOCK, shape[0])
+            rows = [(r0, min(r0 + WGRAD_ROW_BLOCK, shape[0]))
+                    for r0 in range(0, shape[0], WGRAD_ROW_BLOCK)]
+            side = relu_side(dims, t) if cfg.width >= ACTIVE_LANES else 0
+            relu = side != 0  # windows.relu_weight_grads: over the active positions
+            if side == RELU_OUTPUT:
+                # Wup's units are its rows i, the columns of its active-row tiles: one a tile
+                rows = [active_span(shape[0], q) for q in range(active_tiles(shape[0]))]
+            for r0, r1 in rows:
                 units.append((t, r0, r1))
-                cost.append((r1 - r0) * shape[1])
+                cost.append((r1 - r0) * shape[1] * (ACTIVE_SHARE if relu else 1.0))
         else:
             units.append((t, 0, shape[0]))
             cost.append(shape[-1])

@@ -371,3 +371,110 @@ def make_trits(lanes: int):
 
     trits.__name__ = f"trits_{lanes}"
     return intrinsic(trits)
+
+
+def make_active_rows_tile(vecs: int, lanes: int, exact: bool = True):
+    """An intrinsic tile(m_addr, m_stride, words, x_addr, x_stride, d_addr, d_stride, last,
+    out_addr, fresh), all intp: one row of a weight gradient over the positions where
+    its sparse factor is active (the ReLU's units: half of them are 0.0 at any position).
+
+    The set bits t of the int64 words at m_addr, m_stride apart (bit b of word w is
+    position 64 w + b), in increasing order, add x[t x_stride] D[t d_stride + c] into
+    acc[c] from 0.0, the product rounded and then added, as the dense tile does; then
+    out[c] = base + acc[c], base out[c] or, where fresh is nonzero, 0.0. The columns are
+    `vecs` vectors at 0, lanes, 2 lanes, ..., each clamped to `last` (the last full
+    vector of the row, at least (vecs - 2) lanes: the last vector may overlap the one
+    before it). exact=False: a row of fewer vectors, down to one (the vectors past
+    `last` repeat it); its runtime offsets take a register each, and the loop is slower.
+    Every vector's `out` is loaded before any is stored, so overlapping lanes get the
+    same bits twice.
+
+    Skipping a position where x is 0.0 changes no bit: x D is then +-0.0 (D finite),
+    and a sum that starts from +0.0 is never -0.0, so adding +-0.0 leaves it as it
+    was. (A step with a non-finite D has a non-finite loss or norm and is stopped.)"""
+
+    def codegen(context, builder, signature, args):
+        ma, ms, words, xa, xs, da, ds, last, oa, fresh = args
+        f64, i64 = ir.DoubleType(), ir.IntType(64)
+        vt = ir.VectorType(f64, lanes)
+        zero = ir.Constant(vt, [0.0] * lanes)
+        one, c64 = ir.Constant(i64, 1), ir.Constant(i64, 64)
+        mptr = builder.inttoptr(ma, i64.as_pointer())
+        xptr = builder.inttoptr(xa, f64.as_pointer())
+        dptr = builder.inttoptr(da, f64.as_pointer())
+        optr = builder.inttoptr(oa, f64.as_pointer())
+        cttz = declare(builder, "llvm.cttz.i64", i64, [i64, ir.IntType(1)])
+        offsets = []
+        for v in range(vecs):
+            at = ir.Constant(i64, v * lanes)
+            if v == vecs - 1:
+                offsets.append(last)
+            elif exact:  # constant offsets: one pointer a row, not one a vector (16 GPRs)
+                offsets.append(at)
+            else:
+                offsets.append(builder.select(builder.icmp_signed("<", at, last), at, last))
+        entry = builder.block
+        word = builder.function.append_basic_block("active.word")
+        bits = builder.function.append_basic_block("active.bits")
+        latch = builder.function.append_basic_block("active.latch")
+        sums = builder.function.append_basic_block("active.sums")
+        builder.cbranch(builder.icmp_signed(">", words, ir.Constant(i64, 0)), word, sums)
+
+        builder.position_at_end(word)  # one int64 word of the mask (64 positions)
+        w = builder.phi(i64)
+        acc_w = [builder.phi(vt) for _ in range(vecs)]
+        mask = builder.load(builder.gep(mptr, [builder.mul(w, ms)]), align=8)
+        t0 = builder.mul(w, c64)
+        builder.cbranch(builder.icmp_signed("!=", mask, ir.Constant(i64, 0)), bits, latch)
+
+        builder.position_at_end(bits)  # one set bit, the lowest first: position t
+        m = builder.phi(i64)
+        acc = [builder.phi(vt) for _ in range(vecs)]
+        t = builder.add(t0, builder.call(cttz, [m, ir.Constant(ir.IntType(1), 1)]))
+        m_next = builder.and_(m, builder.sub(m, one))
+        xv = splat(builder, builder.load(builder.gep(xptr, [builder.mul(t, xs)]), align=8), vt)
+        row = builder.mul(t, ds)
+        new = []
+        for v in range(vecs):
+            p = builder.bitcast(builder.gep(dptr, [builder.add(row, offsets[v])]), vt.as_pointer())
+            new.append(builder.fadd(acc[v], builder.fmul(xv, builder.load(p, align=8))))
+        m.add_incoming(mask, word)
+        m.add_incoming(m_next, bits)
+        for v in range(vecs):
+            acc[v].add_incoming(acc_w[v], word)
+            acc[v].add_incoming(new[v], bits)
+        builder.cbranch(builder.icmp_signed("!=", m_next, ir.Constant(i64, 0)), bits, latch)
+
+        builder.position_at_end(latch)
+        acc_l = [builder.phi(vt) for _ in range(vecs)]
+        for v in range(vecs):
+            acc_l[v].add_incoming(acc_w[v], word)
+            acc_l[v].add_incoming(new[v], bits)
+        w_next = builder.add(w, one)
+        w.add_incoming(ir.Constant(i64, 0), entry)
+        w.add_incoming(w_next, latch)
+        for v in range(vecs):
+            acc_w[v].add_incoming(zero, entry)
+            acc_w[v].add_incoming(acc_l[v], latch)
+        builder.cbranch(builder.icmp_signed("<", w_next, words), word, sums)
+
+        builder.position_at_end(sums)  # every vector's base loaded, then all stored
+        total = [builder.phi(vt) for _ in range(vecs)]
+        for v in range(vecs):
+            total[v].add_incoming(zero, entry)
+            total[v].add_incoming(acc_l[v], latch)
+        is_fresh = builder.icmp_signed("!=", fresh, ir.Constant(i64, 0))
+        ptrs = [builder.bitcast(builder.gep(optr, [offsets[v]]), vt.as_pointer())
+                for v in range(vecs)]
+        values = [builder.fadd(builder.select(is_fresh, zero, builder.load(p, align=8)), s)
+                  for p, s in zip(ptrs, total)]
+        for p, value in zip(ptrs, values):
+            builder.store(value, p, align=8)
+        return context.get_dummy_value()
+
+    def tile(typingctx, m_addr, m_stride, words, x_addr, x_stride, d_addr, d_stride, last,
+             out_addr, fresh):
+        return types.void(*[types.intp] * 10), codegen
+
+    tile.__name__ = f"active_rows_tile_{vecs * lanes}" + ("" if exact else "_clamped")
+    return intrinsic(tile)

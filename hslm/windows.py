@@ -28,12 +28,14 @@ import time
 import numpy as np
 from numba import njit
 
-from .kernels import column_sum_rows, input_columns, output_grad_panels
-from .micro import WGRAD_PANEL, panel_matmul_add, panel_matmul_add2
-from .layers import (COLUMN_SUM, MATRIX, block_backward, block_forward, block_keys_values,
+from .config import TENSORS_PER_BLOCK
+from .kernels import (active_masks, active_rows_grad, aligned_rows, column_sum_rows,
+                      input_columns, output_grad_panels, transpose_rows)
+from .micro import ACTIVE_LANES, WGRAD_PANEL, panel_matmul_add, panel_matmul_add2
+from .layers import (COLUMN_SUM, MATRIX, RELU_INPUT, block_backward, block_forward, block_keys_values,
                      block_queries, blocks_backward, blocks_forward, embed_forward,
-                     head_backward, head_forward, loss_rows, view1, view2, window_loss_rows,
-                     weight_grad_operands)
+                     head_backward, head_forward, loss_rows, relu_side, view1, view2,
+                     window_loss_rows, weight_grad_operands)
 from .spin import add, publish, wait_for
 from .vsa import vsa_window
 
@@ -266,6 +268,50 @@ def mean_losses(row_losses, k, first, step, losses):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
+def relu_weight_grads(model, A, R, B, t, s, k, units, u0, u1, out, WG, fresh):
+    """gradients_from_records' units u0..u1-1 of tensor t, the Wup or Wdown of a block,
+    over the positions where each ReLU unit j is active (active_rows_grad): the other
+    positions' products are +-0.0, which change no bit of these sums, and they are half
+    of all. G's rows j for Wdown (input relu [k, F]); for Wup (output gradient d_u,
+    0.0 wherever relu is) its columns j, each unit's rows i0..i1 summed as rows of
+    T = G[i0:i1]^T in scratch and copied into G when every window has added. The dense
+    factor's rows go through aligned scratch (kernels.aligned_rows). Each element gets
+    the windows in window order, as in the dense tiles."""
+    D = model.dims
+    d, F = D.width, D.mlp
+    b = (t - 1) // TENSORS_PER_BLOCK
+    flat = WG.reshape(WG.size)
+    room = k * (max(d, F) + 15) + 7  # aligned_rows' part of flat; T after it
+    M = np.empty((B, (k + 63) // 64, F), np.int64)
+    ra, rb = units[u0, 1], units[u1 - 1, 2]
+    if relu_side(D, t) == RELU_INPUT:  # Wdown, G [F, d]: the units are its rows j
+        G = view2(out, model.offs, t, F, d)
+        for w in range(B):
+            relu = A.relu[w, b, s:]
+            active_masks(relu, ra, rb, M[w])
+            dy = aligned_rows(R.d_block_out[w, b, :k], flat, 0)
+            active_rows_grad(M[w], relu, dy, 0, d, ra, rb, G, fresh and w == 0)
+        return
+    G = view2(out, model.offs, t, d, F)  # Wup, G [d, F]: the units are its rows i
+    for w in range(B):
+        active_masks(A.relu[w, b, s:], 0, F, M[w])
+    for v in range(u0, u1):
+        i0, i1 = units[v, 1], units[v, 2]
+        if room + F * (i1 - i0) <= flat.size:
+            T = flat[room:room + F * (i1 - i0)].reshape((F, i1 - i0))
+        else:  # a model with windows too short for the scratch (not a preset)
+            T = np.empty((F, i1 - i0))
+        if not fresh:
+            for j in range(F):
+                for i in range(i0, i1):
+                    T[j, i - i0] = G[i, j]
+        for w in range(B):
+            h = aligned_rows(A.h[w, b, s:, i0:i1], flat, 0)
+            active_rows_grad(M[w], R.d_u[w, b, :k], h, 0, i1 - i0, 0, F, T, fresh and w == 0)
+        transpose_rows(T, G[i0:i1])
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
 def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, fresh):
     """Speed 3's weight-gradient phase for a batch of windows.
 
@@ -299,6 +345,10 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, f
         while ue < u1 and units[ue, 0] == t:
             ue += 1
         operands = weight_grad_operands(model, A, R, 0, t, s, k)
+        if relu_side(D, t) != 0 and D.width >= ACTIVE_LANES:
+            relu_weight_grads(model, A, R, B, t, s, k, units, u, ue, out, WG, fresh)
+            u = ue
+            continue
         if operands[0] == MATRIX:
             m, n = operands[3], operands[4]
             G = view2(out, offs, t, m, n)

@@ -418,3 +418,46 @@ def test_byte_transposes_copies_and_trits_in_vectors(width):
     assert exact[0] == 0 and exact[3] == 0 and exact[7] == 1
     control = np.where(x >= 0.5, 1, np.where(x <= -0.5, -1, 0)).astype(np.int8)
     assert control[:3 * lanes].tobytes() != t[:3 * lanes].tobytes()
+
+
+@pytest.mark.parametrize("k,F,n", [(27, 40, 243), (81, 9, 17), (9, 27, 9), (64, 12, 130),
+                                   (65, 7, 121), (27, 5, 52), (7, 11, 8), (27, 13, 486)])
+def test_the_relu_weight_gradient_over_active_positions_is_the_dense_sum(k, F, n):
+    """active_rows_grad (the MLP's weight gradients: only the positions where ReLU unit
+    j is active) gives the dense sums' bits: every position's product added in order
+    from 0.0, the zero ones included; fresh, 0.0 + the sum over O full of NaN. The
+    shapes reach every tile (the 16 and 15 vector tiles on AVX-512, 13 and 12 on AVX2,
+    the narrower tile), a mask of two words (k > 64) and the overlapping last vector.
+    Negative control: leaving out one active position changes the bits."""
+    from hslm.kernels import active_masks, active_rows_grad
+    rng = np.random.default_rng(k * F + n)
+    relu = np.maximum(rng.standard_normal((k, F)), 0.0)
+    relu[:, 0] = 0.0  # a unit never active: its row is 0.0 + 0.0
+    factors = {"Wdown (the ReLU's output)": relu,
+               "Wup (d_u, 0.0 where the ReLU is)": np.where(relu > 0, rng.standard_normal((k, F)), 0.0)}
+    D = rng.standard_normal((k, n + 5))
+    M = np.empty(((k + 63) // 64, F), np.int64)
+    active_masks(relu, 0, F, M)
+    assert (M != 0).sum() > 0 and M.shape[0] == (2 if k > 64 else 1)
+    for name, S in factors.items():
+        for c0 in (0, 5):
+            s = np.zeros((F, n))
+            for t in range(k):
+                s += S[t][:, None] * D[t, c0:c0 + n][None, :]
+            O0 = rng.standard_normal((F, n + 3))
+            O = O0.copy()
+            active_rows_grad(M, S, D, c0, c0 + n, 1, F, O, False)
+            assert O[1:, :n].tobytes() == (O0[1:, :n] + s[1:]).tobytes(), name
+            assert O[0].tobytes() == O0[0].tobytes() and O[:, n:].tobytes() == O0[:, n:].tobytes()
+            O = np.full((F, n), np.nan)
+            active_rows_grad(M, S, D, c0, c0 + n, 0, F, O, True)
+            assert O.tobytes() == (0.0 + s).tobytes(), name + ", fresh"
+    j = int(np.argmax((relu > 0).sum(axis=0)))
+    t = int(np.nonzero(relu[:, j] > 0)[0][-1])
+    M[t // 64, j] &= ~(np.int64(1) << np.int64(t % 64))
+    O = np.full((F, n), np.nan)
+    active_rows_grad(M, relu, D, 0, n, 0, F, O, True)
+    dense = np.zeros(n)
+    for t2 in range(k):
+        dense += relu[t2, j] * D[t2, :n]
+    assert O[j].tobytes() != dense.tobytes()
