@@ -461,3 +461,41 @@ def test_the_relu_weight_gradient_over_active_positions_is_the_dense_sum(k, F, n
     for t2 in range(k):
         dense += relu[t2, j] * D[t2, :n]
     assert O[j].tobytes() != dense.tobytes()
+
+
+@pytest.mark.parametrize("n,a,b", [(27, 729, 243), (27, 243, 729), (5, 70, 17), (9, 33, 100),
+                                   (3, 0, 20), (1, 1, 1), (13, 65, 250), (27, 31, 192),
+                                   (4, 129, 40)])
+def test_the_ternary_product_over_nonzero_inputs_is_the_dense_product(n, a, b):
+    """ternary_panels_active (relu . Wdown, d_u . Wup^T: only each row's nonzero inputs)
+    gives ternary_panels' bits: with -0.0 and a NaN among the inputs, column blocks
+    cut short (past the last panel) and chunks cut short (a not a multiple of the
+    chunk), and a = 0 (every sum 0.0). The masks name exactly the nonzero inputs
+    (a NaN is one: it is summed), and a row with one more zero input differs."""
+    from hslm.kernels import nonzero_masks, ternary_panels, ternary_panels_active
+    from hslm.micro import ACTIVE_CHUNK, TERNARY_PANEL as PW
+    rng = np.random.default_rng(n * a + b)
+    T = rng.integers(-1, 2, (a, b)).astype(np.int8)
+    npan = -(-b // PW)
+    P = np.zeros((npan, a, PW), np.int8)
+    for q in range(npan):
+        cols = T[:, q * PW:(q + 1) * PW]
+        P[q, :, :cols.shape[1]] = cols
+    P, poffs, alpha = P.ravel(), np.array([0, P.size]), np.array([0.37])
+    X = np.maximum(rng.standard_normal((n, a)), 0.0)
+    if a > 3:
+        X[0, 1], X[0, 2] = -0.0, np.nan
+    dense, active = np.full((n, b), 7.0), np.full((n, b), 7.0)
+    ternary_panels(P, poffs, alpha, 0, a, b, X, dense)
+    ternary_panels_active(P, poffs, alpha, 0, a, b, X, active)
+    assert active.tobytes() == dense.tobytes()
+    M = np.empty((n, max(1, -(-a // ACTIVE_CHUNK))), np.int64)
+    nonzero_masks(X, ACTIVE_CHUNK, M)
+    bits = [[(int(M[r, i // ACTIVE_CHUNK]) >> (i % ACTIVE_CHUNK)) & 1 for i in range(a)]
+            for r in range(n)]
+    assert (np.array(bits, bool).reshape(n, a) == (X != 0.0)).all()
+    if a > 3:
+        j = int(np.nonzero(np.isfinite(X[-1]) & (X[-1] != 0.0) & (T.any(axis=1)))[0][-1])
+        X[-1, j] = 0.0
+        ternary_panels_active(P, poffs, alpha, 0, a, b, X, active)
+        assert active[-1].tobytes() != dense[-1].tobytes()
