@@ -219,7 +219,8 @@ def versus_torch(cfg, hyper, corpus, steps, rounds=TORCH_ROUNDS):
 def profile_layerwise(cfg, hyper, corpus, steps=PROFILE_STEPS):
     """Per-phase milliseconds of a speed-3 step on one thread: [(phase, ms)], each the
     median over `steps` steps (or calls), which a slow spell of a shared machine moves
-    less than a mean."""
+    less than a mean; and the share of the MLP's ReLU units active at the last step's
+    scored positions (the products at the others, 0.0, are skipped)."""
     from .vsa import vsa_window
 
     run = Run.fresh(cfg, hyper, corpus, plain=False)
@@ -257,9 +258,11 @@ def profile_layerwise(cfg, hyper, corpus, steps=PROFILE_STEPS):
                 (WEIGHT_GRADIENTS, t_wg),
                 ("optimiser + requantise", med["optimiser"])]
         rows.append(("other (drawing windows, Python)", t_step - sum(t for _, t in rows)))
+        relu = runner.acts_b.relu[:, :, cfg.window - hyper.loss_positions:]
+        active = float(np.count_nonzero(relu > 0.0) / relu.size)
     finally:
         runner.close()
-    return [(name, 1e3 * t) for name, t in rows]
+    return [(name, 1e3 * t) for name, t in rows], active
 
 
 WEIGHT_GRADIENTS = "weight gradients (all windows; zeroing G)"
@@ -403,7 +406,7 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
                 entry["torch"] = versus_torch(cfg, hyper, corpus, max(steps, TORCH_ROUNDS))
         if profile and name == models[0]:
             hyper = Hyper(batch=batches[0], loss_positions=k, seed=1729)
-            entry["profile_ms"] = profile_layerwise(cfg, hyper, corpus)
+            entry["profile_ms"], entry["relu_active"] = profile_layerwise(cfg, hyper, corpus)
             entry["phase_work"] = phase_work(cfg, hyper)
             report["optimiser_stream_gbs"] = optimiser_stream_gbs(cfg.n_params)
         report["models"].append(entry)

@@ -81,6 +81,11 @@ def format_report(report):
                     label = "GB/s" if unit == "B" else "GFLOP/s"
                     line += f"  {rate:6.1f} {label:7s} {100 * rate / ceiling:5.1f}% of its ceiling"
                 out.append(line)
+            if e.get("relu_active") is not None:
+                out.append(f"  (the MLP's ReLU units were active at {100 * e['relu_active']:.1f}% "
+                           "of the scored positions; Wdown's forward and weight gradient and "
+                           "Wup's input and weight gradients skip the products with the zeros, "
+                           "with the same bits; the rates count every product)")
     return out
 
 
