@@ -23,6 +23,10 @@ as the plain loops do.)
 
 Two byte helpers serve requantisation's int8 panels (hslm.params.quantize_into): a
 16-byte copy and a 16 x 16 byte transpose in registers.
+
+The active-position tiles (make_active_rows_tile, make_active_ternary_tile) hold one
+row's sums and loop over the set bits of a mask (active_positions_loop): the MLP's
+products beside its ReLU, whose zeros they skip with the same bits (hslm.kernels).
 """
 from __future__ import annotations
 
