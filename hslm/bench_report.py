@@ -83,9 +83,9 @@ def format_report(report):
                 out.append(line)
             if e.get("relu_active") is not None:
                 out.append(f"  (the MLP's ReLU units were active at {100 * e['relu_active']:.1f}% "
-                           "of the scored positions; Wdown's forward and weight gradient and "
-                           "Wup's input and weight gradients skip the products with the zeros, "
-                           "with the same bits; the rates count every product)")
+                           "of the scored positions; the weight gradients of Wdown and Wup skip "
+                           "the products with the zeros, with the same bits; the rates count "
+                           "every product)")
     return out
 
 

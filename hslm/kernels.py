@@ -18,11 +18,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from . import panel_kernels
-from .micro import (ACTIVE_CHUNK, ACTIVE_LANES, ACTIVE_PANELS, ACTIVE_VECS, MICRO_KERNELS,
-                    TERNARY_PANEL, WGRAD_PANEL, compile_micro, panel_matmul_add,
-                    ternary_panel_matmul)
-from .vector_tiles import make_active_rows_tile, make_active_ternary_tile
+from .micro import (ACTIVE_LANES, ACTIVE_VECS, MICRO_KERNELS, TERNARY_PANEL, WGRAD_PANEL,
+                    compile_micro, panel_matmul_add, ternary_panel_matmul)
+from .vector_tiles import make_active_rows_tile
 
 COL_TILE = 256  # columns per tile: a pass's 4 matrix-row slices (8 KB) stay in L1
 
@@ -78,65 +76,6 @@ def ternary_panels(P, poffs, alpha, t, a, b, X, Y):
     npan = (b + TERNARY_PANEL - 1) // TERNARY_PANEL
     ternary_panel_matmul(X, P[poffs[t]:poffs[t + 1]].reshape((npan, a, TERNARY_PANEL)), b,
                          alpha[t], Y)
-
-
-ACTIVE_TERNARY = make_active_ternary_tile(ACTIVE_PANELS, TERNARY_PANEL, ACTIVE_LANES,
-                                          ACTIVE_CHUNK)
-WIDEN = getattr(panel_kernels, f"WIDEN_{TERNARY_PANEL}")
-
-
-@njit(cache=True, nogil=True, error_model="numpy")
-def nonzero_masks(X, chunk, M):
-    """M[r, c]: bit i set where X[r, c chunk + i] != 0.0 (chunk <= 64)."""
-    n, a = X.shape
-    for r in range(n):
-        x = X[r]
-        for c in range(M.shape[1]):
-            k0 = c * chunk
-            m = np.int64(0)
-            for i in range(max(0, min(chunk, a - k0))):
-                m |= np.int64(x[k0 + i] != 0.0) << i
-            M[r, c] = m
-
-
-@njit(cache=True, nogil=True, error_model="numpy")
-def ternary_panels_active(P, poffs, alpha, t, a, b, X, Y):
-    """ternary_panels for an X that is 0.0 at about half its entries (the ReLU's units):
-    the same bits, each row's sums over its nonzero inputs only. Per ACTIVE_PANELS
-    panels, chunk by chunk of ACTIVE_CHUNK inputs (each panel's chunk widened once for
-    all rows), a row's sums of all those panels held in registers while its nonzero
-    inputs of the chunk add to them (vector_tiles.make_active_ternary_tile), then
-    stored for the next chunk; then scaled by alpha[t] as ternary_panels does. The
-    panels past the matrix's last are zeros, their sums dropped."""
-    n = X.shape[0]
-    npan = (b + TERNARY_PANEL - 1) // TERNARY_PANEL
-    panels = P[poffs[t]:poffs[t + 1]]
-    width = ACTIVE_PANELS * TERNARY_PANEL
-    block = ACTIVE_CHUNK * TERNARY_PANEL  # one panel's widened chunk
-    nch = max(1, (a + ACTIVE_CHUNK - 1) // ACTIVE_CHUNK)  # a = 0 sums to 0.0
-    M = np.empty((n, nch), np.int64)
-    nonzero_masks(X, ACTIVE_CHUNK, M)
-    wide = np.zeros(ACTIVE_PANELS * block)
-    sums = np.empty(n * width)
-    x, xs = X.ctypes.data, X.strides[0] // 8
-    for q0 in range(0, npan, ACTIVE_PANELS):
-        q1 = min(q0 + ACTIVE_PANELS, npan)
-        if q1 - q0 < ACTIVE_PANELS:
-            wide[:] = 0.0
-        for c in range(nch):
-            k0 = c * ACTIVE_CHUNK
-            kn = max(0, min(ACTIVE_CHUNK, a - k0))
-            for q in range(q0, q1):
-                WIDEN(panels.ctypes.data + (q * a + k0) * TERNARY_PANEL, kn,
-                      wide.ctypes.data + (q - q0) * block * 8)
-            for r in range(n):
-                ACTIVE_TERNARY(M[r, c], x + 8 * (r * xs + k0), wide.ctypes.data,
-                               sums.ctypes.data + 8 * r * width, 1 if c > 0 else 0)
-        j = q0 * TERNARY_PANEL
-        cols = min(width, b - j)
-        for r in range(n):
-            for cc in range(cols):
-                Y[r, j + cc] = alpha[t] * sums[r * width + cc]
 
 
 @njit(cache=True, nogil=True, error_model="numpy")

@@ -36,7 +36,7 @@ import numpy as np
 from numba import njit
 
 from .config import (BDOWN, BUP, GAMMA, TENSORS_PER_BLOCK, WDOWN, WK, WO, WQ, WUP, WV, Dims)
-from .kernels import ternary_matmul_rows, ternary_panels, ternary_panels_active
+from .kernels import ternary_matmul_rows, ternary_panels
 from .mathfn import exp, log
 from .micro import WGRAD_PANEL, wide_vectors
 from .panel_kernels import WGRAD_WINDOWS
@@ -164,23 +164,6 @@ def wout_index(dims):
     return tensor_index(dims, dims.blocks, -1)
 
 
-RELU_INPUT = 1   # relu_side: Wdown, whose input is the ReLU's output (G's rows are its units)
-RELU_OUTPUT = 2  # Wup, whose output gradient is zero where the ReLU is (G's columns)
-
-
-@njit(cache=True, nogil=True, error_model="numpy")
-def relu_side(dims, t):
-    """Whether tensor t meets the MLP's ReLU, whose units are 0.0 at about half the
-    positions: RELU_INPUT (Wdown: its input, and its weight gradient's rows), RELU_OUTPUT
-    (Wup: its output gradient, hence its input gradient's input and its weight
-    gradient's columns), else 0. Those sums skip the zeros, with the same bits
-    (kernels.ternary_panels_active, kernels.active_rows_grad)."""
-    if t == 0 or t >= wout_index(dims):
-        return 0
-    which = (t - 1) % TENSORS_PER_BLOCK
-    return RELU_INPUT if which == WDOWN else RELU_OUTPUT if which == WUP else 0
-
-
 @njit(cache=True, nogil=True, error_model="numpy")
 def view1(a, offs, t):
     return a[offs[t]:offs[t + 1]]
@@ -218,10 +201,7 @@ def matvec_t_dot(dy, T, alpha, dx):
 def ternary_forward(model, t, m, n, X, Y, kernel):
     """Y [rows, n] = X [rows, m] . (alpha_t T_t), T_t [m, n] ternary."""
     if kernel == KERNEL_PANELS:
-        if relu_side(model.dims, t) == RELU_INPUT:  # X is the ReLU's output
-            ternary_panels_active(model.Pf, model.pf_offs, model.alpha, t, m, n, X, Y)
-        else:
-            ternary_panels(model.Pf, model.pf_offs, model.alpha, t, m, n, X, Y)
+        ternary_panels(model.Pf, model.pf_offs, model.alpha, t, m, n, X, Y)
     elif kernel == KERNEL_ROWS:
         ternary_matmul_rows(X, view2(model.Tf, model.offs, t, m, n), model.alpha[t], Y)
     else:
@@ -234,10 +214,7 @@ def ternary_forward(model, t, m, n, X, Y, kernel):
 def ternary_input_grad(model, t, m, n, DY, DX, kernel):
     """DX [rows, m] = DY [rows, n] . (alpha_t T_t)^T."""
     if kernel == KERNEL_PANELS:
-        if relu_side(model.dims, t) == RELU_OUTPUT:  # DY is 0.0 where the ReLU is
-            ternary_panels_active(model.Pb, model.pb_offs, model.alpha, t, n, m, DY, DX)
-        else:
-            ternary_panels(model.Pb, model.pb_offs, model.alpha, t, n, m, DY, DX)
+        ternary_panels(model.Pb, model.pb_offs, model.alpha, t, n, m, DY, DX)
     elif kernel == KERNEL_ROWS:
         ternary_matmul_rows(DY, view2(model.Tb, model.offs, t, n, m), model.alpha[t], DX)
     else:
@@ -861,6 +838,19 @@ def window_loss_rows(model, A, R, w, tokens, s, r0, r1, scale, losses):
 MATRIX = 0       # G_t += X^T . DY over the rows
 COLUMN_SUM = 1   # g_t += sum of DY's rows (biases, the gain)
 EMBED_ROWS = 2   # E[t_p] += DY row of position p (the embedding)
+RELU_INPUT = 1   # relu_side: Wdown, whose input is the ReLU's output (G's rows are its units)
+RELU_OUTPUT = 2  # Wup, whose output gradient is zero where the ReLU is (G's columns)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def relu_side(dims, t):
+    """Whether tensor t's weight gradient has a factor that is 0.0 wherever the MLP's
+    ReLU unit is inactive: RELU_INPUT (Wdown), RELU_OUTPUT (Wup), else 0. Those sums
+    need only the active positions (hslm.kernels.active_rows_grad)."""
+    if t == 0 or t >= wout_index(dims):
+        return 0
+    which = (t - 1) % TENSORS_PER_BLOCK
+    return RELU_INPUT if which == WDOWN else RELU_OUTPUT if which == WUP else 0
 
 
 @njit(cache=True, nogil=True, error_model="numpy")

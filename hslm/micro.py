@@ -34,12 +34,6 @@ panel_matmul_add2 = getattr(panel_kernels, f"panel_matmul_add2_{WGRAD_ROWS}x{WGR
 # active_rows_grad): a row of up to ACTIVE_VECS vectors of ACTIVE_LANES doubles in
 # registers (with the broadcast and a product: 18 of 32 registers, 15 of 16).
 ACTIVE_VECS, ACTIVE_LANES = (16, 8) if wide_vectors() else (13, 4)
-# The ternary products whose input is 0.0 at half its entries (relu . Wdown, d_u . Wup^T:
-# hslm.kernels.ternary_panels_active): ACTIVE_PANELS panels of a row in registers (8 and
-# 9 vectors), over chunks of ACTIVE_CHUNK inputs widened (24 and 18 KB): with the rows'
-# sums (14 and 8 KB) all in L1. On AVX-512, 8 panels over chunks of 32 (32 + 28 KB) ran
-# at 1.11 ms against 0.71 for relu . Wdown on 8 windows (and 4 x 64: 1.10).
-ACTIVE_PANELS, ACTIVE_CHUNK = (4, 48) if wide_vectors() else (3, 64)
 
 # name: [(kernel, the one signature it is compiled for)]. Ternary panels are int8
 # (exact for -1, 0, +1; an eighth of float64's memory traffic).

@@ -24,9 +24,9 @@ as the plain loops do.)
 Two byte helpers serve requantisation's int8 panels (hslm.params.quantize_into): a
 16-byte copy and a 16 x 16 byte transpose in registers.
 
-The active-position tiles (make_active_rows_tile, make_active_ternary_tile) hold one
-row's sums and loop over the set bits of a mask (active_positions_loop): the MLP's
-products beside its ReLU, whose zeros they skip with the same bits (hslm.kernels).
+The active-position tile (make_active_rows_tile) holds one weight-gradient row's sums
+and loops over the set bits of a mask: the MLP's products beside its ReLU, whose zeros
+it skips with the same bits (hslm.kernels.active_rows_grad).
 """
 from __future__ import annotations
 
@@ -377,74 +377,6 @@ def make_trits(lanes: int):
     return intrinsic(trits)
 
 
-def active_positions_loop(builder, mask_word, words, xptr, xs, dptr, ds, offsets, start,
-                          fused: bool):
-    """The loop of the active-position tiles: for each set bit t of the int64 words
-    mask_word(w) for w < words (bit b of word w is t = 64 w + b), lowest first, acc[v] += x[t xs]
-    D[t ds + offsets[v]] for every vector v, from start; fused (fmuladd, for trits,
-    where the product is exact) or the product rounded and then added. Leaves the
-    builder after the loop and returns the sums."""
-    i64 = ir.IntType(64)
-    vt = start[0].type
-    vecs = len(start)
-    one, c64 = ir.Constant(i64, 1), ir.Constant(i64, 64)
-    cttz = declare(builder, "llvm.cttz.i64", i64, [i64, ir.IntType(1)])
-    fmuladd = llvm_intrinsic(builder, "fmuladd", vt, 3)
-    entry = builder.block
-    word = builder.function.append_basic_block("active.word")
-    bits = builder.function.append_basic_block("active.bits")
-    latch = builder.function.append_basic_block("active.latch")
-    done = builder.function.append_basic_block("active.done")
-    builder.cbranch(builder.icmp_signed(">", words, ir.Constant(i64, 0)), word, done)
-
-    builder.position_at_end(word)  # one int64 word of the mask (64 positions)
-    w = builder.phi(i64)
-    acc_w = [builder.phi(vt) for _ in range(vecs)]
-    mask = mask_word(w)
-    t0 = builder.mul(w, c64)
-    builder.cbranch(builder.icmp_signed("!=", mask, ir.Constant(i64, 0)), bits, latch)
-
-    builder.position_at_end(bits)  # one set bit, the lowest first: position t
-    m = builder.phi(i64)
-    acc = [builder.phi(vt) for _ in range(vecs)]
-    t = builder.add(t0, builder.call(cttz, [m, ir.Constant(ir.IntType(1), 1)]))
-    m_next = builder.and_(m, builder.sub(m, one))
-    xv = splat(builder, builder.load(builder.gep(xptr, [builder.mul(t, xs)]), align=8), vt)
-    row = builder.mul(t, ds)
-    new = []
-    for v in range(vecs):
-        p = builder.bitcast(builder.gep(dptr, [builder.add(row, offsets[v])]), vt.as_pointer())
-        d = builder.load(p, align=8)
-        new.append(builder.call(fmuladd, [xv, d, acc[v]]) if fused else
-                   builder.fadd(acc[v], builder.fmul(xv, d)))
-    m.add_incoming(mask, word)
-    m.add_incoming(m_next, bits)
-    for v in range(vecs):
-        acc[v].add_incoming(acc_w[v], word)
-        acc[v].add_incoming(new[v], bits)
-    builder.cbranch(builder.icmp_signed("!=", m_next, ir.Constant(i64, 0)), bits, latch)
-
-    builder.position_at_end(latch)
-    acc_l = [builder.phi(vt) for _ in range(vecs)]
-    for v in range(vecs):
-        acc_l[v].add_incoming(acc_w[v], word)
-        acc_l[v].add_incoming(new[v], bits)
-    w_next = builder.add(w, one)
-    w.add_incoming(ir.Constant(i64, 0), entry)
-    w.add_incoming(w_next, latch)
-    for v in range(vecs):
-        acc_w[v].add_incoming(start[v], entry)
-        acc_w[v].add_incoming(acc_l[v], latch)
-    builder.cbranch(builder.icmp_signed("<", w_next, words), word, done)
-
-    builder.position_at_end(done)
-    total = [builder.phi(vt) for _ in range(vecs)]
-    for v in range(vecs):
-        total[v].add_incoming(start[v], entry)
-        total[v].add_incoming(acc_l[v], latch)
-    return total
-
-
 def make_active_rows_tile(vecs: int, lanes: int, exact: bool = True):
     """An intrinsic tile(m_addr, m_stride, words, x_addr, x_stride, d_addr, d_stride, last,
     out_addr, fresh), all intp: one row of a weight gradient over the positions where
@@ -454,12 +386,12 @@ def make_active_rows_tile(vecs: int, lanes: int, exact: bool = True):
     position 64 w + b), in increasing order, add x[t x_stride] D[t d_stride + c] into
     acc[c] from 0.0, the product rounded and then added, as the dense tile does; then
     out[c] = base + acc[c], base out[c] or, where fresh is nonzero, 0.0. The columns are
-    `vecs` vectors at 0, lanes, 2 lanes, ..., the last at `last` (the last full vector
-    of the row, at least (vecs - 2) lanes: it may overlap the one before it).
-    exact=False: a row of fewer vectors, down to one (the vectors past `last` repeat
-    it); its runtime offsets take a register each, and the loop is slower. Every
-    vector's `out` is loaded before any is stored, so overlapping lanes get the same
-    bits twice.
+    `vecs` vectors at 0, lanes, 2 lanes, ..., each clamped to `last` (the last full
+    vector of the row, at least (vecs - 2) lanes: the last vector may overlap the one
+    before it). exact=False: a row of fewer vectors, down to one (the vectors past
+    `last` repeat it); its runtime offsets take a register each, and the loop is slower.
+    Every vector's `out` is loaded before any is stored, so overlapping lanes get the
+    same bits twice.
 
     Skipping a position where x is 0.0 changes no bit: x D is then +-0.0 (D finite),
     and a sum that starts from +0.0 is never -0.0, so adding +-0.0 leaves it as it
@@ -470,7 +402,12 @@ def make_active_rows_tile(vecs: int, lanes: int, exact: bool = True):
         f64, i64 = ir.DoubleType(), ir.IntType(64)
         vt = ir.VectorType(f64, lanes)
         zero = ir.Constant(vt, [0.0] * lanes)
+        one, c64 = ir.Constant(i64, 1), ir.Constant(i64, 64)
+        mptr = builder.inttoptr(ma, i64.as_pointer())
+        xptr = builder.inttoptr(xa, f64.as_pointer())
+        dptr = builder.inttoptr(da, f64.as_pointer())
         optr = builder.inttoptr(oa, f64.as_pointer())
+        cttz = declare(builder, "llvm.cttz.i64", i64, [i64, ir.IntType(1)])
         offsets = []
         for v in range(vecs):
             at = ir.Constant(i64, v * lanes)
@@ -480,16 +417,61 @@ def make_active_rows_tile(vecs: int, lanes: int, exact: bool = True):
                 offsets.append(at)
             else:
                 offsets.append(builder.select(builder.icmp_signed("<", at, last), at, last))
-        mptr = builder.inttoptr(ma, i64.as_pointer())
-        total = active_positions_loop(
-            builder, lambda w: builder.load(builder.gep(mptr, [builder.mul(w, ms)]), align=8),
-            words, builder.inttoptr(xa, f64.as_pointer()), xs, builder.inttoptr(da, f64.as_pointer()),
-            ds, offsets, [zero] * vecs, fused=False)
+        entry = builder.block
+        word = builder.function.append_basic_block("active.word")
+        bits = builder.function.append_basic_block("active.bits")
+        latch = builder.function.append_basic_block("active.latch")
+        sums = builder.function.append_basic_block("active.sums")
+        builder.cbranch(builder.icmp_signed(">", words, ir.Constant(i64, 0)), word, sums)
+
+        builder.position_at_end(word)  # one int64 word of the mask (64 positions)
+        w = builder.phi(i64)
+        acc_w = [builder.phi(vt) for _ in range(vecs)]
+        mask = builder.load(builder.gep(mptr, [builder.mul(w, ms)]), align=8)
+        t0 = builder.mul(w, c64)
+        builder.cbranch(builder.icmp_signed("!=", mask, ir.Constant(i64, 0)), bits, latch)
+
+        builder.position_at_end(bits)  # one set bit, the lowest first: position t
+        m = builder.phi(i64)
+        acc = [builder.phi(vt) for _ in range(vecs)]
+        t = builder.add(t0, builder.call(cttz, [m, ir.Constant(ir.IntType(1), 1)]))
+        m_next = builder.and_(m, builder.sub(m, one))
+        xv = splat(builder, builder.load(builder.gep(xptr, [builder.mul(t, xs)]), align=8), vt)
+        row = builder.mul(t, ds)
+        new = []
+        for v in range(vecs):
+            p = builder.bitcast(builder.gep(dptr, [builder.add(row, offsets[v])]), vt.as_pointer())
+            new.append(builder.fadd(acc[v], builder.fmul(xv, builder.load(p, align=8))))
+        m.add_incoming(mask, word)
+        m.add_incoming(m_next, bits)
+        for v in range(vecs):
+            acc[v].add_incoming(acc_w[v], word)
+            acc[v].add_incoming(new[v], bits)
+        builder.cbranch(builder.icmp_signed("!=", m_next, ir.Constant(i64, 0)), bits, latch)
+
+        builder.position_at_end(latch)
+        acc_l = [builder.phi(vt) for _ in range(vecs)]
+        for v in range(vecs):
+            acc_l[v].add_incoming(acc_w[v], word)
+            acc_l[v].add_incoming(new[v], bits)
+        w_next = builder.add(w, one)
+        w.add_incoming(ir.Constant(i64, 0), entry)
+        w.add_incoming(w_next, latch)
+        for v in range(vecs):
+            acc_w[v].add_incoming(zero, entry)
+            acc_w[v].add_incoming(acc_l[v], latch)
+        builder.cbranch(builder.icmp_signed("<", w_next, words), word, sums)
+
+        builder.position_at_end(sums)  # every vector's base loaded, then all stored
+        total = [builder.phi(vt) for _ in range(vecs)]
+        for v in range(vecs):
+            total[v].add_incoming(zero, entry)
+            total[v].add_incoming(acc_l[v], latch)
         is_fresh = builder.icmp_signed("!=", fresh, ir.Constant(i64, 0))
         ptrs = [builder.bitcast(builder.gep(optr, [offsets[v]]), vt.as_pointer())
                 for v in range(vecs)]
         values = [builder.fadd(builder.select(is_fresh, zero, builder.load(p, align=8)), s)
-                  for p, s in zip(ptrs, total)]  # every base loaded, then all stored
+                  for p, s in zip(ptrs, total)]
         for p, value in zip(ptrs, values):
             builder.store(value, p, align=8)
         return context.get_dummy_value()
@@ -499,46 +481,4 @@ def make_active_rows_tile(vecs: int, lanes: int, exact: bool = True):
         return types.void(*[types.intp] * 10), codegen
 
     tile.__name__ = f"active_rows_tile_{vecs * lanes}" + ("" if exact else "_clamped")
-    return intrinsic(tile)
-
-
-def make_active_ternary_tile(panels: int, panel: int, lanes: int, chunk: int):
-    """An intrinsic tile(mask, x_addr, w_addr, out_addr, more), all intp: one row of a
-    ternary product over the inputs where x is not 0.0 (the ReLU's units are 0.0 at
-    about half of them), for `panels` column panels of `panel` at once.
-
-    W: a chunk of `chunk` inputs of each panel widened to float64 (make_widen), panel
-    after panel, chunk x panel doubles apart. For the set bits i of mask (the inputs of
-    the chunk where x[i] != 0.0), lowest first: acc[c] = fma(x[i], W[i, c], acc[c]),
-    from out's values where more is nonzero (the chunks before) or else 0.0; then
-    out[c] = acc[c], panels x panel doubles. The product of x and a trit is exact, and
-    at x = 0.0 it is +-0.0, which leaves a sum from +0.0 as it was: the dense sums'
-    bits, for any x (a NaN is not 0.0, so it is summed)."""
-    per = panel // lanes
-    vecs = panels * per
-
-    def codegen(context, builder, signature, args):
-        mask, xa, wa, oa, more = args
-        f64, i64 = ir.DoubleType(), ir.IntType(64)
-        vt = ir.VectorType(f64, lanes)
-        zero = ir.Constant(vt, [0.0] * lanes)
-        optr = builder.inttoptr(oa, f64.as_pointer())
-        ptrs = [builder.bitcast(builder.gep(optr, [ir.Constant(i64, v * lanes)]), vt.as_pointer())
-                for v in range(vecs)]
-        go_on = builder.icmp_signed("!=", more, ir.Constant(i64, 0))
-        start = [builder.select(go_on, builder.load(p, align=8), zero) for p in ptrs]
-        offsets = [ir.Constant(i64, (v // per) * chunk * panel + (v % per) * lanes)
-                   for v in range(vecs)]
-        total = active_positions_loop(
-            builder, lambda w: mask, ir.Constant(i64, 1), builder.inttoptr(xa, f64.as_pointer()), ir.Constant(i64, 1),
-            builder.inttoptr(wa, f64.as_pointer()), ir.Constant(i64, panel), offsets, start,
-            fused=True)
-        for p, value in zip(ptrs, total):
-            builder.store(value, p, align=8)
-        return context.get_dummy_value()
-
-    def tile(typingctx, mask, x_addr, w_addr, out_addr, more):
-        return types.void(*[types.intp] * 5), codegen
-
-    tile.__name__ = f"active_ternary_tile_{panels}x{panel}"
     return intrinsic(tile)
