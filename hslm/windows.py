@@ -32,8 +32,9 @@ from .config import TENSORS_PER_BLOCK
 from .kernels import (active_masks, active_rows_grad, aligned_rows, column_sum_rows,
                       input_columns, output_grad_panels, transpose_rows)
 from .micro import ACTIVE_LANES, WGRAD_PANEL, panel_matmul_add, panel_matmul_add2
-from .layers import (COLUMN_SUM, MATRIX, RELU_INPUT, block_backward, block_forward, block_keys_values,
-                     block_queries, blocks_backward, blocks_forward, embed_forward,
+from .layers import (COLUMN_SUM, MATRIX, RELU_INPUT, block_backward, block_forward,
+                     block_keys_values, block_queries, blocks_backward, blocks_forward,
+                     embed_forward,
                      head_backward, head_forward, loss_rows, relu_side, view1, view2,
                      window_loss_rows, weight_grad_operands)
 from .spin import add, publish, wait_for
@@ -324,7 +325,8 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, f
     panels and its input's columns transposed (XT, their rows only): for each group of
     windows (as many as WG and XT have rows) both are made once, reading the records
     row by row as they lie in memory, then every unit adds that group's windows, so
-    each element still gets its windows in order, two windows a call where two are left
+    each element still gets its windows in order (Wup and Wdown, beside the ReLU: over
+    each unit's active positions, relu_weight_grads), two windows a call where two are left
     (panel_matmul_add2: with 32 registers one loop sums both windows' tiles, and G's tile
     is loaded and stored once for the two). (Transposing each unit's columns
     apart, and the panels column by column, had cost 2-3 ms more a step here: the
