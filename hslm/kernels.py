@@ -201,7 +201,8 @@ def active_rows_grad(M, S, D, c0, c1, j0, j1, O, fresh):
         vecs = (b - a + ACTIVE_LANES - 1) // ACTIVE_LANES
         last, first = b - a - ACTIVE_LANES, 1 if fresh else 0
         for j in range(j0, j1):
-            m, x, o = M.ctypes.data + j * 8, S.ctypes.data + j * 8, O.ctypes.data + (j * os + a) * 8
+            m, x = M.ctypes.data + j * 8, S.ctypes.data + j * 8
+            o = O.ctypes.data + (j * os + a) * 8
             if vecs == ACTIVE_VECS:
                 ACTIVE_ROW(m, F, words, x, xs, d, ds, last, o, first)
             elif vecs == ACTIVE_VECS - 1:

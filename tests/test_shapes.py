@@ -433,8 +433,8 @@ def test_the_relu_weight_gradient_over_active_positions_is_the_dense_sum(k, F, n
     rng = np.random.default_rng(k * F + n)
     relu = np.maximum(rng.standard_normal((k, F)), 0.0)
     relu[:, 0] = 0.0  # a unit never active: its row is 0.0 + 0.0
-    factors = {"Wdown (the ReLU's output)": relu,
-               "Wup (d_u, 0.0 where the ReLU is)": np.where(relu > 0, rng.standard_normal((k, F)), 0.0)}
+    d_u = np.where(relu > 0, rng.standard_normal((k, F)), 0.0)
+    factors = {"Wdown (the ReLU's output)": relu, "Wup (d_u, 0.0 where the ReLU is)": d_u}
     D = rng.standard_normal((k, n + 5))
     M = np.empty(((k + 63) // 64, F), np.int64)
     active_masks(relu, 0, F, M)
