@@ -38,7 +38,7 @@ from numba import njit
 from .config import (BDOWN, BUP, GAMMA, TENSORS_PER_BLOCK, WDOWN, WK, WO, WQ, WUP, WV, Dims)
 from .kernels import ternary_matmul_rows, ternary_panels
 from .mathfn import exp, log
-from .micro import WGRAD_PANEL, wide_vectors
+from .micro import ACTIVE_LANES, WGRAD_PANEL, wide_vectors
 from .panel_kernels import WGRAD_WINDOWS
 from .vector_tiles import make_tile
 from .speeds import KERNEL_PANELS, KERNEL_ROWS
@@ -846,8 +846,10 @@ RELU_OUTPUT = 2  # Wup, whose output gradient is zero where the ReLU is (G's col
 def relu_side(dims, t):
     """Whether tensor t's weight gradient has a factor that is 0.0 wherever the MLP's
     ReLU unit is inactive: RELU_INPUT (Wdown), RELU_OUTPUT (Wup), else 0. Those sums
-    need only the active positions (hslm.kernels.active_rows_grad)."""
-    if t == 0 or t >= wout_index(dims):
+    need only the active positions (windows.relu_weight_grads, whose tiles want rows of
+    at least ACTIVE_LANES columns: 0 for a narrower model). The one place that decides
+    it, for the gradient's units (step.gradient_units) and their sums."""
+    if t == 0 or t >= wout_index(dims) or dims.width < ACTIVE_LANES:
         return 0
     which = (t - 1) % TENSORS_PER_BLOCK
     return RELU_INPUT if which == WDOWN else RELU_OUTPUT if which == WUP else 0

@@ -39,7 +39,6 @@ from numba import njit
 
 from .config import TENSORS_PER_BLOCK
 from .kernels import WGRAD_ROW_BLOCK, active_span, active_tiles
-from .micro import ACTIVE_LANES
 from .layers import RELU_OUTPUT, alloc_acts, alloc_record, alloc_scratch, relu_side
 from .speeds import KERNEL_PANELS, PER_POSITION, SPEEDS
 from .vsa import vsa_window
@@ -63,7 +62,7 @@ def gradient_units(cfg):
         if kind == "ternary":
             rows = [(r0, min(r0 + WGRAD_ROW_BLOCK, shape[0]))
                     for r0 in range(0, shape[0], WGRAD_ROW_BLOCK)]
-            side = relu_side(dims, t) if cfg.width >= ACTIVE_LANES else 0
+            side = relu_side(dims, t)
             relu = side != 0  # windows.relu_weight_grads: over the active positions
             if side == RELU_OUTPUT:
                 # Wup's units are its rows i, the columns of its active-row tiles: one a tile

@@ -386,10 +386,10 @@ def make_active_rows_tile(vecs: int, lanes: int, exact: bool = True):
     position 64 w + b), in increasing order, add x[t x_stride] D[t d_stride + c] into
     acc[c] from 0.0, the product rounded and then added, as the dense tile does; then
     out[c] = base + acc[c], base out[c] or, where fresh is nonzero, 0.0. The columns are
-    `vecs` vectors at 0, lanes, 2 lanes, ..., each clamped to `last` (the last full
-    vector of the row, at least (vecs - 2) lanes: the last vector may overlap the one
-    before it). exact=False: a row of fewer vectors, down to one (the vectors past
-    `last` repeat it); its runtime offsets take a register each, and the loop is slower.
+    `vecs` vectors at 0, lanes, 2 lanes, ..., the last at `last` (the last full vector of
+    the row, at least (vecs - 2) lanes: it may overlap the one before it). exact=False:
+    a row of fewer vectors, down to one, each vector clamped to `last` (those past it
+    repeat it); its runtime offsets take a register each, and the loop is slower.
     Every vector's `out` is loaded before any is stored, so overlapping lanes get the
     same bits twice.
 

@@ -31,12 +31,11 @@ from numba import njit
 from .config import TENSORS_PER_BLOCK
 from .kernels import (active_masks, active_rows_grad, aligned_rows, column_sum_rows,
                       input_columns, output_grad_panels, transpose_rows)
-from .micro import ACTIVE_LANES, WGRAD_PANEL, panel_matmul_add, panel_matmul_add2
+from .micro import WGRAD_PANEL, panel_matmul_add, panel_matmul_add2
 from .layers import (COLUMN_SUM, MATRIX, RELU_INPUT, block_backward, block_forward,
                      block_keys_values, block_queries, blocks_backward, blocks_forward,
-                     embed_forward,
-                     head_backward, head_forward, loss_rows, relu_side, view1, view2,
-                     window_loss_rows, weight_grad_operands)
+                     embed_forward, head_backward, head_forward, loss_rows, relu_side, view1,
+                     view2, window_loss_rows, weight_grad_operands)
 from .spin import add, publish, wait_for
 from .vsa import vsa_window
 
@@ -346,11 +345,11 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, f
         ue = u + 1  # this tensor's units in the range: u .. ue-1
         while ue < u1 and units[ue, 0] == t:
             ue += 1
-        operands = weight_grad_operands(model, A, R, 0, t, s, k)
-        if relu_side(D, t) != 0 and D.width >= ACTIVE_LANES:
+        if relu_side(D, t) != 0:
             relu_weight_grads(model, A, R, B, t, s, k, units, u, ue, out, WG, fresh)
             u = ue
             continue
+        operands = weight_grad_operands(model, A, R, 0, t, s, k)
         if operands[0] == MATRIX:
             m, n = operands[3], operands[4]
             G = view2(out, offs, t, m, n)
