@@ -94,6 +94,26 @@ def encode(tensors, metadata: dict) -> bytes:
     return struct.pack("<Q", len(h)) + h + data
 
 
+def check_atomic_target(path: Path, flag: str):
+    """Refuse, before any long work, a path that write_atomic could not write later:
+    a folder, or a file whose folder is missing or refuses a new file (the temporary
+    file and the rename need the folder; the file's own mode does not matter)."""
+    path = Path(path)
+    if path.is_dir():
+        raise HslmError(f"{flag} {path} is a folder; give a file name")
+    parent = path.parent
+    if not parent.is_dir():
+        what = "is not a folder" if parent.exists() else "does not exist"
+        raise HslmError(f"{flag} {path}: {parent} {what}")
+    probe = parent / f".{path.name}.probe{os.getpid()}"
+    try:  # a real write: os.access passes root, and some file systems refuse new files
+        with open(probe, "wb"):
+            pass
+        probe.unlink()
+    except OSError as e:
+        raise HslmError(f"{flag} {path}: cannot write in {parent} ({e.strerror or e})") from None
+
+
 def write_atomic(path: Path, blob, what: str = "checkpoint", make_parent: bool = False):
     """Write blob (bytes, or a list of byte-like parts) to path atomically: a temporary
     file in the same folder, flushed and fsynced, renamed over path, and the folder

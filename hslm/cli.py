@@ -199,6 +199,10 @@ def sample(ckpt_path, prompt, n_tokens, temperature, top_k, seed, data):
                         f"{MIN_TEMPERATURE:g}, got {temperature}")
     if seed < 0:
         raise HslmError(f"--seed must be at least 0, got {seed}")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:  # bytes the shell's locale could not decode (surrogates)
+        raise HslmError("--prompt is not UTF-8 text") from None
     cfg, state, tok, _ = load_for_inference(ckpt_path)
     ids = sample_ids(Worker(cfg, DEFAULT_SPEED), state.kernel_model(), state.tables.vsa, tok.encode(prompt),
                      n_tokens, temperature, top_k, seed, cfg.window)
@@ -265,6 +269,9 @@ def bench(model, data, cache_dir, speed, threads, batch, steps, loss_positions, 
     batches = _split(batch, int, "--batch")
     if min(thread_counts) < 1 or min(batches) < 1:
         raise HslmError("--threads and --batch must be at least 1")
+    if json_path is not None:  # before minutes of benchmarking, not after
+        from .checkpoint import check_atomic_target
+        check_atomic_target(json_path, "--json")
     from .precompile import compile_first
     from .token_cache import cache_dir as token_cache_dir
     from .train import resolve_config
@@ -297,14 +304,63 @@ def bench_compare(ctx, reports):
     from .bench_report import compare_reports, load_report
     if len(reports) < 2:
         raise HslmError("bench-compare needs two reports or more (hslm bench --json FILE)")
-    lines, differ = compare_reports([(str(p), load_report(p)) for p in reports])
+    named = [(str(p), load_report(p)) for p in reports]
+    for name, report in named:  # each against itself first: a bad field names its file
+        try:
+            compare_reports([(name, report), (name, report)])
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+            raise HslmError(f"{name}: not an hslm bench report ({type(e).__name__}: "
+                            f"{str(e)[:80]})") from None
+    lines, differ = compare_reports(named)
     for line in lines:
         click.echo(line)
     ctx.exit(1 if differ else 0)
 
 
+class ReaderGone:
+    """sys.stdout for the CLI: when the reader of a pipe goes away (`hslm train | head`),
+    the output goes to /dev/null from then on and the run goes on, saving as it would,
+    instead of the BrokenPipeError that would stop it unsaved (click exits 1 on one).
+    One line on stderr says so."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self._gone = False
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._drop()
+            return len(text)
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._drop()
+
+    def _drop(self):
+        if self._gone:
+            return
+        self._gone = True
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, self._stream.fileno())  # what is still buffered goes there too
+        os.close(null)
+        print("hslm: the standard output was closed; going on without it", file=sys.stderr)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
 def main(argv=None):
     """Entry point: every error is one line on stderr and a non-zero exit."""
+    if sys.stdout is not None and not isinstance(sys.stdout, ReaderGone):
+        try:
+            sys.stdout.fileno()
+            sys.stdout = ReaderGone(sys.stdout)
+        except (AttributeError, OSError, ValueError):  # not a real file (a test's capture)
+            pass
     try:
         if distributed.init() is not None:  # launched by MPI with P > 1 (hslm/distributed.py)
             distributed.run_main(cli, argv)

@@ -7,13 +7,33 @@ class HslmError(Exception):
 
 
 def read_bytes(path, what: str) -> bytes:
-    """A file's bytes, or an HslmError naming `what` the file is ("checkpoint", ...)."""
+    """A regular file's bytes, or an HslmError naming `what` the file is ("checkpoint",
+    ...). A device, FIFO or socket is refused before a byte is read: /dev/zero would
+    fill memory and a FIFO would wait for a writer (opened non-blocking, so a FIFO
+    with no writer does not hang the open either)."""
+    import os
+    import stat
     p = Path(path)
     try:
-        return p.read_bytes()
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         raise HslmError(f"{what} not found: {p}") from None
     except IsADirectoryError:
         raise HslmError(f"{what} path is a directory: {p}") from None
     except OSError as e:
         raise HslmError(f"cannot read {what} {p}: {e.strerror}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError as e:
+        os.close(fd)
+        raise HslmError(f"cannot read {what} {p}: {e.strerror}") from None
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        if stat.S_ISDIR(mode):
+            raise HslmError(f"{what} path is a directory: {p}")
+        raise HslmError(f"{what} {p} is not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            return f.read()
+        except OSError as e:
+            raise HslmError(f"cannot read {what} {p}: {e.strerror}") from None

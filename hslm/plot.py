@@ -3,15 +3,13 @@ from __future__ import annotations
 
 import json
 
-from .errors import HslmError
+from .errors import HslmError, read_bytes
 
 
 def read_metrics(path):
     train, valid = [], []
     try:
-        lines = open(path, encoding="utf-8").read().splitlines()
-    except OSError as e:
-        raise HslmError(f"cannot read metrics file {path}: {e.strerror}") from None
+        lines = read_bytes(path, "metrics file").decode("utf-8").splitlines()
     except UnicodeDecodeError as e:
         raise HslmError(f"metrics file {path} is not UTF-8 text (offset {e.start})") from None
     for n, line in enumerate(lines, 1):

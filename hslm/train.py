@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -62,7 +64,8 @@ def check_metrics_path(metrics, out: Path):
     if os.path.abspath(parent) == os.path.abspath(out):
         return
     if not parent.is_dir():
-        raise HslmError(f"--metrics {m}: the folder {parent} does not exist")
+        what = "is not a folder" if parent.exists() else "does not exist"
+        raise HslmError(f"--metrics {m}: {parent} {what}")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise HslmError(f"--metrics {m}: the folder {parent} is not writable")
 
@@ -149,7 +152,7 @@ class Run:
         st.check_finite()
         check_fits(memory_estimate(st.config, hyper.batch, threads, speed),
                    f"resuming {state_path} (batch {hyper.batch}, {threads} thread(s))")
-        corpus = corpus_for(st.config, hyper, st.meta["text_sha256"], tok)
+        corpus = corpus_for(st.config, hyper, st.meta["text_sha256"], tok, st.step)
         return cls(st.config, hyper, corpus, pb.flat(), st.tensor("adam.m").copy(),
                    st.tensor("adam.v").copy(), st.step, Stream.from_state_json(st.meta["rng"]), plain)
 
@@ -382,8 +385,10 @@ class TrainOptions:
 
 
 def open_run(o: TrainOptions):
-    """Judge every flag and path, then make the run or load the one to resume; nothing
-    is created before all checks pass. Returns (run, output folder)."""
+    """Judge every flag and path, take the output folder (hold_out_dir), then make the
+    run or load the one to resume. Nothing is created before all flags are judged, and
+    a run that fails while its text is read removes the folder it made. Returns (run,
+    output folder, HeldFolder)."""
     from .token_cache import cache_dir as token_cache_dir
 
     if o.resume is not None:
@@ -392,7 +397,9 @@ def open_run(o: TrainOptions):
         check_metrics_path(o.metrics, out)
         cfg_flag = resolve_config(o.model) if "model" in o.given else None
 
-        def corpus_for(cfg, hyper, text_sha256, tokenizer):
+        def corpus_for(cfg, hyper, text_sha256, tokenizer, step):
+            if o.steps <= step:
+                raise HslmError(f"{o.resume} is already at step {step}; pass --steps above it")
             if cfg_flag is not None and cfg_flag != cfg:
                 raise HslmError(f"config mismatch: --model {o.model} differs from the "
                                 "checkpoint's configuration")
@@ -400,15 +407,16 @@ def open_run(o: TrainOptions):
                 if n in o.given and o.hyper[n] != getattr(hyper, n):
                     raise HslmError(f"config mismatch: --{n.replace('_', '-')} {o.hyper[n]} "
                                     f"differs from the checkpoint's {getattr(hyper, n)}")
+            held.append(hold_out_dir(out))  # every flag judged: take the folder
             return load_corpus_compiling(o, cfg, lambda: load_corpus(
                 o.data, cfg, text_sha256, tokenizer, token_cache_dir(o.cache_dir, out)),
                 hyper.batch)
 
-        run = Run.resume(o.resume, corpus_for, plain=SPEEDS[o.speed].plain_layouts,
-                         threads=o.threads, speed=o.speed)
-        if o.steps <= run.step:
-            raise HslmError(f"{o.resume} is already at step {run.step}; pass --steps above it")
-        return run, out
+        held = []
+        with releasing_on_error(held):
+            run = Run.resume(o.resume, corpus_for, plain=SPEEDS[o.speed].plain_layouts,
+                             threads=o.threads, speed=o.speed)
+        return run, out, held[0]
     cfg = resolve_config(o.model)
     values = dict(o.hyper)
     if values["loss_positions"] is None:
@@ -422,9 +430,53 @@ def open_run(o: TrainOptions):
     check_metrics_path(o.metrics, out)
     check_fits(memory_estimate(cfg, hyper.batch, o.threads, o.speed),
                f"--model {o.model} with --batch {hyper.batch} on {o.threads} thread(s)")
-    corpus = load_corpus_compiling(o, cfg, lambda: load_corpus(
-        o.data, cfg, cache_dir=token_cache_dir(o.cache_dir, out)), hyper.batch)
-    return Run.fresh(cfg, hyper, corpus, plain=SPEEDS[o.speed].plain_layouts), out
+    held = [hold_out_dir(out)]
+    with releasing_on_error(held):
+        corpus = load_corpus_compiling(o, cfg, lambda: load_corpus(
+            o.data, cfg, cache_dir=token_cache_dir(o.cache_dir, out)), hyper.batch)
+        run = Run.fresh(cfg, hyper, corpus, plain=SPEEDS[o.speed].plain_layouts)
+    return run, out, held[0]
+
+
+class HeldFolder:
+    """The output folder's lock (MPI: rank 0's; the other ranks hold none) and the
+    topmost folder this run created for it (None if it was there), removed again if
+    the run fails before it starts."""
+
+    def __init__(self, lock, created):
+        self.lock, self.created = lock, created
+
+    def release(self):
+        self.lock.release()
+
+
+def hold_out_dir(out: Path) -> HeldFolder:
+    """Take the output folder once every flag is judged and before the text is read:
+    a busy folder is refused before minutes of tokenizing, and the caches written
+    into it are written under its lock."""
+    if not distributed.is_writer():
+        return HeldFolder(distributed.NO_LOCK, None)
+    top = Path(out)
+    if top.exists():
+        top = None
+    else:
+        while not top.parent.exists():
+            top = top.parent
+    return HeldFolder(prepare_out_dir(out), top)
+
+
+@contextmanager
+def releasing_on_error(held):
+    """On any error (a bad text, Ctrl-C while tokenizing) release the folder held, and
+    remove it if this run created it: it holds only this run's caches."""
+    try:
+        yield
+    except BaseException:
+        for h in held:
+            h.release()
+            if h.created is not None:
+                shutil.rmtree(h.created, ignore_errors=True)
+        raise
 
 
 def train_run(o: TrainOptions, echo=None):
@@ -433,19 +485,14 @@ def train_run(o: TrainOptions, echo=None):
     echo = echo or click.echo
     if not distributed.is_writer():  # MPI: rank 0 alone prints and writes
         o = replace(o, quiet=True, metrics=None)
-    run, out = open_run(o)
+    run, out, held = open_run(o)
     # From here on SIGINT/SIGTERM finish the current step and save (before, while the
     # text is read and tokenized, Ctrl-C stops at once): installed before anything is
     # written, so a signal that sees the run's files always gets a checkpoint.
     stop = StopRequest(echo)
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    # one writer per folder, held until the run ends (MPI: rank 0 is the writer)
-    try:
-        lock = prepare_out_dir(out) if distributed.is_writer() else distributed.NO_LOCK
-    except BaseException:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        raise
+    # one writer per folder, held (open_run took it) until the run ends
+    lock = held.lock
     try:
         cfg, h = run.cfg, run.hyper
         if distributed.is_writer():

@@ -85,8 +85,10 @@ def hyper_problems(cfg, h):
         out.append((f, f"{msg}, got {getattr(h, f)!r}"))
 
     for f in HYPER_INT:
-        if not is_int(getattr(h, f)) or abs(getattr(h, f)) > MAX_INT:
+        if not is_int(getattr(h, f)):
             bad(f, "must be an integer")
+        elif abs(getattr(h, f)) > MAX_INT:
+            bad(f, "must fit a signed 64-bit integer (magnitude at most 2^63 - 1)")
     for f in HYPER_FLOAT:
         v = getattr(h, f)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):

@@ -120,9 +120,12 @@ def test_one_writer_per_folder(tmp_path):
     try:
         with pytest.raises(HslmError, match=f"process {os.getpid()}"):
             FolderLock(d).acquire()
-        line = one_line_error(*hslm("train", *TINY, "--steps", 1, "--out", d))
+        (tmp_path / "t.txt").write_text(TEXT)
+        line = one_line_error(*hslm("train", *TINY, "--steps", 1, "--out", d,
+                                    "--data", tmp_path / "t.txt"))
         assert f"process {os.getpid()}" in line and "another hslm run" in line
-        assert not [n for n in os.listdir(d) if n.startswith("ckpt_")]
+        # refused before the text is read: no checkpoint, and no cache written either
+        assert os.listdir(d) == [".hslm.lock"], os.listdir(d)
     finally:
         held.release()
     # a lock left by a killed process does not block
@@ -204,3 +207,58 @@ def test_resume_command_printed_on_ctrl_c_runs_verbatim(tmp_path):
     argv[argv.index("--steps") + 1] = str(step + 1)  # one more step is enough to prove it runs
     code, out, err = hslm(*argv[1:])
     assert code == 0, err
+
+
+def test_devices_and_fifos_are_refused_without_reading(base, tmp_path):
+    """/dev/zero would fill memory and a FIFO would wait for a writer: one line each."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for cmd in (["info", "/dev/zero"], ["eval", "/dev/zero"], ["info", fifo],
+                ["diff", fifo, base / "ckpt_2.bin"], ["plot", "/dev/zero"],
+                ["train", "--resume", "/dev/zero", "--steps", 3],
+                ["train", "--model", "/dev/zero", "--steps", 1, "--out", tmp_path / "o"],
+                ["bench-compare", fifo, fifo]):
+        assert "not a regular file" in one_line_error(*hslm(*cmd)), cmd
+    assert not (tmp_path / "o").exists()
+    line = one_line_error(*hslm("sample", base / "ckpt_2.bin", "--prompt", "\udcff"))
+    assert "--prompt" in line and "UTF-8" in line
+
+
+def test_a_run_that_fails_on_its_text_leaves_no_new_folder(base, tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"cats and owls \xff\xfe")
+    short = tmp_path / "short.txt"
+    short.write_text("hello world")
+    for data, expect in ((bad, "UTF-8"), (short, "too short")):
+        out = tmp_path / "new" / "run"
+        assert expect in one_line_error(*hslm("train", *TINY, "--steps", 1, "--data", data,
+                                              "--out", out))
+        assert not (tmp_path / "new").exists()  # the folders it made are gone again
+    out = tmp_path / "resumed"
+    line = one_line_error(*hslm("train", "--resume", base / "ckpt_2.state", "--steps", 2,
+                                "--out", out))
+    assert "already at step 2" in line and not out.exists()
+
+
+def test_a_closed_standard_output_does_not_stop_the_run(tmp_path):
+    """`hslm train | head -1`: the run goes on without its output and saves."""
+    out = tmp_path / "piped"
+    p = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "train", *TINY, "--steps", "40",
+                          "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.readline()
+    p.stdout.close()  # the reader goes away
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=600) == 0, err
+    assert "Traceback" not in err and "going on without it" in err
+    ckpt.read(out / "ckpt_40.state")
+
+
+def test_bench_paths_and_reports_are_judged_first(tmp_path):
+    for path in (tmp_path / "no" / "b.json", tmp_path):
+        line = one_line_error(*hslm("bench", "--model", "hslm-tiny", "--json", path))
+        assert "--json" in line
+    good = {"steps": 1, "models": [{"model": "m", "rows": [{"tok_s": "fast"}]}]}
+    for name, report in (("a.json", good), ("b.json", good)):
+        (tmp_path / name).write_text(json.dumps(report))
+    line = one_line_error(*hslm("bench-compare", tmp_path / "a.json", tmp_path / "b.json"))
+    assert "not an hslm bench report" in line
