@@ -487,8 +487,9 @@ def train_run(o: TrainOptions, echo=None):
         o = replace(o, quiet=True, metrics=None)
     run, out, held = open_run(o)
     # From here on SIGINT/SIGTERM finish the current step and save (before, while the
-    # text is read and tokenized, Ctrl-C stops at once): installed before anything is
-    # written, so a signal that sees the run's files always gets a checkpoint.
+    # text is read and tokenized, Ctrl-C stops at once and open_run tidies up):
+    # installed before the run's own files (tokenizer.json, checkpoints) are written,
+    # so a signal that sees them always gets a checkpoint.
     stop = StopRequest(echo)
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     # one writer per folder, held (open_run took it) until the run ends
