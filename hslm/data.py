@@ -248,9 +248,15 @@ class Corpus:
         need_train, need_valid = window + 2, window + 1
         if len(self.train) < need_train or len(self.valid) < need_valid:
             raise HslmError(
-                f"the corpus is too short: {n} tokens ({source}); a window of {window} needs "
-                f"at least {need_train} training and {need_valid} validation tokens "
-                f"(about {need_valid * 10} tokens in all)")
+                f"the corpus is too short: {n} tokens from {src.size:,} bytes ({source}); a "
+                f"window of {window} needs at least {need_train} training and {need_valid} "
+                f"validation tokens (about {need_valid * 10} tokens in all)")
+        learned, room = len(self.tokenizer.merges), vocab - FIRST_MERGE
+        if learned < room and distributed.is_writer():  # the text ran out of pairs to merge
+            import sys
+            print(f"warning: the text gave only {learned:,} of the vocabulary's {room:,} merges; "
+                  f"token ids {FIRST_MERGE + learned:,}-{vocab - 1:,} never occur (a smaller "
+                  "vocabulary or more text would use them)", file=sys.stderr)
 
     @classmethod
     def load(cls, data, vocab: int, window: int, expect_sha256=None, tokenizer=None,

@@ -96,3 +96,15 @@ def test_a_first_run_on_the_builtin_text_loads_the_shipped_tokens(tmp_path, monk
     c = Corpus.load(None, Config().vocab, 27, cache_dir=tmp_path / "empty2")
     assert calls == [1, 1]
     assert np.asarray(c.tokens).tobytes() == np.asarray(learned.tokens).tobytes()
+
+
+def test_a_vocabulary_the_text_cannot_fill_is_reported(capsys):
+    text = "".join(f"line {i}: {i % 7} cats and {i % 5} owls\n" for i in range(200))
+    Corpus(text, FIRST_MERGE + 20, 9, "t")  # room for 20 merges: this text fills them
+    assert "never occur" not in capsys.readouterr().err
+    c = Corpus(text, 5000, 9, "t")
+    learned = len(c.tokenizer.merges)
+    assert learned < 5000 - FIRST_MERGE
+    err = capsys.readouterr().err
+    assert f"only {learned:,} of the vocabulary's {5000 - FIRST_MERGE:,} merges" in err
+    assert f"token ids {FIRST_MERGE + learned:,}-4,999 never occur" in err
