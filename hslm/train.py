@@ -479,6 +479,20 @@ def releasing_on_error(held):
         raise
 
 
+def warn_of_replaced_checkpoints(out: Path, step: int, steps: int):
+    """One line on stderr when `out` holds checkpoints this run may replace (steps after
+    its start, up to its last): another run's, or an earlier branch of this one."""
+    import re
+    import sys
+    found = sorted({int(m.group(1)) for p in out.glob("ckpt_*.*")
+                    if (m := re.fullmatch(r"ckpt_(\d+)\.(bin|state)", p.name))
+                    and step < int(m.group(1)) <= steps})
+    if found:
+        shown = ", ".join(f"ckpt_{n}" for n in found[:3]) + (", ..." if len(found) > 3 else "")
+        print(f"warning: {out} already holds checkpoints at steps this run saves ({shown}); "
+              "those it reaches are replaced", file=sys.stderr)
+
+
 def train_run(o: TrainOptions, echo=None):
     """`hslm train`: open the run, hold its folder, step until o.steps with progress,
     metrics, evaluations and checkpoints. Returns (first loss, last loss, validation loss)."""
@@ -497,6 +511,7 @@ def train_run(o: TrainOptions, echo=None):
     try:
         cfg, h = run.cfg, run.hyper
         if distributed.is_writer():
+            warn_of_replaced_checkpoints(out, run.step, o.steps)
             save_tokenizer(out, run.corpus.tokenizer)
         if not o.quiet:
             need = memory_estimate(cfg, h.batch, o.threads, o.speed)

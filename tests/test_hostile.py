@@ -262,3 +262,12 @@ def test_bench_paths_and_reports_are_judged_first(tmp_path):
         (tmp_path / name).write_text(json.dumps(report))
     line = one_line_error(*hslm("bench-compare", tmp_path / "a.json", tmp_path / "b.json"))
     assert "not an hslm bench report" in line
+
+
+def test_a_run_says_when_it_replaces_checkpoints_already_there(base, tmp_path):
+    d = tmp_path / "shared"
+    assert hslm("train", *TINY, "--steps", 2, "--out", d)[0] == 0
+    code, out, err = hslm("train", *TINY, "--steps", 2, "--seed", 5, "--out", d)
+    assert code == 0 and "already holds checkpoints at steps this run saves (ckpt_2)" in err
+    code, out, err = hslm("train", "--resume", d / "ckpt_2.state", "--steps", 3)
+    assert code == 0 and "already holds" not in err  # ckpt_3 is new
