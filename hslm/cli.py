@@ -190,6 +190,7 @@ def eval_cmd(ckpt_path, data, cache_dir, eval_windows, loss_positions, threads):
               help="Ignored: the checkpoint carries its tokenizer.")
 def sample(ckpt_path, prompt, n_tokens, temperature, top_k, seed, data):
     """Continue a prompt with a trained model (reproducible for a seed)."""
+    import codecs
     import math
 
     from .sample import sample as sample_ids
@@ -207,9 +208,14 @@ def sample(ckpt_path, prompt, n_tokens, temperature, top_k, seed, data):
     except UnicodeEncodeError:  # bytes the shell's locale could not decode (surrogates)
         raise HslmError("--prompt is not UTF-8 text") from None
     cfg, state, tok, _ = load_for_inference(ckpt_path)
-    ids = sample_ids(Worker(cfg, DEFAULT_SPEED), state.kernel_model(), state.tables.vsa, tok.encode(prompt),
-                     n_tokens, temperature, top_k, seed, cfg.window)
-    click.echo(prompt + tok.decode(ids))
+    # the text as it is drawn: an incremental decoder holds a character's first bytes
+    # until its last arrives, and ends with the same text as decoding all the ids at once
+    text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    click.echo(prompt, nl=False)
+    sample_ids(Worker(cfg, DEFAULT_SPEED), state.kernel_model(), state.tables.vsa,
+               tok.encode(prompt), n_tokens, temperature, top_k, seed, cfg.window,
+               each=lambda t: click.echo(text.decode(tok.decode_bytes([t])), nl=False))
+    click.echo(text.decode(b"", final=True))
 
 
 @cli.command()

@@ -46,8 +46,9 @@ def next_token_logits(worker: Worker, model, vsa_table, context: np.ndarray, L: 
 
 
 def sample(worker, model, vsa_table, prompt_ids, n_tokens, temperature, top_k, seed, L,
-           bos_id=1):
-    """Returns the generated ids (the prompt excluded)."""
+           bos_id=1, each=None):
+    """Returns the generated ids (the prompt excluded); each(t), if given, is called with
+    each id as it is drawn (the CLI prints as it goes)."""
     rng = Stream.seeded("sample", seed)
     ids = list(prompt_ids) if len(prompt_ids) else [bos_id]
     out = []
@@ -64,4 +65,6 @@ def sample(worker, model, vsa_table, prompt_ids, n_tokens, temperature, top_k, s
             t = draw_index(z, rng.uniform(1)[0])
         ids.append(t)
         out.append(t)
+        if each is not None:
+            each(t)
     return out

@@ -271,3 +271,20 @@ def test_a_run_says_when_it_replaces_checkpoints_already_there(base, tmp_path):
     assert code == 0 and "already holds checkpoints at steps this run saves (ckpt_2)" in err
     code, out, err = hslm("train", "--resume", d / "ckpt_2.state", "--steps", 3)
     assert code == 0 and "already holds" not in err  # ckpt_3 is new
+
+
+def test_sample_prints_as_it_draws_the_text_decoding_all_at_once_gives(base):
+    """The CLI writes each token as it is drawn (a character split across tokens waits
+    for its last byte): the same text as the ids decoded at once, replacement marks
+    included."""
+    from hslm.sample import sample as sample_ids
+    from hslm.speeds import DEFAULT_SPEED
+    from hslm.step import Worker
+    cfg, state, tok, _ = load_for_inference(base / "ckpt_2.bin")
+    for seed in (0, 3):
+        ids = sample_ids(Worker(cfg, DEFAULT_SPEED), state.kernel_model(), state.tables.vsa,
+                         tok.encode("é"), 200, 0.8, 40, seed, cfg.window)
+        code, out, err = hslm("sample", base / "ckpt_2.bin", "--tokens", 200, "--seed", seed,
+                              "--prompt", "é")
+        assert code == 0, err
+        assert out == "é" + tok.decode(ids) + "\n"
