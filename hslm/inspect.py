@@ -1,7 +1,6 @@
 """`hslm diff` and `hslm info`: what a checkpoint holds, and exactly how two differ."""
 from __future__ import annotations
 
-import hashlib
 import json
 
 import numpy as np
@@ -29,9 +28,9 @@ def diff_checkpoints(a, b):
         if ja is not None and jb is not None:  # config, hyper: name the fields that differ
             for f in sorted(set(ja) | set(jb)):
                 if ja.get(f) != jb.get(f):
-                    lines.append(f"  metadata {key}: {f} {_short(ja.get(f))} != {_short(jb.get(f))}")
+                    lines.append(f"  metadata {key}: {f} {_differing(ja.get(f), jb.get(f))}")
         else:
-            lines.append(f"  metadata {key}: {_short(va)} != {_short(vb)}")
+            lines.append(f"  metadata {key}: {_differing(va, vb)}")
     names = A.names() + [n for n in B.names() if n not in A.header]
     n_diff_tensors = 0
     for name in names:
@@ -67,9 +66,20 @@ def _json_dict(s):
     return v if isinstance(v, dict) else None
 
 
-def _short(v, n=60):
-    s = str(v)
-    return s if len(s) <= n else f"<{len(s)} chars, sha256 {hashlib.sha256(s.encode()).hexdigest()[:12]}>"
+def _differing(a, b, n=60):
+    """'a != b', long values cut to where they first differ (a digest to its first 16
+    characters, as hslm info prints them), so the difference is on the line."""
+    sa, sb = str(a), str(b)
+    if len(sa) <= n and len(sb) <= n:
+        return f"{sa} != {sb}"
+    i = next((j for j, (x, y) in enumerate(zip(sa, sb)) if x != y), min(len(sa), len(sb)))
+    start = 0 if i < 16 else i - 8
+
+    def cut(s):
+        part = s[start:start + 24]
+        return (("..." if start else "") + part + ("..." if start + 24 < len(s) else "")
+                + f" ({len(s)} chars)")
+    return f"{cut(sa)} != {cut(sb)} (first difference at character {i})"
 
 
 def describe(path):
