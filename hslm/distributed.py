@@ -184,6 +184,7 @@ class World:
         self.comm, self.MPI = comm, MPI
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.started = False     # after the first step begins, an error aborts every rank
+        self.settled = False     # the ranks agreed (before the first step) that one failed
         self.sent = 0            # bytes this rank sent (its part of every message)
         self.reductions = set()  # the reductions this run's steps took (records, running sums)
         self.last_reduction = None
@@ -728,12 +729,18 @@ class World:
                                 f"got {self.forced_reduction!r}")
 
     def _agree(self, msg, code):
+        """Every rank's verdict before the first step: if any failed, the first failing
+        rank reports (naming itself when others did not fail: a path only it could not
+        read) and every rank leaves with its exit code. The SystemExit this raises on a
+        healthy rank must not agree again (settled): the failed ranks are gone."""
         every = self.comm.allgather((msg, code))
         failed = [(r, m, c) for r, (m, c) in enumerate(every) if c]
         if failed:
             first, m, c = failed[0]
             if first == self.rank and m is not None:
-                print(f"error: {m}", file=sys.stderr, flush=True)
+                who = "" if len(failed) == len(every) else f"rank {first} of {self.size}: "
+                print(f"error: {who}{m}", file=sys.stderr, flush=True)
+            self.settled = True
             sys.exit(c)
 
     def fail(self, msg, code):
@@ -833,7 +840,7 @@ def run_main(cli, argv):
     try:
         rv = cli.main(args=argv, prog_name="hslm", standalone_mode=False)
     except SystemExit as e:
-        if not w.started and e.code not in (0, None):  # e.g. --help: nothing to report
+        if not w.started and not w.settled and e.code not in (0, None):  # nothing to report
             w._agree(None, e.code)
         if w.started and e.code in (128 + 2, 128 + 15):  # an agreed stop: every rank is here
             w.close()

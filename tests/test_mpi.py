@@ -334,6 +334,23 @@ def test_a_killed_rank_stops_every_rank(tmp_path):
 
 
 @needs_mpi
+@pytest.mark.parametrize("bad", [0, 1])
+def test_one_rank_failing_before_the_first_step_stops_every_rank(tmp_path, bad):
+    """A path only one rank cannot read: that rank reports it, naming itself, and every
+    rank leaves at once (the healthy ones had hung, agreeing a second time)."""
+    one = [sys.executable, str(ROOT / "cli.py"), "train", *TINY, "--steps", "10", "--batch",
+           "1", "--threads", "1", "--out", str(tmp_path / "o")]
+    missing = ["--data", str(tmp_path / "missing.txt")]
+    cmd = [MPIEXEC, "-n", "1", *one, *(missing if bad == 0 else []), ":",
+           "-n", "1", *one, *(missing if bad == 1 else [])]
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env())
+    assert p.returncode == 2 and time.monotonic() - t0 < 30
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert errors == [f"error: rank {bad} of 2: data file not found: {tmp_path / 'missing.txt'}"]
+
+
+@needs_mpi
 def test_bad_flags_are_reported_once(tmp_path):
     code, _, err = hslm("train", *TINY, "--batch", 0, "--out", tmp_path, ranks=3)
     assert code == 2
