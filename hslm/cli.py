@@ -327,13 +327,14 @@ def bench_compare(ctx, reports):
 
 
 class ReaderGone:
-    """sys.stdout for the CLI: when the reader of a pipe goes away (`hslm train | head`),
-    the output goes to /dev/null from then on and the run goes on, saving as it would,
-    instead of the BrokenPipeError that would stop it unsaved (click exits 1 on one).
-    One line on stderr says so."""
+    """sys.stdout and sys.stderr for the CLI: when the reader of a pipe goes away (`hslm
+    train | head`, `2>&1 | head`), that stream's output goes to /dev/null from then on and
+    the run goes on, saving as it would, instead of the BrokenPipeError that would stop
+    it unsaved (click exits 1 on one). A closed standard output is noted on stderr."""
 
-    def __init__(self, stream):
+    def __init__(self, stream, note=None):
         self._stream = stream
+        self._note = note
         self._gone = False
 
     def write(self, text):
@@ -356,20 +357,30 @@ class ReaderGone:
         null = os.open(os.devnull, os.O_WRONLY)
         os.dup2(null, self._stream.fileno())  # what is still buffered goes there too
         os.close(null)
-        print("hslm: the standard output was closed; going on without it", file=sys.stderr)
+        if self._note:
+            print(self._note, file=sys.stderr, flush=True)  # (stderr may be gone as well)
 
     def __getattr__(self, name):
         return getattr(self._stream, name)
 
 
+def guard_streams():
+    """Wrap the standard streams in ReaderGone where they are real files."""
+    for name, note in (("stdout", "hslm: the standard output was closed; going on without it"),
+                       ("stderr", None)):
+        stream = getattr(sys, name)
+        if stream is None or isinstance(stream, ReaderGone):
+            continue
+        try:
+            stream.fileno()
+        except (AttributeError, OSError, ValueError):  # not a real file (a test's capture)
+            continue
+        setattr(sys, name, ReaderGone(stream, note))
+
+
 def main(argv=None):
     """Entry point: every error is one line on stderr and a non-zero exit."""
-    if sys.stdout is not None and not isinstance(sys.stdout, ReaderGone):
-        try:
-            sys.stdout.fileno()
-            sys.stdout = ReaderGone(sys.stdout)
-        except (AttributeError, OSError, ValueError):  # not a real file (a test's capture)
-            pass
+    guard_streams()
     try:
         if distributed.init() is not None:  # launched by MPI with P > 1 (hslm/distributed.py)
             distributed.run_main(cli, argv)

@@ -251,6 +251,14 @@ def test_a_closed_standard_output_does_not_stop_the_run(tmp_path):
     assert p.wait(timeout=600) == 0, err
     assert "Traceback" not in err and "going on without it" in err
     ckpt.read(out / "ckpt_40.state")
+    # `2>&1 | head -1`: both streams into the closed pipe, the note on stderr included
+    out = tmp_path / "both"
+    p = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "train", *TINY, "--steps", "40",
+                          "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    p.stdout.readline()
+    p.stdout.close()
+    assert p.wait(timeout=600) == 0
+    ckpt.read(out / "ckpt_40.state")
 
 
 def test_bench_paths_and_reports_are_judged_first(tmp_path):
