@@ -381,6 +381,13 @@ class TrainOptions:
             cmd += f" --cache-dir {shlex.quote(str(self.cache_dir))}"
         if self.metrics is not None:
             cmd += f" --metrics {shlex.quote(str(self.metrics))}"
+        # the run's cadence and machine flags as given (the bytes never depend on them, but
+        # a resumed long run must keep saving and evaluating as the user asked)
+        for name in ("save_every", "eval_every", "log_every", "speed", "threads"):
+            if name in self.given:
+                cmd += f" --{name.replace('_', '-')} {getattr(self, name)}"
+        if self.quiet:
+            cmd += " -q"
         return cmd
 
 
@@ -625,9 +632,11 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
             if agreed is not None:
                 stop.signum = agreed
                 b, s = run.save(out)
+                last = run.step >= o.steps  # nothing left to resume (no validation either)
                 progress.message(f"{signal.Signals(agreed).name}: stopped after step "
-                                 f"{run.step}; saved {b} and {s}")
-                progress.message(f"resume with: {o.resume_command(s)}")
+                                 f"{run.step}{', the last' if last else ''}; saved {b} and {s}")
+                if not last:
+                    progress.message(f"resume with: {o.resume_command(s)}")
                 sys.exit(128 + agreed)
             if o.eval_every and run.step % o.eval_every == 0 and run.step < o.steps:
                 v = evaluate()

@@ -192,7 +192,8 @@ def test_resume_command_printed_on_ctrl_c_runs_verbatim(tmp_path):
     data.write_text(TEXT * 3)
     d = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "train", *TINY, "--steps",
-                             "100000", "--data", str(data), "--out", str(d), "--log-every", "1"],
+                             "100000", "--data", str(data), "--out", str(d), "--log-every", "1",
+                             "--save-every", "50000", "--eval-every", "40000"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:
         if line.startswith("step ") and int(line.split()[1]) >= 2:
@@ -203,6 +204,9 @@ def test_resume_command_printed_on_ctrl_c_runs_verbatim(tmp_path):
     cmd = [l for l in out.splitlines() if l.startswith("resume with: ")][0][len("resume with: "):]
     argv = shlex.split(cmd)
     assert argv[:2] == ["hslm", "train"] and "--data" in argv
+    for flag, value in (("--save-every", "50000"), ("--eval-every", "40000"),
+                        ("--log-every", "1"), ("--threads", "1")):  # the run's cadence, kept
+        assert argv[argv.index(flag) + 1] == value, cmd
     step = int(argv[argv.index("--steps") - 1].split("ckpt_")[1].split(".")[0])
     argv[argv.index("--steps") + 1] = str(step + 1)  # one more step is enough to prove it runs
     code, out, err = hslm(*argv[1:])
@@ -296,3 +300,18 @@ def test_sample_prints_as_it_draws_the_text_decoding_all_at_once_gives(base):
                               "--prompt", "é")
         assert code == 0, err
         assert out == "é" + tok.decode(ids) + "\n"
+
+
+def test_ctrl_c_in_the_last_step_saves_and_prints_no_resume_command(tmp_path):
+    """A stop asked during the run's last step: saved, and no resume command (it would be
+    refused: the checkpoint is already at --steps)."""
+    d = tmp_path / "last"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "train", "--model", "hslm-3",
+                             "--batch", "32", "--threads", "1", "--steps", "1", "--out", str(d)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().startswith("model ")  # the handlers are in; step 1 runs
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err
+    assert "stopped after step 1, the last; saved" in out and "resume with" not in out
+    ckpt.read(d / "ckpt_1.state")
