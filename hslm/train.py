@@ -87,6 +87,15 @@ def prepare_out_dir(out: Path):
     return lock
 
 
+def tidy_cache_dir(cache, out: Path):
+    """remove_torn_writes in a token cache folder apart from the output folder (--cache-dir,
+    $HSLM_CACHE_DIR): a run killed while caching a large text's tokens leaves its
+    temporary file there, as big as the cache it was writing."""
+    if (cache is not None and distributed.is_writer() and Path(cache).is_dir()
+            and os.path.abspath(cache) != os.path.abspath(out)):
+        remove_torn_writes(Path(cache))
+
+
 def remove_torn_writes(out: Path):
     """Delete temporary files left by a writer that was killed mid-write
     (checkpoint.write_atomic's `.<name>.tmp<pid>`), when that process is gone."""
@@ -415,6 +424,7 @@ def open_run(o: TrainOptions):
                     raise HslmError(f"config mismatch: --{n.replace('_', '-')} {o.hyper[n]} "
                                     f"differs from the checkpoint's {getattr(hyper, n)}")
             held.append(hold_out_dir(out))  # every flag judged: take the folder
+            tidy_cache_dir(token_cache_dir(o.cache_dir, out), out)
             return load_corpus_compiling(o, cfg, lambda: load_corpus(
                 o.data, cfg, text_sha256, tokenizer, token_cache_dir(o.cache_dir, out)),
                 hyper.batch)
@@ -438,6 +448,7 @@ def open_run(o: TrainOptions):
     check_fits(memory_estimate(cfg, hyper.batch, o.threads, o.speed),
                f"--model {o.model} with --batch {hyper.batch} on {o.threads} thread(s)")
     held = [hold_out_dir(out)]
+    tidy_cache_dir(token_cache_dir(o.cache_dir, out), out)
     with releasing_on_error(held):
         corpus = load_corpus_compiling(o, cfg, lambda: load_corpus(
             o.data, cfg, cache_dir=token_cache_dir(o.cache_dir, out)), hyper.batch)

@@ -315,3 +315,18 @@ def test_ctrl_c_in_the_last_step_saves_and_prints_no_resume_command(tmp_path):
     assert proc.returncode == 130, err
     assert "stopped after step 1, the last; saved" in out and "resume with" not in out
     ckpt.read(d / "ckpt_1.state")
+
+
+def test_a_killed_runs_temporary_file_in_the_cache_folder_is_removed(tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a PID no process holds now
+    torn = cache / f".tokens-0123456789abcdef-0123456789abcdef.tok.tmp{dead.pid}"
+    torn.write_bytes(b"\0" * 4096)
+    mine = cache / f".tokens-0123456789abcdef-0123456789abcdef.tok.tmp{os.getpid()}"
+    mine.write_bytes(b"")  # a live writer's: left alone
+    code, out, err = hslm("train", *TINY, "--steps", 1, "--out", tmp_path / "o",
+                          "--cache-dir", cache)
+    assert code == 0, err
+    assert not torn.exists() and mine.exists()
