@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from . import distributed
-from .errors import HslmError
+from .errors import HslmError, Terminated
 from .speeds import DEFAULT_SPEED, SPEEDS, speed_help
 
 def token_cache_dir(flag, default):
@@ -395,7 +395,10 @@ def main(argv=None):
     except click.ClickException as e:
         click.echo(f"error: {e.format_message()}", err=True)
         sys.exit(e.exit_code)
-    except (click.Abort, KeyboardInterrupt):
+    except (click.Abort, KeyboardInterrupt) as e:  # click makes an Abort of either
+        if isinstance(e, Terminated) or isinstance(e.__cause__, Terminated):
+            click.echo("error: terminated", err=True)
+            sys.exit(128 + 15)
         click.echo("error: interrupted", err=True)
         sys.exit(130)
     except HslmError as e:

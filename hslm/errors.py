@@ -6,6 +6,15 @@ class HslmError(Exception):
     pass
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM before a run's own handler is in (while its text is read): stops at once,
+    as Ctrl-C does then, tidying up on the way out; the CLI exits 143."""
+
+
+def raise_terminated(signum, frame):
+    raise Terminated()
+
+
 def read_bytes(path, what: str) -> bytes:
     """A regular file's bytes, or an HslmError naming `what` the file is ("checkpoint",
     ...). A device, FIFO or socket is refused before a byte is read: /dev/zero would

@@ -18,7 +18,7 @@ from . import checkpoint as ckpt
 from . import distributed
 from .config import PRESETS, Config
 from .data import BUILTIN_SOURCE, Corpus, Tokenizer
-from .errors import HslmError, read_bytes
+from .errors import HslmError, raise_terminated, read_bytes
 from .hyper import HYPER_NAMES, Hyper
 from .optim import adamw_step, adamw_tensors, bias_corrections, learning_rate
 from .params import ModelState, init_params, ternary_mask
@@ -517,13 +517,19 @@ def train_run(o: TrainOptions, echo=None):
     echo = echo or click.echo
     if not distributed.is_writer():  # MPI: rank 0 alone prints and writes
         o = replace(o, quiet=True, metrics=None)
-    run, out, held = open_run(o)
+    original_term = signal.signal(signal.SIGTERM, raise_terminated)  # as Ctrl-C, until below
+    try:
+        run, out, held = open_run(o)
+    except BaseException:
+        signal.signal(signal.SIGTERM, original_term)
+        raise
     # From here on SIGINT/SIGTERM finish the current step and save (before, while the
     # text is read and tokenized, Ctrl-C stops at once and open_run tidies up):
     # installed before the run's own files (tokenizer.json, checkpoints) are written,
     # so a signal that sees them always gets a checkpoint.
     stop = StopRequest(echo)
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous[signal.SIGTERM] = original_term
     # one writer per folder, held (open_run took it) until the run ends
     lock = held.lock
     try:
