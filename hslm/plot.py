@@ -25,7 +25,9 @@ def read_metrics(path):
             raise HslmError(f"{path}:{n} is not a metrics record") from None
     if not train and not valid:
         raise HslmError(f"{path} holds no training or validation records")
-    return train, valid
+    # a run killed after its last checkpoint and resumed appends the steps since again
+    # (with the same values: the bytes do not change): one point a step, the last written
+    return sorted(dict(train).items()), sorted(dict(valid).items())
 
 
 def plot_metrics(path, output):

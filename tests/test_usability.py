@@ -263,3 +263,15 @@ def test_measured_peaks_are_physical():
     assert ir.count("call <8 x double> @llvm.fmuladd") == ACCUMULATORS
     assert len({l.split("<", 2)[2] for l in ir.splitlines() if "%init" in l and "fadd" in l}) \
         == ACCUMULATORS
+
+
+def test_plot_reads_a_resumed_runs_repeated_steps_once(tmp_path):
+    """A run killed after its last checkpoint and resumed writes the steps since again."""
+    from hslm.plot import read_metrics
+    m = tmp_path / "m.jsonl"
+    recs = [{"kind": "train", "step": s, "loss": 5.0 - 0.1 * s} for s in (1, 2, 3, 4, 3, 4, 5)]
+    recs.append({"kind": "eval", "step": 4, "valid_loss": 4.7})
+    recs.append({"kind": "eval", "step": 4, "valid_loss": 4.7})
+    m.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    train, valid = read_metrics(m)
+    assert [s for s, _ in train] == [1, 2, 3, 4, 5] and valid == [(4, 4.7)]
