@@ -337,6 +337,10 @@ class ParallelCompile:
 
     def _terminated(self, signum, frame):
         self.__exit__(None, None, None)
+        if callable(signal.getsignal(signum)):
+            # a Python handler would raise here, inside whatever this process was compiling
+            # (Numba may hold its cache's lock): end of the signal instead, as before
+            signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 
     def __exit__(self, *exc):
