@@ -157,7 +157,8 @@ def eval_cmd(ckpt_path, data, cache_dir, eval_windows, loss_positions, threads):
     threads = threads or default_threads()
     if loss_positions is not None and loss_positions < 1:
         raise HslmError(f"--loss-positions must be at least 1, got {loss_positions}")
-    cfg, state, tok, hyper = load_for_inference(ckpt_path, threads)
+    trained_on = {}
+    cfg, state, tok, hyper = load_for_inference(ckpt_path, threads, trained_on=trained_on)
     k = loss_positions if loss_positions is not None else (
         hyper.loss_positions if hyper else cfg.window)
     if not 1 <= k <= cfg.window:
@@ -165,6 +166,9 @@ def eval_cmd(ckpt_path, data, cache_dir, eval_windows, loss_positions, threads):
                         f"got {k}")
     corpus = Corpus.load(data, cfg.vocab, cfg.window, tokenizer=tok,  # the run's tokenizer
                          cache_dir=token_cache_dir(cache_dir, ckpt_path.parent))
+    if not data and trained_on.get("sha256") not in (None, corpus.text_sha256):
+        click.echo(f"note: scoring the built-in text; {ckpt_path} was trained on another "
+                   "(pass its --data to score that)", err=True)
     runner = StepRunner(cfg, DEFAULT_SPEED, threads)
     try:
         w = corpus.validation_windows(eval_windows, cfg.window)

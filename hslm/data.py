@@ -252,7 +252,8 @@ class Corpus:
                 f"window of {window} needs at least {need_train} training and {need_valid} "
                 f"validation tokens (about {need_valid * 10} tokens in all)")
         learned, room = len(self.tokenizer.merges), vocab - FIRST_MERGE
-        if learned < room and distributed.is_writer():  # the text ran out of pairs to merge
+        # (only for a tokenizer made from this text: a run's own, given, may come from another)
+        if tokenizer is None and learned < room and distributed.is_writer():
             import sys
             print(f"warning: the text gave only {learned:,} of the vocabulary's {room:,} merges; "
                   f"token ids {FIRST_MERGE + learned:,}-{vocab - 1:,} never occur (a smaller "

@@ -299,7 +299,7 @@ def save_tokenizer(out: Path, tok: Tokenizer):
     ckpt.write_atomic(out / "tokenizer.json", tok.to_json().encode("utf-8"))
 
 
-def load_for_inference(path, threads=1, warn=None):
+def load_for_inference(path, threads=1, warn=None, trained_on=None):
     """(config, ModelState, tokenizer, Hyper or None) from a .bin (or the .bin beside a
     .state). The tokenizer is the one the .bin carries; a tokenizer.json beside it that
     differs is ignored (with a warning); the hyper-parameters come from the .state
@@ -332,6 +332,9 @@ def load_for_inference(path, threads=1, warn=None):
         else:
             if sck.meta["params_sha256"] == ck.data_sha256:
                 hyper = sck.hyper
+                if trained_on is not None:  # the run's text: its sha256 and where it came from
+                    trained_on.update(sha256=sck.meta.get("text_sha256"),
+                                      source=sck.meta.get("data_source"))
             else:
                 warn(f"ignoring {st}: it belongs to other parameters than {path}")
     check_fits(memory_estimate(cfg, threads=threads, training=False),

@@ -330,3 +330,16 @@ def test_a_killed_runs_temporary_file_in_the_cache_folder_is_removed(tmp_path):
                           "--cache-dir", cache)
     assert code == 0, err
     assert not torn.exists() and mine.exists()
+
+
+def test_eval_says_when_it_scores_another_text_than_the_runs(base, tmp_path):
+    data = tmp_path / "t.txt"
+    data.write_text(TEXT * 3)
+    d = tmp_path / "own"
+    assert hslm("train", *TINY, "--steps", 1, "--data", data, "--out", d)[0] == 0
+    code, out, err = hslm("eval", d / "ckpt_1.bin")
+    assert code == 0 and "note: scoring the built-in text" in err and "--data" in err
+    code, out, err = hslm("eval", d / "ckpt_1.bin", "--data", data)
+    assert code == 0 and "note:" not in err and "warning" not in err
+    code, out, err = hslm("eval", base / "ckpt_2.bin")  # trained on the built-in text
+    assert code == 0 and "note:" not in err
