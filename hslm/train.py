@@ -547,7 +547,12 @@ def train_run(o: TrainOptions, echo=None):
                  f"{len(run.corpus.train):,} train / {len(run.corpus.valid):,} valid tokens | "
                  f"speed {o.speed} ({SPEEDS[o.speed].name}) | threads {o.threads} | "
                  f"batch {h.batch} x {cfg.window} | k {h.loss_positions}")
-        distributed.start()  # MPI: every rank is ready (else the first error is reported once)
+        try:
+            distributed.start()  # MPI: every rank is ready (else the first error is reported once)
+        except BaseException:  # another rank failed before the first step: as a failed text
+            if held.created is not None:
+                shutil.rmtree(held.created, ignore_errors=True)
+            raise
         return run_loop(run, out, o, stop, echo)
     finally:
         lock.release()

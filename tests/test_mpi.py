@@ -348,6 +348,7 @@ def test_one_rank_failing_before_the_first_step_stops_every_rank(tmp_path, bad):
     assert p.returncode == 2 and time.monotonic() - t0 < 30
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
     assert errors == [f"error: rank {bad} of 2: data file not found: {tmp_path / 'missing.txt'}"]
+    assert not (tmp_path / "o").exists()  # rank 0's new folder is removed as for a bad text
 
 
 @needs_mpi
