@@ -12,7 +12,8 @@ def format_report(report):
     version = f"{_version(report)}, " if report.get("hslm") else ""
     rounds = (f" in {report['rounds']} interleaved rounds (tok/s: their median)"
               if report.get("rounds", 1) > 1 else "")
-    out = [f"hslm bench: {report['steps']} timed steps per run{rounds}, seed {report['seed']}; "
+    steps = f"{report['steps']} timed step{'s' if report['steps'] != 1 else ''}"
+    out = [f"hslm bench: {steps} per run{rounds}, seed {report['seed']}; "
            f"{version}Python {report['python']}, numpy {report['numpy']}, numba "
            f"{report['numba']}" + (f"; {report['date']}" if report.get("date") else ""),
            f"machine: {report['machine']}: nominal f64 peak "
@@ -34,7 +35,8 @@ def format_report(report):
         for r in rows:
             same = [x for x in rows if x["batch"] == r["batch"]]
             slowest = min(x["tok_s"] for x in same)
-            base = next(x for x in same if x["speed"] == r["speed"])
+            # parallel efficiency against the same speed's run on the fewest threads
+            base = min((x for x in same if x["speed"] == r["speed"]), key=lambda x: x["threads"])
             eff = r["tok_s"] / (r["threads"] / base["threads"] * base["tok_s"])
             out.append(f"{r['batch']:>5} {r['speed']:>5} {SPEED_NAMES[r['speed']]:>10} "
                        f"{r['threads']:>7} {r['tok_s']:>10.1f} {r['tok_s'] / slowest:>9.2f} "
@@ -137,8 +139,9 @@ def compare_reports(named) -> list:
 
     def describe(name, r):
         version = _version(r) if r.get("hslm") else "hslm (version not recorded)"
-        return (f"{name}: {version}, {r.get('date', 'date not recorded')}, {r['steps']} "
-                f"steps; {r.get('machine', '?')}; Python {r.get('python', '?')}, numpy "
+        steps = f"{r['steps']} step{'s' if r['steps'] != 1 else ''}"
+        return (f"{name}: {version}, {r.get('date', 'date not recorded')}, {steps}; "
+                f"{r.get('machine', '?')}; Python {r.get('python', '?')}, numpy "
                 f"{r.get('numpy', '?')}, numba {r.get('numba', '?')}")
 
     out = [f"comparing {len(named)} bench reports, each against the first ({base_name}):",
@@ -200,9 +203,12 @@ def _compare_bytes(base, b, r, e):
     """(lines, differ): whether two reports' runs of a model ended with the same checkpoint
     bytes, batch by batch (comparable only with the same steps, seed, k and text)."""
     texts = b.get("text_sha256"), e.get("text_sha256")  # (not in reports before 1cceec6)
-    same_run = (base["steps"] == r["steps"] and base.get("seed") == r.get("seed")
-                and base.get("rounds", 0) == r.get("rounds", 0)  # (each adds a step)
-                and b.get("k") == e.get("k") and (None in texts or texts[0] == texts[1]))
+    others = [what for what, same in (
+        ("steps", base["steps"] == r["steps"]), ("seed", base.get("seed") == r.get("seed")),
+        ("rounds", base.get("rounds", 0) == r.get("rounds", 0)),  # (each adds a step)
+        ("k", b.get("k") == e.get("k")), ("text", None in texts or texts[0] == texts[1]))
+        if not same]
+    same_run = not others
     out, differ = [], False
     groups = {g["batch"]: g for g in b.get("groups", [])}
     for g in e.get("groups", []):
@@ -210,8 +216,10 @@ def _compare_bytes(base, b, r, e):
         if old is None:
             continue
         if not same_run:
-            out.append(f"    batch {g['batch']}: checkpoints not comparable (other steps, "
-                       "rounds, seed, k or text)")
+            work = ("; k changes the work per token: the tok/s are not like for like"
+                    if "k" in others else "")
+            out.append(f"    batch {g['batch']}: checkpoints not comparable (other "
+                       f"{', '.join(others)}{work})")
         elif old["digest"] == g["digest"]:
             out.append(f"    batch {g['batch']}: the same checkpoint bytes in both "
                        f"(sha256 {g['digest'][:16]}...)")

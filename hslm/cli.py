@@ -127,6 +127,9 @@ def info(file):
                        f"{c.head_width:<10d} {c.mlp:4d} {c.blocks:6d} {c.window:6d} "
                        f"{c.vsa_dim:7d}{note}")
         return
+    if not Path(file).exists() and os.sep not in file and not Path(file).suffix:  # a name
+        raise HslmError(f"{file}: not a preset ({', '.join(PRESETS)}), a JSON config or a "
+                        "checkpoint")
     from .inspect import describe
     for line in describe(Path(file)):
         click.echo(line)
@@ -246,7 +249,7 @@ def _split(values, convert, name):
                                     f"{v!r}") from None
     if not out:
         raise HslmError(f"{name} is empty")
-    return out
+    return list(dict.fromkeys(out))  # a value given twice is run once
 
 
 @cli.command()
@@ -277,7 +280,8 @@ def bench(model, data, cache_dir, speed, threads, batch, steps, loss_positions, 
     models = _split(model, str, "--model")
     speeds = _split(speed, int, "--speed")
     if any(s not in SPEEDS for s in speeds):
-        raise HslmError(f"--speed must be among {','.join(map(str, SPEEDS))}, got {speeds}")
+        raise HslmError(f"--speed must be among {','.join(map(str, SPEEDS))}, got "
+                        f"{','.join(map(str, speeds))}")
     thread_counts = _split(threads, int, "--threads")
     batches = _split(batch, int, "--batch")
     if min(thread_counts) < 1 or min(batches) < 1:

@@ -224,7 +224,7 @@ def check_bench_compare(tmp_path, report_path, report):
     other["steps"] += 1
     changed.write_text(json.dumps(other))
     code, out, err = hslm("bench-compare", report_path, changed)
-    assert code == 0 and out.count("not comparable") == 4, (out, err)
+    assert code == 0 and out.count("not comparable (other steps)") == 4, (out, err)
     (tmp_path / "bad.json").write_text("{not json")
     for args in ([report_path], [report_path, tmp_path / "bad.json"],
                  [report_path, tmp_path / "missing.json"]):
@@ -275,3 +275,21 @@ def test_plot_reads_a_resumed_runs_repeated_steps_once(tmp_path):
     m.write_text("".join(json.dumps(r) + "\n" for r in recs))
     train, valid = read_metrics(m)
     assert [s for s, _ in train] == [1, 2, 3, 4, 5] and valid == [(4, 4.7)]
+
+
+def test_bench_efficiency_is_against_the_fewest_threads_and_values_run_once():
+    from hslm.bench_report import format_report
+    from hslm.cli import _split
+    row = dict(batch=2, speed=3, gflops=1.0, peak_share=0.01, memory_bytes=2 ** 20,
+               checkpoint_bytes=10 ** 6)
+    report = {"peak_gflops_per_core": 100.0, "steps": 1, "seed": 1729, "python": "3",
+              "numpy": "2", "numba": "0", "machine": "m", "peak_measured": False,
+              "models": [{"model": "m", "params": 1, "window": 9, "k": 9,
+                          "flops_per_token": 1e6, "groups": [],
+                          "rows": [dict(row, threads=2, tok_s=150.0),
+                                   dict(row, threads=1, tok_s=100.0)]}]}
+    lines = format_report(report)
+    assert lines[0].startswith("hslm bench: 1 timed step per run")
+    two, one = [ln for ln in lines if ln.startswith("    2     3")]
+    assert two.split()[8] == "75.0%" and one.split()[8] == "100.0%"  # 150 / (2 x 100)
+    assert _split(("3,3", "1", "3"), int, "--speed") == [3, 1]
