@@ -77,7 +77,10 @@ def _libm_loop(which):
 
 
 def main():
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 1_000_000
+    try:
+        n = int(sys.argv[1]) if len(sys.argv) > 1 else 1_000_000
+    except ValueError:
+        sys.exit("usage: python tools/mathfn_accuracy.py [SAMPLES]   (default 1000000)")
     rng = np.random.Generator(np.random.PCG64(12345))
     worst = max(
         measure("exp on [-50, 0]", exp_array, Decimal.exp, rng.uniform(-50.0, 0.0, n)),

@@ -23,7 +23,11 @@ def main(src: str, dst: str):
     report = json.load(open(src))
     rows = []
     for m in report["models"]:
-        r = m["rows"][0]
+        # the figure is of speed 3 on one thread: that row, whatever else the bench ran
+        r = next((x for x in m["rows"] if x["speed"] == 3 and x["threads"] == 1), None)
+        if r is None:
+            sys.exit(f"{src}: {m['model']} has no speed-3 one-thread row (run hslm bench "
+                     "--speed 3 --threads 1)")
         name = m["model"].rsplit("/", 1)[-1].removesuffix(".json")
         rows.append((name, m["params"], r["batch"] * m["window"], m["flops_per_token"],
                      1e6 / r["tok_s"], 100 * r["peak_share"]))
@@ -56,4 +60,6 @@ def main(src: str, dst: str):
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] in ("-h", "--help"):
+        sys.exit("usage: python tools/plot_bench_sizes.py REPORT.json OUT.png")
     main(*sys.argv[1:3])

@@ -43,4 +43,7 @@ def main():
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 1:  # (--help included: this tool rewrites package files)
+        sys.exit("usage: python tools/ship_builtin_tokens.py   (no arguments; rewrites "
+                 "hslm/corpus/'s bpe-*.json and tokens-*.tok)")
     main()
