@@ -117,13 +117,14 @@ def info(file):
     if file is None or file in PRESETS or file.endswith(".json"):
         from .train import resolve_config
         configs = [(n, resolve_config(n)) for n in (list(PRESETS) if file is None else [file])]
-        click.echo(f"{'model':12s} {'parameters':>12s}  vocab width heads x head_width mlp "
+        w = max(12, *(len(n) for n, _ in configs))  # a JSON config's path may be long
+        click.echo(f"{'model':{w}s} {'parameters':>12s}  vocab width heads x head_width mlp "
                    "blocks window vsa_dim")
         from .data import FIRST_MERGE
         for name, c in configs:
             note = ("  (kernel tests only: a vocabulary below the byte-level tokenizer's "
                     f"{FIRST_MERGE})" if c.vocab < FIRST_MERGE else "")
-            click.echo(f"{name:12s} {c.n_params:>12,}  {c.vocab:5d} {c.width:5d} {c.heads:5d} x "
+            click.echo(f"{name:{w}s} {c.n_params:>12,}  {c.vocab:5d} {c.width:5d} {c.heads:5d} x "
                        f"{c.head_width:<10d} {c.mlp:4d} {c.blocks:6d} {c.window:6d} "
                        f"{c.vsa_dim:7d}{note}")
         return
