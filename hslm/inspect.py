@@ -67,8 +67,9 @@ def _json_dict(s):
 
 
 def _differing(a, b, n=60):
-    """'a != b', long values cut to where they first differ (a digest to its first 16
-    characters, as hslm info prints them), so the difference is on the line."""
+    """'a != b', long values cut to 24 characters from where they first differ (from the
+    start when that is within the first 16: a digest's prefix, as hslm info prints it),
+    so the difference is on the line."""
     sa, sb = str(a), str(b)
     if len(sa) <= n and len(sb) <= n:
         return f"{sa} != {sb}"

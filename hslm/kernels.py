@@ -232,7 +232,8 @@ def aligned_rows(X, flat, start):
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def transpose_rows(T, G):
-    """G [w, F] = T^T, T [F, w], eight of T's rows at a time (G's rows in runs of 64 bytes)."""
+    """G [w, F] = T^T, T [F, w], eight of T's rows at a time (G's rows in runs of 64 bytes):
+    W_up's transposed sums into G, and G's rows into them where a sum goes on."""
     F, w = T.shape
     for j0 in range(0, F, 8):
         j1 = min(j0 + 8, F)

@@ -301,10 +301,8 @@ def relu_weight_grads(model, A, R, B, t, s, k, units, u0, u1, out, WG, fresh):
             T = flat[room:room + F * (i1 - i0)].reshape((F, i1 - i0))
         else:  # a model with windows too short for the scratch (not a preset)
             T = np.empty((F, i1 - i0))
-        if not fresh:
-            for j in range(F):
-                for i in range(i0, i1):
-                    T[j, i - i0] = G[i, j]
+        if not fresh:  # go on from G's sums: T = G[i0:i1]^T
+            transpose_rows(G[i0:i1], T)
         for w in range(B):
             h = aligned_rows(A.h[w, b, s:, i0:i1], flat, 0)
             active_rows_grad(M[w], R.d_u[w, b, :k], h, 0, i1 - i0, 0, F, T, fresh and w == 0)
