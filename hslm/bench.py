@@ -232,9 +232,14 @@ def profile_layerwise(cfg, hyper, corpus, steps=PROFILE_STEPS):
             runner.timings = {}
             t0 = time.perf_counter()
             run.train_step(runner)
-            per_step.append({"step": time.perf_counter() - t0, **runner.timings})
+            x = {"step": time.perf_counter() - t0, **runner.timings}
+            # what this step spent outside its timed phases (the medians of the phases
+            # need not add up to the median step: that difference could read negative)
+            x["other"] = x["step"] - sum(x[key] for key in (
+                "forward", "backward", "weight gradients", "optimiser"))
+            per_step.append(x)
         med = {key: float(np.median([x[key] for x in per_step])) for key in per_step[0]}
-        t_step, t_wg = med["step"], med["weight gradients"]
+        t_wg = med["weight gradients"]
         w = runner.workers[0]
         windows = corpus.draw_windows(Stream.seeded("bench", 0), hyper.batch, cfg.window)
 
@@ -257,7 +262,7 @@ def profile_layerwise(cfg, hyper, corpus, steps=PROFILE_STEPS):
                 ("backward through the layers' inputs", t_bwd),
                 (WEIGHT_GRADIENTS, t_wg),
                 ("optimiser + requantise", med["optimiser"])]
-        rows.append(("other (drawing windows, Python)", t_step - sum(t for _, t in rows)))
+        rows.append(("other (drawing windows, Python)", med["other"]))
         relu = runner.acts_b.relu[:, :, cfg.window - hyper.loss_positions:]
         active = float(np.count_nonzero(relu > 0.0) / relu.size)
     finally:
