@@ -164,6 +164,8 @@ def test_bench_compares_speeds_threads_batches_and_torch_on_small_models(tmp_pat
     assert out.count("byte-identical across all runs") == 4
     assert "PyTorch" in out and "f64" in out and "f32" in out
     assert "speed-3 step profile" in out and "weight gradients" in out
+    other = next(l for l in out.splitlines() if l.lstrip().startswith("other ("))
+    assert float(other.split(")")[1].split()[0]) >= 0.0, other  # a step's own remainder
     # every matrix phase and the optimiser report a rate against its ceiling
     rated = [l for l in out.splitlines() if l.endswith("of its ceiling")]
     for phase in ("forward", "backward through", "weight gradients", "optimiser"):
@@ -293,3 +295,55 @@ def test_bench_efficiency_is_against_the_fewest_threads_and_values_run_once():
     two, one = [ln for ln in lines if ln.startswith("    2     3")]
     assert two.split()[8] == "75.0%" and one.split()[8] == "100.0%"  # 150 / (2 x 100)
     assert _split(("3,3", "1", "3"), int, "--speed") == [3, 1]
+
+
+def _bench_readme_tool():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_readme",
+                                                  ROOT / "tools" / "bench_readme.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def test_readme_bench_figures_are_the_reports_in_docs(monkeypatch):
+    """Every bench figure block of README.md is what tools/bench_readme.py makes from the
+    reports in docs/bench/ (issue 12: the performance section regenerated from them);
+    one figure changed in a report makes its blocks differ (negative control)."""
+    tool = _bench_readme_tool()
+    text = (ROOT / "README.md").read_text()
+    blocks = [m.group("args") for m in tool.BLOCK.finditer(text)]
+    assert {b.split()[0] for b in blocks} == {"report", "batch", "sizes"}
+    for b in blocks:
+        for path in b.split()[1:]:
+            assert (ROOT / path).is_file() and path.startswith("docs/bench/"), path
+    new, changed = tool.generate(text)
+    assert changed == [] and new == text, f"run python tools/bench_readme.py: {changed}"
+    assert tool.main(["--check"]) == 0
+
+    load = tool.load_report
+
+    def one_row_faster(path):
+        report = load(path)
+        report["models"][0]["rows"][0]["tok_s"] *= 1.01
+        return report
+    monkeypatch.setattr(tool, "load_report", one_row_faster)
+    assert tool.generate(text)[1] == blocks
+
+
+def test_readme_batch_table_refuses_builds_that_disagree(monkeypatch):
+    """The batch table says both builds ended with the same bytes only if they did."""
+    tool = _bench_readme_tool()
+    text = (ROOT / "README.md").read_text()
+    batch = next(m.group("args") for m in tool.BLOCK.finditer(text)
+                 if m.group("args").startswith("batch "))
+    load = tool.load_report
+
+    def other_bytes(path):
+        report = load(path)
+        if path.name.endswith("avx2.json"):
+            report["models"][0]["groups"][-1]["digest"] = "0" * 64
+        return report
+    monkeypatch.setattr(tool, "load_report", other_bytes)
+    with pytest.raises(ValueError, match="checkpoints differ"):
+        tool.batch_block(*batch.split()[1:])
