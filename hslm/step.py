@@ -115,7 +115,8 @@ def split_by_cost(cost, n):
 # each member reads every matrix once more.
 MIN_TEAM_ROWS = 3
 # The cost of row p in team_rows: its forward, its backward if scored, and attention's,
-# which grows with the keys before it (TEAM_ATTENTION x (p + 1) / L; measured, see README).
+# which grows with the keys before it (TEAM_ATTENTION x (p + 1) / L: a rough weight, not
+# fitted to a measurement).
 TEAM_ATTENTION = 1.0
 
 

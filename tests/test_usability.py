@@ -347,3 +347,18 @@ def test_readme_batch_table_refuses_builds_that_disagree(monkeypatch):
     monkeypatch.setattr(tool, "load_report", other_bytes)
     with pytest.raises(ValueError, match="checkpoints differ"):
         tool.batch_block(*batch.split()[1:])
+
+
+def test_readme_bench_markers_out_of_pairs_are_refused_not_rewritten():
+    """A closing marker left out would make a block run on to the next block's end and
+    a rewrite delete the text between; a mistyped opening would leave a block unchecked.
+    Both are refused, with the README untouched (exit 2 from the tool)."""
+    tool = _bench_readme_tool()
+    text = (ROOT / "README.md").read_text()
+    assert tool.generate(text)[0] == text
+    first_close = text.index("<!-- /bench -->")
+    no_close = text[:first_close] + text[first_close + len("<!-- /bench -->"):]
+    typo = text.replace("<!-- bench report", "<!--bench report", 1)
+    for broken in (no_close, typo):
+        with pytest.raises(ValueError, match="bench markers"):
+            tool.generate(broken)

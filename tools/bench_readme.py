@@ -3,6 +3,9 @@
     python tools/bench_readme.py           # rewrite README.md's generated blocks
     python tools/bench_readme.py --check   # exit 1, naming each block, if README.md differs
 
+Exit 2, with one line, on a malformed block or a report that cannot make its block
+(README.md is then left as it is).
+
 A generated block lies between a line `<!-- bench KIND FILE ... -->` and the next
 `<!-- /bench -->`; KIND says how it is made from the reports (`hslm bench --json`) named
 after it, relative to the repository root:
@@ -13,7 +16,8 @@ after it, relative to the repository root:
   sizes FILE            tok/s, share of peak and memory of each model of a sizes run
 
 So every figure in those blocks is a report's, and tests/test_usability.py checks that
-README.md says what its reports say. Reading reports needs no kernels and no torch.
+each block says what its reports say (figures quoted in the prose around them are not
+checked). Reading reports needs no kernels and no torch.
 """
 from __future__ import annotations
 
@@ -65,7 +69,15 @@ def batch_block(path_wide, path_avx2) -> list:
     """Both builds' rows by batch (speed 3, one thread), each % of its own build's
     measured FMA peak; every batch's checkpoint the same bytes in both."""
     wide, avx2 = load_report(ROOT / path_wide), load_report(ROOT / path_avx2)
+    if (wide["vector_lanes"], avx2["vector_lanes"]) != (8, 4):
+        raise ValueError(f"{path_wide} must be an AVX-512 build's report (8-wide) and "
+                         f"{path_avx2} an AVX2 build's (4-wide)")
     ew, ea = wide["models"][0], avx2["models"][0]
+    rows_w, rows_a = ({r["batch"]: r for r in e["rows"] if r["speed"] == 3 and r["threads"] == 1}
+                      for e in (ew, ea))
+    if not rows_w or set(rows_w) != set(rows_a):
+        raise ValueError(f"{path_wide} and {path_avx2} must hold speed-3 one-thread rows of "
+                         f"the same batches (they hold {sorted(rows_w)} and {sorted(rows_a)})")
     digests = []
     for g in ew["groups"]:
         other = next((x for x in ea["groups"] if x["batch"] == g["batch"]), None)
@@ -84,10 +96,8 @@ def batch_block(path_wide, path_avx2) -> list:
            "| batch | AVX-512 build: tok/s | % of its peak | traced memory "
            "| AVX2 build: tok/s | % of its peak |",
            "|---|---|---|---|---|---|"]
-    for rw in sorted((r for r in ew["rows"] if r["speed"] == 3 and r["threads"] == 1),
-                     key=lambda r: r["batch"]):
-        ra = next(r for r in ea["rows"]
-                  if r["speed"] == 3 and r["threads"] == 1 and r["batch"] == rw["batch"])
+    for batch in sorted(rows_w):
+        rw, ra = rows_w[batch], rows_a[batch]
         out.append(f"| {rw['batch']} | {rw['tok_s']:,.0f} | {100 * rw['peak_share']:.1f}% | "
                    f"{rw['memory_bytes'] / 2 ** 20:.0f} MiB | {ra['tok_s']:,.0f} | "
                    f"{100 * ra['peak_share']:.1f}% |")
@@ -122,8 +132,18 @@ KINDS = {"report": (report_block, 1), "batch": (batch_block, 2), "sizes": (sizes
 
 
 def generate(text: str):
-    """(new text, names of the blocks that changed): every block made again."""
+    """(new text, names of the blocks that changed): every block made again. A marker
+    that opens or closes no block of its own (a closing marker left out, a mistyped
+    opening) is an error, never a block that swallows the text up to the next one's end."""
     changed = []
+    opening = len(re.findall(r"^<!-- ?bench\b", text, re.M))
+    closing = len(re.findall(r"^<!-- ?/bench\b", text, re.M))
+    blocks = list(BLOCK.finditer(text))
+    if not opening == closing == len(blocks) or any(
+            "<!-- bench" in m.group("body") for m in blocks):
+        raise ValueError(f"README.md: {opening} opening and {closing} closing bench markers "
+                         f"make {len(blocks)} blocks: each '<!-- bench KIND FILE ... -->' line "
+                         "needs its own '<!-- /bench -->' line")
 
     def make(m):
         args = m.group("args").split()
@@ -150,7 +170,7 @@ def main(argv) -> int:
         new, changed = generate(text)
     except (HslmError, OSError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     if argv == ["--check"]:
         for name in changed:
             print(f"README.md: the block 'bench {name}' differs from its reports "
