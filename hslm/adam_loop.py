@@ -4,8 +4,8 @@ intrinsic), for hslm/optim.py.
 The update vectorises; the sums around it (sum |w| and sum |m| + v of what it writes,
 and the next tensors' sum of squares for their norms, each in element order) cannot,
 since reordering them would change their bits. As separate passes the core ran the
-serial additions after the vector work, not beside it: on the README's Xeon the whole
-model's update took 4.5 ms, its two sums 2.3 ms and the norms 1.2-1.8 ms more. Here
+serial additions after the vector work, not beside it (AdamW alone took 10.0 ms a
+step on the 2-core Xeon of docs/performance-history.md, 6.0 ms in this loop). Here
 each iteration updates `lanes` elements as one vector and then adds them, lane by
 lane in element order, to the three running sums, so the out-of-order core overlaps
 the additions' latency with the next elements' loads, divisions and square roots.

@@ -58,7 +58,7 @@ def machine_peak_gflops_per_core():
     if lanes == 8 and not wide_vectors():  # built for 256-bit vectors (an AVX2 target)
         lanes = 4
     fma = 2 if (" fma " in flags or " avx512f " in flags) else 1
-    flops_per_cycle = 2 * lanes * fma if fma > 1 else 2 * lanes
+    flops_per_cycle = 2 * lanes * fma
     ghz = float(info.get("cpu MHz", 2000.0)) / 1000.0
     pipes = "2 FMA pipes" if fma > 1 else "no FMA"
     return ghz * flops_per_cycle, (f"{model or 'cpu'}, {ghz:.2f} GHz x {flops_per_cycle} f64 "
@@ -281,8 +281,7 @@ def phase_work(cfg, hyper):
     in the bytes it must move at least (AdamW reads the gradient, theta, m and v and
     writes theta, m and v; requantisation reads theta and writes two int8 panel
     layouts of the ternary matrices)."""
-    d, F, V, nb = cfg.width, cfg.mlp, cfg.vocab, cfg.blocks
-    macs = nb * (4 * d * d + 2 * d * F) + d * V
+    macs = cfg.matrix_macs_per_position()
     tokens = hyper.batch * cfg.window
     scored = hyper.batch * hyper.loss_positions
     P = cfg.n_params
@@ -324,12 +323,6 @@ def optimiser_stream_gbs(n: int) -> float:
 
 def flops_per_token(cfg: Config, k: int) -> float:
     return cfg.flops_per_token(k / cfg.window)
-
-
-def threading_description(threads):
-    return ("Python threads over nogil Numba kernels (one worker and scratch per thread; "
-            "no Numba threading layer, so fork and Ctrl-C are safe)") if max(threads) > 1 else \
-        "one thread"
 
 
 # ---------------------------------------------------------------- the report

@@ -289,7 +289,7 @@ def _check_meta(meta, path, header, data_len):
             raise Invalid(f"the tokenizer's vocabulary ({tok.vocab}) is not the model's "
                           f"({cfg.vocab})")
     else:
-        hyper = hyper_from_json(meta["hyper"], cfg, path)
+        hyper = hyper_from_json(meta["hyper"], cfg)
         check_rng_state(meta["rng"])
         if len(meta["data_source"]) > 65536:
             raise Invalid("data_source is too long")

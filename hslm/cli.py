@@ -156,7 +156,7 @@ def eval_cmd(ckpt_path, data, cache_dir, eval_windows, loss_positions, threads):
 
     from .data import Corpus
     from .step import StepRunner
-    from .train import load_for_inference
+    from .train import load_for_inference, perplexity
 
     threads = threads or default_threads()
     if loss_positions is not None and loss_positions < 1:
@@ -179,7 +179,7 @@ def eval_cmd(ckpt_path, data, cache_dir, eval_windows, loss_positions, threads):
         v = runner.loss(state.kernel_model(), state.tables.vsa, w, k)
     finally:
         runner.close()
-    click.echo(f"valid loss {v:.4f}, perplexity {math.exp(v):.2f} ({len(w)} windows of "
+    click.echo(f"valid loss {v:.4f}, perplexity {perplexity(v):.2f} ({len(w)} windows of "
                f"{cfg.window}, last {k} scored; uniform baseline {math.log(cfg.vocab):.4f})")
 
 
@@ -326,7 +326,8 @@ def bench_compare(ctx, reports):
     for name, report in named:  # each against itself first: a bad field names its file
         try:
             compare_reports([(name, report), (name, report)])
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError,
+                ArithmeticError) as e:  # a tok/s of 0, say
             raise HslmError(f"{name}: not an hslm bench report ({type(e).__name__}: "
                             f"{str(e)[:80]})") from None
     lines, differ = compare_reports(named)

@@ -73,7 +73,7 @@ class Config:
                 raise ValueError(f"config: {name} must be at most {top:,}, got "
                                  f"{getattr(self, name):,}")
 
-    # -- fixed scales (spec section 5)
+    # -- fixed scales (docs/model.md, section 4)
     # computed at high precision and rounded once (hslm.precise): no C pow() decides a bit
     @property
     def attn_scale(self) -> float:
@@ -123,10 +123,6 @@ class Config:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, s: str) -> "Config":
-        return cls(**json.loads(s))
-
-    @classmethod
     def from_dict(cls, obj) -> "Config":
         """A config from a JSON object with exactly the config's fields (ValueError if not)."""
         names = [f.name for f in fields(cls)]
@@ -147,9 +143,13 @@ class Config:
 
         At unscored positions only the forward runs (and only k, v in the last block);
         this count is the all-scored upper figure scaled by the scored share."""
+        return 2.0 * self.matrix_macs_per_position() * (1.0 + 2.0 * scored_share)
+
+    def matrix_macs_per_position(self) -> int:
+        """Multiply-adds of the ternary matrices in one position's forward: four d x d
+        and two d x F a block, and the head's d x V."""
         d, F, V, nb = self.width, self.mlp, self.vocab, self.blocks
-        macs = nb * (4 * d * d + 2 * d * F) + d * V
-        return 2.0 * macs * (1.0 + 2.0 * scored_share)
+        return nb * (4 * d * d + 2 * d * F) + d * V
 
 
 PRESETS = {

@@ -29,7 +29,6 @@ BYTE0 = N_SPECIAL
 FIRST_MERGE = N_SPECIAL + 256
 VALID_SHARE = 0.1
 MAX_VOCAB = 1 << 20
-MAX_PIPE_TEXT = 256 << 20  # bytes read from something that is not a regular file
 
 
 # The built-in corpus: one fixed text shipped with the package, the same on every Python
@@ -40,7 +39,7 @@ BUILTIN_SHA256 = "71f2ff5d99bdc1f9c48c5c2353ad138201c5ca1c377e0226857ef8fa89b8bc
 BUILTIN_SOURCE = f"built-in {BUILTIN_NAME}"
 # Its tokenizer and tokens at the default vocabulary, as the token cache writes them
 # (tools/ship_builtin_tokens.py makes them; a test checks they are what learning gives):
-# a first run on the built-in text then compiles no tokenizer (9 s on the README's Xeon).
+# a first run on the built-in text then compiles no tokenizer (7-9 s on the README's Xeon).
 BUILTIN_TOKENS = Path(__file__).parent / "corpus"
 
 

@@ -9,6 +9,15 @@ from . import checkpoint as ckpt
 from .errors import HslmError
 
 
+
+def ternary_scale(W) -> float:
+    """A ternary matrix's alpha as the model makes it (params.quantize_into): sum |W| in
+    element order from 0.0, over the count; 1.0 at or below 1e-6. np.add.accumulate adds
+    in that order; .mean() sums pairwise, which can differ in the last bits (and then
+    count an element at the threshold on the wrong side)."""
+    a = float(np.add.accumulate(np.abs(W.ravel()))[-1]) / W.size if W.size else 0.0
+    return 1.0 if a <= 1e-6 else a
+
 def diff_checkpoints(a, b):
     """Returns (identical, lines). Elements are compared by their bits (so -0.0 != +0.0)."""
     A, B = ckpt.read(a), ckpt.read(b)
@@ -104,8 +113,7 @@ def describe(path):
             if kind != "ternary":
                 continue
             W = ck.tensor(name)
-            a = float(np.abs(W).mean())
-            a = 1.0 if a <= 1e-6 else a
+            a = ternary_scale(W)
             neg = np.count_nonzero(W < -a / 2) / W.size
             pos = np.count_nonzero(W > a / 2) / W.size
             lines.append(f"  {name:16s} {neg:6.1%} {1 - neg - pos:6.1%} {pos:6.1%}  "

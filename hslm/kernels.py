@@ -7,9 +7,11 @@ plain dot product in hslm.layers.matvec_dot.
 * ternary_matmul_rows (speed 2, one position at a time): the outputs j in the
   innermost, contiguous loop; the input index i sequential for each output,
   unrolled by 4 as (((y + a0 w0) + a1 w1) + a2 w2) + a3 w3.
-* ternary_panels and weight_grad_rows (speed 3, all positions of a window):
-  the register-tiled kernels of hslm.panel_kernels over matrices stored in
-  column panels, each tile's loop in LLVM IR (hslm.vector_tiles).
+* ternary_panels (speed 3, all positions of a window) and the weight gradient's
+  panel_matmul_add (speed 3's weight-gradient phase, hslm.windows; weight_grad_rows
+  is its one-window form, which the tests compare with the plain sums): the
+  register-tiled kernels of hslm.panel_kernels over matrices stored in column
+  panels, each tile's loop in LLVM IR (hslm.vector_tiles).
 
 Only one contraction is allowed, in the ternary kernels, where it is exact.
 """

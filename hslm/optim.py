@@ -17,6 +17,7 @@ from .params import Trits, quantize_into
 BETA1, BETA2, ADAM_EPS = 0.9, 0.999, 1e-8
 CLIP_NORM = 1.0
 # 4 doubles a vector on every core: on the AVX-512 Xeon of the README, 8 ran 15% slower
+# (6.9 against 6.0 ms a step: docs/performance-history.md)
 ADAM_LOOP = make_adam_loop(4)
 
 

@@ -423,8 +423,9 @@ def session(speeds, vocab: int, echo=None, tokenizing_here=False, teams=False):
 
 
 def compile_first(speeds, vocab: int, echo=None, teams=False) -> None:
-    """Before a run that would compile (needed()), compile every kernel it needs in as
-    many processes as there are cores, saying so through echo (None: quietly)."""
+    """Before a run that would compile (needed()), compile every kernel it needs in one
+    process per core (at most MAX_PROCESSES: processes_to_use), saying so through echo
+    (None: quietly)."""
     with session(speeds, vocab, echo, teams=teams) as compiling:
         compiling.finish()
 

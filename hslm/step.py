@@ -17,7 +17,8 @@ the weight layouts it reads and which of two reductions it uses:
 * "gradient units" (the layerwise loop) runs in two phases. (1) Each window's forward and backward through
   the layers' inputs, on any thread, into that window's own record. (2) The
   weight-gradient phase: the gradient is cut into units (a block of 36 rows of
-  a matrix, or a whole small tensor), and each unit writes its part of G: the
+  a matrix, for Wup the rows of one active-row tile, or a whole small tensor:
+  gradient_units), and each unit writes its part of G: the
   first window's sum stored as 0.0 + S, then every other window's added in window
   order (a small tensor is zeroed just before); threads take contiguous runs of
   units. G is written once per step, and no thread needs a copy of it. With more
@@ -130,8 +131,8 @@ def team_rows(L, k, T):
 
 
 # Requantising an element of a ternary matrix costs about this share of its AdamW update
-# (README's Xeon, one thread: 3.35 ms for the 1.95 M ternary elements, 5.74 ms AdamW
-# for all 2.13 M).
+# (measured when the optimiser's shares were balanced, b99e69f, on the 2-core Xeon: 3.35 ms
+# for the 1.95 M ternary elements, 5.74 ms AdamW for all 2.13 M, one thread).
 REQUANTISE_COST = 0.6
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -29,6 +30,15 @@ from .validate import check_fits, check_hyper, memory_estimate
 
 if TYPE_CHECKING:  # (the step's module loads the kernels: only once the flags are judged)
     from .step import StepRunner
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss); inf where that is past the largest double (a diverged run's loss above
+    709.78), where math.exp would raise."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
 
 
 def check_out_dir(out: Path):
@@ -586,7 +596,6 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
 
     Nothing non-finite is ever saved: a NaN or infinite loss, gradient or parameter
     stops the run with an error before the next checkpoint."""
-    import math
     import sys
     import time
 
@@ -630,7 +639,9 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
             raise distributed.AllRanksError(
                 f"step {run.step}: the validation loss is {v} (the parameters are finite but "
                 "the model overflows; is --lr too high?); not saved")
-        write_metrics(kind="eval", step=run.step, valid_loss=v, perplexity=math.exp(v))
+        ppl = perplexity(v)  # JSON has no inf: null past the largest double
+        write_metrics(kind="eval", step=run.step, valid_loss=v,
+                      perplexity=ppl if math.isfinite(ppl) else None)
         return v
 
     try:
@@ -668,7 +679,7 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
                 if distributed.any_rank(metrics_error is not None):  # stop at this step
                     stop_for_metrics(run.save(out)[1])
                 progress.message(f"step {run.step}: valid {v:.4f} (perplexity "
-                                 f"{math.exp(v):.1f})")
+                                 f"{perplexity(v):.1f})")
             if o.save_every and run.step % o.save_every == 0 and run.step < o.steps:
                 run.save(out)
         progress.close()

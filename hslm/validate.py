@@ -53,10 +53,6 @@ def parse_json(text, what: str, limit: int = MAX_JSON):
         raise Invalid(f"{what} is not valid JSON ({str(e)[:80]})") from None
 
 
-def canonical_json(obj) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
-
-
 def is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -107,17 +103,16 @@ def hyper_problems(cfg, h):
     return out
 
 
-def check_hyper(cfg, h, source=None):
-    """The one validator of hyper-parameters: flags (source None) and files alike."""
+def check_hyper(cfg, h):
+    """Hyper-parameters given as flags: the first problem (hyper_problems) as one error
+    naming its flag. A .state's are judged by the same rules in hyper_from_json."""
     problems = hyper_problems(cfg, h)
     if problems:
         f, msg = problems[0]
-        if source is None:
-            raise HslmError(f"--{f.replace('_', '-')} {msg}")
-        raise HslmError(f"{source}: the stored hyper-parameter {f} {msg}")
+        raise HslmError(f"--{f.replace('_', '-')} {msg}")
 
 
-def hyper_from_json(text, cfg, source):
+def hyper_from_json(text, cfg):
     """A Hyper from a .state's "hyper" field, checked as the flags are."""
     from .hyper import Hyper
     obj = parse_json(text, "hyper")

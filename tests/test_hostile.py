@@ -274,6 +274,20 @@ def test_bench_paths_and_reports_are_judged_first(tmp_path):
         (tmp_path / name).write_text(json.dumps(report))
     line = one_line_error(*hslm("bench-compare", tmp_path / "a.json", tmp_path / "b.json"))
     assert "not an hslm bench report" in line
+    # a real report with a tok/s of 0: a ratio divides by it (it was a ZeroDivisionError)
+    zero = json.loads((ROOT / "docs" / "bench" / "threads.json").read_text())
+    zero["models"][0]["rows"][0]["tok_s"] = 0.0
+    (tmp_path / "zero.json").write_text(json.dumps(zero))
+    line = one_line_error(*hslm("bench-compare", tmp_path / "zero.json",
+                                ROOT / "docs" / "bench" / "threads.json"))
+    assert "zero.json: not an hslm bench report" in line, line
+
+
+def test_perplexity_past_the_largest_double_is_inf_not_an_overflow_error():
+    import math
+    from hslm.train import perplexity
+    assert perplexity(1.0) == math.e and perplexity(709.0) == math.exp(709.0)
+    assert perplexity(710.0) == math.inf  # math.exp(710.0) raises OverflowError
 
 
 def test_a_run_says_when_it_replaces_checkpoints_already_there(base, tmp_path):

@@ -362,3 +362,22 @@ def test_readme_bench_markers_out_of_pairs_are_refused_not_rewritten():
     for broken in (no_close, typo):
         with pytest.raises(ValueError, match="bench markers"):
             tool.generate(broken)
+
+
+def test_info_ternary_scale_is_the_models_own_to_the_bit(trained):
+    """hslm info's alpha and trit shares come from the model's rule: sum |W| in element
+    order (params.quantize_into). Negative control: numpy's pairwise .mean() gives other
+    bits for some of these matrices."""
+    from hslm.inspect import ternary_scale
+    from hslm.train import load_for_inference
+    d, _ = trained
+    cfg, state, _, _ = load_for_inference(d / "ckpt_12.bin")
+    ck = ckpt.read(d / "ckpt_12.bin")
+    pairwise_differs = 0
+    for t, (name, _, kind) in enumerate(cfg.tensors()):
+        if kind != "ternary":
+            continue
+        W = ck.tensor(name)
+        assert np.float64(ternary_scale(W)).tobytes() == state.alpha[t].tobytes(), name
+        pairwise_differs += np.float64(np.abs(W).mean()).tobytes() != state.alpha[t].tobytes()
+    assert pairwise_differs > 0
