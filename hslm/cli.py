@@ -18,10 +18,8 @@ def token_cache_dir(flag, default):
 
 
 def default_threads() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:
-        return max(1, os.cpu_count() or 1)
+    from .precompile import available_cores
+    return available_cores()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

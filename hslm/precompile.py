@@ -263,12 +263,17 @@ class Board:
                     self.finish(job, ok, began)
 
 
-def processes_to_use(n_jobs: int) -> int:
+def available_cores() -> int:
+    """The cores this process may run on (its affinity mask: a container's or a batch
+    job's share, not the machine's count)."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:
-        cores = os.cpu_count() or 1
-    return max(1, min(cores, n_jobs, MAX_PROCESSES))
+        return max(1, os.cpu_count() or 1)
+
+
+def processes_to_use(n_jobs: int) -> int:
+    return max(1, min(available_cores(), n_jobs, MAX_PROCESSES))
 
 
 class ParallelCompile:

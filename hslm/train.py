@@ -41,6 +41,15 @@ def perplexity(loss: float) -> float:
         return math.inf
 
 
+def threads_note(threads: int) -> str:
+    """" (on 2 cores: ...)" where --threads asks for more threads than the process has
+    cores: allowed (the bytes never depend on it), but the threads then take turns."""
+    from .precompile import available_cores
+    cores = available_cores()
+    return (f" (on {cores} core{'s' if cores > 1 else ''}: they take turns, no faster)"
+            if threads > cores else "")
+
+
 def check_out_dir(out: Path):
     """Judge an output folder without creating anything: it, or the nearest folder
     above it that exists, must be a writable folder."""
@@ -555,8 +564,9 @@ def train_run(o: TrainOptions, echo=None):
             echo(f"model {cfg.n_params:,} parameters, about {need / 2 ** 20:,.0f} MiB for "
                  f"parameters, optimiser, scratch and activations | data {run.corpus.source}: "
                  f"{len(run.corpus.train):,} train / {len(run.corpus.valid):,} valid tokens | "
-                 f"speed {o.speed} ({SPEEDS[o.speed].name}) | threads {o.threads} | "
-                 f"batch {h.batch} x {cfg.window} | k {h.loss_positions}")
+                 f"speed {o.speed} ({SPEEDS[o.speed].name}) | threads {o.threads}"
+                 f"{threads_note(o.threads)} | batch {h.batch} x {cfg.window} | "
+                 f"k {h.loss_positions}")
         try:
             distributed.start()  # MPI: every rank is ready (else the first error is reported once)
         except BaseException:  # another rank failed before the first step: as a failed text

@@ -381,3 +381,16 @@ def test_info_ternary_scale_is_the_models_own_to_the_bit(trained):
         assert np.float64(ternary_scale(W)).tobytes() == state.alpha[t].tobytes(), name
         pairwise_differs += np.float64(np.abs(W).mean()).tobytes() != state.alpha[t].tobytes()
     assert pairwise_differs > 0
+
+
+def test_threads_beyond_the_cores_are_named_in_the_header(tmp_path):
+    """--threads above the cores the process may use is allowed (the bytes never depend on
+    it) but no faster: the run's header line says so; at or below, nothing is added."""
+    from hslm.precompile import available_cores
+    cores = available_cores()
+    for threads, noted in ((cores + 1, True), (1, False)):
+        code, out, err = hslm("train", *TINY[:-1], str(threads), "--steps", 1,
+                              "--out", tmp_path / str(threads))
+        assert code == 0, err
+        header = next(line for line in out.splitlines() if line.startswith("model "))
+        assert (f"threads {threads} (on {cores} core" in header) == noted, header
