@@ -9,7 +9,6 @@ from . import checkpoint as ckpt
 from .errors import HslmError
 
 
-
 def ternary_scale(W) -> float:
     """A ternary matrix's alpha as the model makes it (params.quantize_into): sum |W| in
     element order from 0.0, over the count; 1.0 at or below 1e-6. np.add.accumulate adds
@@ -17,6 +16,7 @@ def ternary_scale(W) -> float:
     count an element at the threshold on the wrong side)."""
     a = float(np.add.accumulate(np.abs(W.ravel()))[-1]) / W.size if W.size else 0.0
     return 1.0 if a <= 1e-6 else a
+
 
 def diff_checkpoints(a, b):
     """Returns (identical, lines). Elements are compared by their bits (so -0.0 != +0.0)."""
