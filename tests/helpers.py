@@ -56,3 +56,13 @@ def one_line_error(code, out, err):
     lines = [l for l in err.splitlines() if l.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     return lines[0]
+
+
+# The scored positions k a bit-identity test runs at: all (k = L), one (k = 1), and
+# some but not all (k = L // 2 + 1: the record rows start at s = L - k > 0 and more
+# than one row is scored), as ids for pytest.mark.parametrize.
+K_CASES = ["k=L", "k=mid", "k=1"]
+
+
+def k_for(case: str, L: int) -> int:
+    return {"k=L": L, "k=mid": L // 2 + 1, "k=1": 1}[case]

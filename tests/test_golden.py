@@ -58,9 +58,31 @@ def data_sha256(path) -> str:
     return hashlib.sha256(raw[8 + n:]).hexdigest()
 
 
-def train_in_fresh_process(out, args, env_extra=None):
+def child_env(env_extra=None):
+    """This process's environment with env_extra; a value None removes the variable
+    (NUMBA_CPU_FEATURES, which importing hslm here set on an AVX-512 machine, must go for
+    a child that is to choose its vector width itself)."""
     env = dict(os.environ)
-    env.update(env_extra or {})
+    for key, value in (env_extra or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+def kernel_choice(env_extra=None):
+    """(ternary tile rows, panel width) that a fresh process with env_extra compiles for."""
+    p = subprocess.run([sys.executable, "-c", "import hslm.micro as m; "
+                        "print(m.TERNARY_ROWS, m.TERNARY_PANEL, m.wide_vectors())"],
+                       env=child_env(env_extra), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    rows, panel, wide = p.stdout.split()
+    return int(rows), int(panel), wide == "True"
+
+
+def train_in_fresh_process(out, args, env_extra=None):
+    env = child_env(env_extra)
     p = subprocess.run([sys.executable, str(ROOT / "cli.py"), "train", *args, "--out", str(out),
                         "--quiet"], env=env, capture_output=True, text=True, timeout=1200)
     assert p.returncode == 0, p.stderr
@@ -108,19 +130,31 @@ def test_same_bytes_on_another_machine(tmp_path, env):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["generic-cpu", "256-bit"])
+@pytest.mark.parametrize("variant", ["generic-cpu", "avx2", "256-bit"])
 def test_same_bytes_with_other_kernels(tmp_path, variant):
-    """The kernels compiled for another CPU (their own cache folder: a cold compile)."""
+    """The kernels compiled for another CPU (their own cache folder: a cold compile), for
+    hslm-tiny and hslm-3: a baseline x86-64 CPU (no FMA, SSE2), an AVX2 CPU (Haswell's
+    features: 16 registers, the 4 x 12 tiles) and, on an AVX-512 machine, its own
+    features at 256-bit vectors. Each child is first shown to choose the narrow tiles:
+    a child that kept this process's 512-bit setting would test nothing new."""
+    import llvmlite.binding as ll  # noqa: PLC0415
+    wide_host = bool(ll.get_host_cpu_features().get("avx512f"))
     env = {"NUMBA_CACHE_DIR": str(tmp_path / "cache")}
     if variant == "generic-cpu":
         env.update(NUMBA_CPU_NAME="generic", NUMBA_CPU_FEATURES="")
+    elif variant == "avx2":
+        env.update(NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES="")
     else:
-        import llvmlite.binding as ll  # noqa: PLC0415
-        if not ll.get_host_cpu_features().get("avx512f"):
+        if not wide_host:
             pytest.skip("not an AVX-512 machine: 256-bit vectors are already the only width")
-        env["HSLM_VECTOR_WIDTH"] = "256"
+        env.update(HSLM_VECTOR_WIDTH="256", NUMBA_CPU_FEATURES=None)
+    assert kernel_choice(env) == (4, 12, False)
+    if wide_host:  # the negative control: this process's own setting gives the wide tiles
+        assert kernel_choice({"NUMBA_CACHE_DIR": env["NUMBA_CACHE_DIR"]}) == (9, 16, True)
     assert train_in_fresh_process(tmp_path / "run", TINY_ARGS, env) == GOLDEN_TINY
     assert file_digests(tmp_path / "run") == GOLDEN_TINY_FILES
+    assert train_in_fresh_process(tmp_path / "hslm-3", ["--steps", "2", "--seed", "1729"],
+                                  env) == GOLDEN_HSLM3
 
 
 def test_golden_hslm3_run(tmp_path):

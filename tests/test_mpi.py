@@ -153,7 +153,8 @@ MEMORY = {  # how the ranks hold the model and records: the summary's words, the
     (2, 4, 2, None, "shared", True), (2, 5, 3, None, "messages", False),
     (3, 2, 3, "running sums", "shared", False), (3, 5, 3, "running sums", "shared", True),
     (3, 4, 3, "records", "nodes of 2", True), (3, 5, 3, "running sums", "nodes of 2", False),
-    (2, 5, 3, None, "nodes of 2", False)])
+    (2, 5, 3, None, "nodes of 2", False), (1, 4, 2, None, "messages", False),
+    (0, 2, 2, None, "shared", False)])
 def test_mpi_checkpoints_equal_one_process(refs, tmp_path, speed, batch, ranks, reduction,
                                            memory, slow):
     """Speed 3 either moves the windows' records or passes running sums (the run

@@ -12,7 +12,7 @@ import pytest
 from hslm.oracle_torch import oracle_window, vsa_stream
 from hslm.vsa import vsa_terms
 
-from helpers import setup, window_result
+from helpers import K_CASES, k_for, setup, window_result
 
 RTOL = 1e-9
 
@@ -31,10 +31,10 @@ CASES = [("hslm-test", True), ("hslm-test", False), ("hslm-3", True)]
 
 
 @pytest.mark.parametrize("name,structured", CASES)
-@pytest.mark.parametrize("k_all", [True, False], ids=["k=L", "k=1"])
-def test_speed0_matches_torch_autograd(name, structured, k_all):
+@pytest.mark.parametrize("k_case", K_CASES)
+def test_speed0_matches_torch_autograd(name, structured, k_case):
     cfg, tb, ms, tokens = setup(name, structured)
-    k = cfg.window if k_all else 1
+    k = k_for(k_case, cfg.window)
     loss, logits, grad, dx0, w = window_result(0, cfg, tb, ms, tokens, k)
     t_loss, t_logits, t_grad, t_dx0, t_vsa = oracle_window(cfg, ms.theta, tb.vsa, tokens, k)
     assert np.array_equal(w.vsa, t_vsa), "VSA stream differs from the Python oracle"
@@ -48,7 +48,7 @@ def test_speed0_matches_torch_autograd(name, structured, k_all):
         nonzero += int(np.count_nonzero(t_grad[offs[t]:offs[t + 1]]))
     # a comparison of zeros proves nothing: most of the model must get gradient
     print(f"{name} k={k}: {nonzero:,} of {cfg.n_params:,} gradients nonzero, all compared")
-    assert nonzero > 0.5 * cfg.n_params if k_all else nonzero > 0.3 * cfg.n_params
+    assert nonzero > 0.5 * cfg.n_params if k > 1 else nonzero > 0.3 * cfg.n_params
 
 
 def test_vsa_gate_fires_after_position_zero_with_a_structured_table():

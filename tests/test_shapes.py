@@ -20,13 +20,13 @@ from hslm.speeds import SPEEDS
 from hslm.params import ModelState, init_params
 from hslm.tables import Tables
 
-from helpers import window_result
+from helpers import K_CASES, k_for, window_result
 from test_oracle import close
 from test_speeds import assert_same_window, reordered_wout_gradient
 from test_train import run
 
 SHAPES = {
-    # odd head width (5), one block, a window of 2, everything below a panel
+    # odd head width (5), one block, a window of 2, a width (10) below every panel
     "odd-head-window-2": Config(vocab=31, width=10, heads=2, head_width=5, mlp=25, blocks=1,
                                 window=2, vsa_dim=40),
     # width 14 < one panel, mlp 50 = 2 panels + 2, vocab 263 = 10 panels + 23
@@ -38,6 +38,16 @@ SHAPES = {
     # one head, a vocabulary of 761 = 31 panels + 17, window 7 (not a multiple of 3 rows)
     "one-head": Config(vocab=761, width=27, heads=1, head_width=27, mlp=53, blocks=2, window=7,
                        vsa_dim=108),
+    # heads of 2 columns (one rotary pair each); width 6, below the AVX-512 active-row
+    # tile's lanes; mlp and vocab below every panel
+    "head-width-2": Config(vocab=11, width=6, heads=3, head_width=2, mlp=7, blocks=2,
+                           window=9, vsa_dim=24),
+    # width 2, below every build's active-row lanes: Wup and Wdown take the dense route
+    "width-2": Config(vocab=11, width=2, heads=1, head_width=2, mlp=3, blocks=1, window=4,
+                      vsa_dim=8),
+    # a window past 64 positions: the ReLU's masks take two words per unit
+    "window-70": Config(vocab=31, width=9, heads=1, head_width=9, mlp=17, blocks=1, window=70,
+                        vsa_dim=36),
 }
 
 
@@ -49,6 +59,9 @@ def test_the_shapes_reach_the_kernels_edges():
         assert any(c.window % rows for c in SHAPES.values())
         assert any(c.width < panel for c in SHAPES.values())
     assert any(c.head_width % 2 for c in SHAPES.values())
+    assert any(c.head_width == 2 for c in SHAPES.values())
+    assert any(c.width < 4 for c in SHAPES.values())  # below ACTIVE_LANES on every build
+    assert any(c.window > 64 for c in SHAPES.values())  # two mask words
 
 
 @pytest.mark.parametrize("n,a,b", [(27, 243, 729), (7, 33, 101), (2, 10, 9), (13, 50, 17),
@@ -253,10 +266,10 @@ def setup(name, structured):
 
 @pytest.mark.parametrize("name", SHAPES)
 @pytest.mark.parametrize("structured", [False, True], ids=["random-vsa", "structured-vsa"])
-@pytest.mark.parametrize("k_all", [True, False], ids=["k=L", "k=1"])
-def test_every_speed_is_bit_identical_on_awkward_shapes(name, structured, k_all):
+@pytest.mark.parametrize("k_case", K_CASES)
+def test_every_speed_is_bit_identical_on_awkward_shapes(name, structured, k_case):
     cfg, tb, ms, tokens = setup(name, structured)
-    k = cfg.window if k_all else 1
+    k = k_for(k_case, cfg.window)
     ref = window_result(0, cfg, tb, ms, tokens, k)[:4]
     assert np.count_nonzero(ref[2]) > 0.3 * cfg.n_params
     for speed in (s for s in SPEEDS if s != 0):
@@ -428,7 +441,8 @@ def test_the_relu_weight_gradient_over_active_positions_is_the_dense_sum(k, F, n
     from 0.0, the zero ones included; fresh, 0.0 + the sum over O full of NaN. The
     shapes reach every tile (the 16 and 15 vector tiles on AVX-512, 13 and 12 on AVX2,
     the narrower tile), a mask of two words (k > 64) and the overlapping last vector.
-    Negative control: leaving out one active position changes the bits."""
+    Negative controls: the positions summed in reverse, or one active position left out,
+    give other bits."""
     from hslm.kernels import active_masks, active_rows_grad
     rng = np.random.default_rng(k * F + n)
     relu = np.maximum(rng.standard_normal((k, F)), 0.0)
@@ -452,6 +466,13 @@ def test_the_relu_weight_gradient_over_active_positions_is_the_dense_sum(k, F, n
             O = np.full((F, n), np.nan)
             active_rows_grad(M, S, D, c0, c0 + n, 0, F, O, True)
             assert O.tobytes() == (0.0 + s).tobytes(), name + ", fresh"
+    # the controls: the same products summed over the positions in reverse give other
+    # bits (so the comparison above sees the order) ...
+    rev = np.zeros((F, n))
+    for t in reversed(range(k)):
+        rev += S[t][:, None] * D[t, c0:c0 + n][None, :]
+    assert (0.0 + rev).tobytes() != O.tobytes()
+    # ... and leaving out one active position changes them
     j = int(np.argmax((relu > 0).sum(axis=0)))
     t = int(np.nonzero(relu[:, j] > 0)[0][-1])
     M[t // 64, j] &= ~(np.int64(1) << np.int64(t % 64))

@@ -65,15 +65,19 @@ def test_threads_beyond_the_batch_write_the_same_bytes(tmp_path, capsys):
     """More threads than windows (speed 3): each window's team of threads splits its rows,
     and the weight gradients start during the backward, stage by stage
     (StepRunner._gradient_teams); the bytes are one thread's."""
-    for batch in (1, 2):
-        args = ("--speed", 3, "--batch", batch, "--eval-every", 1)
-        ref, ref_out = train(capsys, tmp_path, f"b{batch}t1", "--threads", 1, *args)
-        for threads in (2, 3, 5):
-            d, out = train(capsys, tmp_path, f"b{batch}t{threads}", "--threads", threads, *args)
-            assert losses(out) == losses(ref_out), (batch, threads)
+    # (batch, k, thread counts): k < L as well, where the records start at row s > 0 and
+    # the staged chunks of the weight gradients read them from there
+    for batch, k, counts in ((1, None, (2, 3, 5)), (2, None, (2, 3, 5)), (1, 5, (3,))):
+        args = ("--speed", 3, "--batch", batch, "--eval-every", 1,
+                *(("--loss-positions", k) if k else ()))
+        tag = f"b{batch}k{k}"
+        ref, ref_out = train(capsys, tmp_path, f"{tag}t1", "--threads", 1, *args)
+        for threads in counts:
+            d, out = train(capsys, tmp_path, f"{tag}t{threads}", "--threads", threads, *args)
+            assert losses(out) == losses(ref_out), (batch, k, threads)
             for ext in ("bin", "state"):
                 assert (d / f"ckpt_3.{ext}").read_bytes() == (ref / f"ckpt_3.{ext}").read_bytes(), \
-                    f"batch {batch}, {threads} threads: ckpt_3.{ext} differs"
+                    f"batch {batch}, k {k}, {threads} threads: ckpt_3.{ext} differs"
 
 
 def test_unit_stages_follow_the_backward():
@@ -138,32 +142,35 @@ def test_staged_weight_gradients_wait_for_their_stage():
     assert not np.isnan(G).any() and G.tobytes() != ref.tobytes()
 
 
-def test_speed3_gradient_overwrites_what_G_held():
-    """Speed 3 zeroes each gradient unit's part of G just before summing into it, so
-    nothing G held before the step survives: G filled with NaN gets the bytes of the
-    windows' sums added one window at a time into zeros (Worker.window, which adds into
-    what its output holds), at 1, 2 and 3 threads (3: threads beyond the batch, the
-    staged path). The control: the per-window path into NaN keeps NaN everywhere."""
+@pytest.mark.parametrize("name,B,thread_counts", [("hslm-tiny", 2, (1, 2, 3)),
+                                                   ("hslm-3", 3, (2, 4))])
+def test_speed3_step_gradient_is_speed0s_windows_in_order(name, B, thread_counts):
+    """A speed-3 step's gradient (StepRunner: the windows phase on threads, the weight
+    gradients two windows a tile, units split across threads; with threads beyond the
+    batch, teams and staged chunks) has the bits of speed 0's windows added one at a
+    time in window order (Worker.window adds into what its output holds). Speed 3
+    overwrites each unit of G: G filled with NaN before the step gets the same bytes.
+    The control: the per-window path into NaN keeps NaN everywhere."""
     from hslm import step as step_module
     from hslm.config import PRESETS
     from hslm.params import ModelState, init_params
     from hslm.tables import Tables
-    cfg = PRESETS["hslm-tiny"]
+    cfg = PRESETS[name]
     tables = Tables(cfg)
-    model = ModelState(cfg, init_params(cfg, 7), tables, plain=False).kernel_model()
-    B, k = 2, cfg.window
+    model = ModelState(cfg, init_params(cfg, 7), tables).kernel_model()
+    k = cfg.window
     windows = np.random.default_rng(7).integers(0, cfg.vocab, (B, cfg.window + 1))
 
     def per_window(start):
         out = np.full(cfg.n_params, start)
-        worker = step_module.Worker(cfg, 3)
+        worker = step_module.Worker(cfg, 0)
         for w in range(B):
             worker.window(model, tables.vsa, windows[w], k, 1.0 / (k * B), out)
         return out
 
     ref = per_window(0.0)
     assert np.isnan(per_window(np.nan)).all()  # adding into what out holds keeps it
-    for threads in (1, 2, 3):
+    for threads in thread_counts:
         runner = step_module.StepRunner(cfg, 3, threads)
         G = np.full(cfg.n_params, np.nan)
         runner.gradient(model, tables.vsa, windows, k, G)
@@ -174,12 +181,29 @@ def test_speed3_gradient_overwrites_what_G_held():
 def test_resume_is_byte_identical_to_an_uninterrupted_run(tmp_path, capsys):
     full, _ = train(capsys, tmp_path, "full", "--save-every", 2, steps=5)
     part, _ = train(capsys, tmp_path, "part", steps=2)
-    assert (full / "ckpt_2.bin").read_bytes() == (part / "ckpt_2.bin").read_bytes()
+    for ext in ("bin", "state"):
+        assert (full / f"ckpt_2.{ext}").read_bytes() == (part / f"ckpt_2.{ext}").read_bytes()
     code, out, err = run(capsys, "train", "--resume", part / "ckpt_2.state", "--steps", 5,
                          "--speed", 2, "--threads", 2)
     assert code == 0, err
     for ext in ("bin", "state"):
         assert (full / f"ckpt_5.{ext}").read_bytes() == (part / f"ckpt_5.{ext}").read_bytes()
+    # Negative control: what is resumed decides the bytes. The same run's step-2 files
+    # with the state's data stream (its RNG) taken from another seed's run give other
+    # bytes at step 5, though parameters, optimiser and every flag are the same.
+    other, _ = train(capsys, tmp_path, "other", "--seed", 1730, steps=2)
+    from hslm import checkpoint as ckpt
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "ckpt_2.bin").write_bytes((part / "ckpt_2.bin").read_bytes())
+    st = ckpt.read(part / "ckpt_2.state")
+    rng = ckpt.read(other / "ckpt_2.state").meta["rng"]
+    assert rng != st.meta["rng"]
+    (mixed / "ckpt_2.state").write_bytes(ckpt.encode([(n, st.tensor(n)) for n in st.names()],
+                                                     dict(st.meta, rng=rng)))
+    code, out, err = run(capsys, "train", "--resume", mixed / "ckpt_2.state", "--steps", 5)
+    assert code == 0, err
+    assert (mixed / "ckpt_5.bin").read_bytes() != (full / "ckpt_5.bin").read_bytes()
 
 
 def test_loss_goes_down(tmp_path, capsys):
