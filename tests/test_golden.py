@@ -72,7 +72,8 @@ def child_env(env_extra=None):
 
 
 def kernel_choice(env_extra=None):
-    """(ternary tile rows, panel width) that a fresh process with env_extra compiles for."""
+    """(ternary tile rows, panel width, 512-bit vectors?) that a fresh process with env_extra
+    compiles for."""
     p = subprocess.run([sys.executable, "-c", "import hslm.micro as m; "
                         "print(m.TERNARY_ROWS, m.TERNARY_PANEL, m.wide_vectors())"],
                        env=child_env(env_extra), capture_output=True, text=True, timeout=300)
