@@ -67,7 +67,8 @@ def format_report(report):
             bw = report.get("optimiser_stream_gbs")
             unfused = report.get("unfused_peak_gflops_per_core", peak / 2)
             out.append(f"speed-3 step profile, one thread ({total:.1f} ms per step of "
-                       f"{rows[0]['batch']} windows); each phase against what it can reach: "
+                       f"{rows[0]['batch']} windows, the phases' medians summed); each phase "
+                       "against what it can reach: "
                        f"the f64 FMA peak ({peak:.1f} GFLOP/s) for the ternary matrix phases, "
                        f"the multiply + add peak ({unfused:.1f} GFLOP/s) for the weight "
                        f"gradients (their products are not exact, so they are not fused), "

@@ -60,7 +60,8 @@ def one_line_error(code, out, err):
 
 # The scored positions k a bit-identity test runs at: all (k = L), one (k = 1), and
 # some but not all (k = L // 2 + 1: the record rows start at s = L - k > 0 and more
-# than one row is scored), as ids for pytest.mark.parametrize.
+# than one row is scored; for L = 2 that is k = L again), as ids for
+# pytest.mark.parametrize.
 K_CASES = ["k=L", "k=mid", "k=1"]
 
 

@@ -7,9 +7,10 @@ digests must say why in its commit.
 
 "Another machine" on this one: the same run in a fresh process with the C
 library's CPU-specific variants turned down (GLIBC_TUNABLES), numpy's SIMD
-dispatch turned off (NPY_DISABLE_CPU_FEATURES), the kernels compiled for a
-baseline x86-64 CPU (NUMBA_CPU_NAME=generic, slow: a cold compile) and, on
-AVX-512 machines, with 256-bit vectors only (slow: a cold compile).
+dispatch turned off (NPY_DISABLE_CPU_FEATURES), and (slow: a cold compile each,
+hslm-tiny and hslm-3) the kernels compiled for a baseline x86-64 CPU
+(NUMBA_CPU_NAME=generic), for an AVX2 CPU (NUMBA_CPU_NAME=haswell) and, on AVX-512
+machines, with 256-bit vectors only.
 """
 import hashlib
 import json
@@ -76,7 +77,8 @@ def kernel_choice(env_extra=None):
     compiles for."""
     p = subprocess.run([sys.executable, "-c", "import hslm.micro as m; "
                         "print(m.TERNARY_ROWS, m.TERNARY_PANEL, m.wide_vectors())"],
-                       env=child_env(env_extra), capture_output=True, text=True, timeout=300)
+                       env=child_env(env_extra), cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
     assert p.returncode == 0, p.stderr
     rows, panel, wide = p.stdout.split()
     return int(rows), int(panel), wide == "True"
@@ -139,18 +141,21 @@ def test_same_bytes_with_other_kernels(tmp_path, variant):
     features at 256-bit vectors. Each child is first shown to choose the narrow tiles:
     a child that kept this process's 512-bit setting would test nothing new."""
     import llvmlite.binding as ll  # noqa: PLC0415
-    wide_host = bool(ll.get_host_cpu_features().get("avx512f"))
+    from hslm.micro import wide_vectors  # noqa: PLC0415
+    host = ll.get_host_cpu_features()
     env = {"NUMBA_CACHE_DIR": str(tmp_path / "cache")}
     if variant == "generic-cpu":
         env.update(NUMBA_CPU_NAME="generic", NUMBA_CPU_FEATURES="")
     elif variant == "avx2":
+        if not (host.get("avx2") and host.get("fma")):
+            pytest.skip("not an AVX2 machine: Haswell's code would not run here")
         env.update(NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES="")
     else:
-        if not wide_host:
+        if not host.get("avx512f"):
             pytest.skip("not an AVX-512 machine: 256-bit vectors are already the only width")
         env.update(HSLM_VECTOR_WIDTH="256", NUMBA_CPU_FEATURES=None)
     assert kernel_choice(env) == (4, 12, False)
-    if wide_host:  # the negative control: this process's own setting gives the wide tiles
+    if wide_vectors():  # the control: a child keeping this process's setting goes wide
         assert kernel_choice({"NUMBA_CACHE_DIR": env["NUMBA_CACHE_DIR"]}) == (9, 16, True)
     assert train_in_fresh_process(tmp_path / "run", TINY_ARGS, env) == GOLDEN_TINY
     assert file_digests(tmp_path / "run") == GOLDEN_TINY_FILES

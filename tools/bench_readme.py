@@ -111,6 +111,8 @@ def sizes_block(path) -> list:
     ref = next((e for e in report["models"] if e["model"] == "hslm-3"), None)
     ref_share = _row(ref)["peak_share"] if ref else None
     r0 = _row(report["models"][0])
+    if any(_row(e)["batch"] != r0["batch"] or e["k"] != e["window"] for e in report["models"]):
+        raise ValueError(f"{path}: the caption says one batch and k = window for every model")
     out = [f"Batch {r0['batch']}, k = window, `--steps {report['steps']}`; {_machine(report)}, "
            f"{report['vector_lanes']}-wide vectors, measured FMA peak "
            f"{report['peak_gflops_per_core']:.1f} GFLOP/s; {_stamp(report)}.",
@@ -168,7 +170,7 @@ def main(argv) -> int:
     text = readme.read_text()
     try:
         new, changed = generate(text)
-    except (HslmError, OSError, ValueError, KeyError) as e:
+    except (HslmError, OSError, ValueError, KeyError, IndexError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if argv == ["--check"]:
