@@ -394,3 +394,20 @@ def test_threads_beyond_the_cores_are_named_in_the_header(tmp_path):
         assert code == 0, err
         header = next(line for line in out.splitlines() if line.startswith("model "))
         assert (f"threads {threads} (on {cores} core" in header) == noted, header
+
+
+def test_a_validation_loss_past_exps_range_gives_perplexity_inf_and_null(tmp_path, capsys,
+                                                                       monkeypatch):
+    """A diverged run can have a finite validation loss whose exp is past the largest
+    double: the progress line says perplexity inf and the metrics record null (JSON has
+    no inf), where math.exp raised OverflowError before."""
+    from hslm.train import Run
+    from test_train import run
+    monkeypatch.setattr(Run, "validation_loss", lambda self, runner: 800.0)
+    m = tmp_path / "m.jsonl"
+    code, out, err = run(capsys, "train", *TINY, "--steps", 2, "--eval-every", 1,
+                         "--log-every", 1, "--metrics", m, "--out", tmp_path / "run")
+    assert code == 0, err
+    assert "valid 800.0000 (perplexity inf)" in out + err
+    evals = [json.loads(line) for line in m.read_text().splitlines() if "valid_loss" in line]
+    assert evals and all(e["valid_loss"] == 800.0 and e["perplexity"] is None for e in evals)
