@@ -354,24 +354,21 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
               "numba": numba.__version__, "hslm": __version__, "commit": source_commit(),
               "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
               "steps": steps, "rounds": rounds, "seed": 1729, "models": []}
-    for name in models:  # every model's and batch's checks before anything is timed
-        cfg = resolve_config(name)
-        k = cfg.window if k_flag is None else k_flag
+    plan = [(name, cfg, cfg.window if k_flag is None else k_flag)
+            for name, cfg in ((n, resolve_config(n)) for n in models)]
+    combos = [(s, t) for t in threads for s in speeds]
+    for name, cfg, k in plan:  # every model's and batch's checks before anything is timed
         for batch in batches:
             check_hyper(cfg, Hyper(batch=batch, loss_positions=k, seed=1729))
-            combos = [(s, t) for t in threads for s in speeds]
             check_fits(sum(memory_estimate(cfg, batch, t, s) for s, t in combos),
                        f"bench --model {name} --batch {batch} (its {len(combos)} "
                        f"run{'s' if len(combos) != 1 else ''} side by side)")
-    for name in models:
-        cfg = resolve_config(name)
-        k = cfg.window if k_flag is None else k_flag
+    for name, cfg, k in plan:
         corpus = None
         entry = {"model": name, "params": cfg.n_params, "k": k, "window": cfg.window,
                  "flops_per_token": flops_per_token(cfg, k), "rows": [], "groups": []}
         for batch in batches:
             hyper = Hyper(batch=batch, loss_positions=k, seed=1729)
-            combos = [(s, t) for t in threads for s in speeds]
             if corpus is None:
                 corpus = load_corpus(data, cfg, cache_dir=cache_dir)
                 entry["text_sha256"] = corpus.text_sha256

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from . import distributed
-from .errors import HslmError, Terminated
+from .errors import HslmError, is_terminated
 from .speeds import DEFAULT_SPEED, SPEEDS, speed_help
 
 def token_cache_dir(flag, default):
@@ -404,7 +404,7 @@ def main(argv=None):
         click.echo(f"error: {e.format_message()}", err=True)
         sys.exit(e.exit_code)
     except (click.Abort, KeyboardInterrupt) as e:  # click makes an Abort of either
-        if isinstance(e, Terminated) or isinstance(e.__cause__, Terminated):
+        if is_terminated(e):
             click.echo("error: terminated", err=True)
             sys.exit(128 + 15)
         click.echo("error: interrupted", err=True)

@@ -84,7 +84,7 @@ import time
 
 import numpy as np
 
-from .errors import HslmError, Terminated
+from .errors import HslmError, is_terminated
 
 # Environment variables that MPI launchers set (MPICH/Hydra and Intel MPI, Open MPI,
 # PMIx under Slurm, MVAPICH). HSLM_MPI=1 forces MPI, HSLM_MPI=0 ignores it.
@@ -855,7 +855,7 @@ def run_main(cli, argv):
     except click.ClickException as e:
         w.fail(e.format_message(), e.exit_code)
     except (click.Abort, KeyboardInterrupt) as e:  # click makes an Abort of either
-        if isinstance(e, Terminated) or isinstance(e.__cause__, Terminated):
+        if is_terminated(e):
             w.fail("terminated", 128 + 15)
         w.fail("interrupted", 130)
     except AllRanksError as e:  # raised by every rank at the same point

@@ -15,6 +15,11 @@ def raise_terminated(signum, frame):
     raise Terminated()
 
 
+def is_terminated(e: BaseException) -> bool:
+    """Whether an interrupt the CLI caught was SIGTERM's (click wraps it in an Abort)."""
+    return isinstance(e, Terminated) or isinstance(e.__cause__, Terminated)
+
+
 def read_bytes(path, what: str) -> bytes:
     """A regular file's bytes, or an HslmError naming `what` the file is ("checkpoint",
     ...). A device, FIFO or socket is refused before a byte is read: /dev/zero would

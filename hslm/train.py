@@ -489,6 +489,11 @@ class HeldFolder:
     def release(self):
         self.lock.release()
 
+    def remove_created(self):
+        """Remove the folder this run made (it holds only this run's caches)."""
+        if self.created is not None:
+            shutil.rmtree(self.created, ignore_errors=True)
+
 
 def hold_out_dir(out: Path) -> HeldFolder:
     """Take the output folder once every flag is judged and before the text is read:
@@ -514,8 +519,7 @@ def releasing_on_error(held):
     except BaseException:
         for h in held:
             h.release()
-            if h.created is not None:
-                shutil.rmtree(h.created, ignore_errors=True)
+            h.remove_created()
         raise
 
 
@@ -570,8 +574,7 @@ def train_run(o: TrainOptions, echo=None):
         try:
             distributed.start()  # MPI: every rank is ready (else the first error is reported once)
         except BaseException:  # another rank failed before the first step: as a failed text
-            if held.created is not None:
-                shutil.rmtree(held.created, ignore_errors=True)
+            held.remove_created()
             raise
         return run_loop(run, out, o, stop, echo)
     finally:
