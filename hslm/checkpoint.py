@@ -49,7 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import Config
+from .config import Config, canonical_json
 from .errors import HslmError, read_bytes
 from .validate import (MAX_JSON, Invalid, check_fits, check_rng_state, config_from_json, exact_keys,
                        hyper_from_json, is_hex64, parse_json)
@@ -69,7 +69,7 @@ MAX_HEADER = MAX_JSON
 
 
 def _canonical(header: dict) -> bytes:
-    return json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    return canonical_json(header).encode("utf-8")
 
 
 def encode(tensors, metadata: dict) -> bytes:

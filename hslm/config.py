@@ -14,6 +14,13 @@ import numpy as np
 
 from .precise import inverse_power_scale
 
+
+def canonical_json(obj) -> str:
+    """The one JSON form of what a checkpoint stores as text (its header, the config,
+    the hyper-parameters, the random streams' state): keys sorted, no spaces. The
+    golden digests pin the bytes it makes."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
 PHI = (1.0 + math.sqrt(5.0)) / 2.0  # basic operations only: the same bits everywhere
 
 # Index of each tensor inside a block, in checkpoint order.
@@ -120,7 +127,7 @@ class Config:
                     self.window)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        return canonical_json(asdict(self))
 
     @classmethod
     def from_dict(cls, obj) -> "Config":

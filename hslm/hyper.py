@@ -8,8 +8,9 @@ exactly the values that decide a run's bytes besides the config and the text.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field, make_dataclass
+
+from .config import canonical_json
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ HYPER_NAMES = tuple(p.name for p in HYPER_PARAMS)
 
 
 def _to_json(self) -> str:
-    return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+    return canonical_json(asdict(self))
 
 
 # Everything besides the config and the text that decides a run's bytes (stored in .state).

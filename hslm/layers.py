@@ -827,7 +827,7 @@ def loss_finish(z, target, scale, dz, m, se, zs):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def window_loss_rows(model, A, R, w, tokens, s, r0, r1, scale, losses):
+def window_loss_rows(A, R, w, tokens, s, r0, r1, scale, losses):
     """Window w's scored rows r0..r1-1 (positions s + r): their losses into
     losses[r0..r1-1] and their d_logits."""
     loss_rows(A.logits[w, s + r0:s + r1], tokens[s + r0 + 1:s + r1 + 1], scale,

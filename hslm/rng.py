@@ -18,10 +18,10 @@ token table, seed 0x48534C4D, independent of --seed), "sample" (hslm sample).
 from __future__ import annotations
 
 import hashlib
-import json
 
 import numpy as np
 
+from .config import canonical_json
 from .errors import HslmError
 
 TWO_M53 = 2.0 ** -53  # exact
@@ -67,7 +67,7 @@ class Stream:
 
     # ------------------------------------------------------------ state
     def state_json(self) -> str:
-        return json.dumps(self.bg.state, sort_keys=True, separators=(",", ":"))
+        return canonical_json(self.bg.state)
 
     @classmethod
     def from_state_json(cls, s: str) -> "Stream":

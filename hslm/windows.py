@@ -105,7 +105,7 @@ def window_per_position(model, tokens, vsa, k, scale, A, R, S, acc, out, recompu
                              kernel=kernel)
         if scored:
             r = p - s
-            window_loss_rows(model, A, R, 0, tokens, s, r, r + 1, scale, row_loss)
+            window_loss_rows(A, R, 0, tokens, s, r, r + 1, scale, row_loss)
             loss_sum += row_loss[r]
             head_backward(model, A, R, S, 0, s, r, r + 1, kernel)
             for b in range(D.blocks - 1, -1, -1):
@@ -250,7 +250,7 @@ def windows_backward(model, windows, k, scale, A, R, S, first, step, r0, r1, row
     B = windows.shape[0]
     if head:
         for w in range(first, B, step):
-            window_loss_rows(model, A, R, w, windows[w], s, r0, r1, scale, row_losses[w])
+            window_loss_rows(A, R, w, windows[w], s, r0, r1, scale, row_losses[w])
             head_backward(model, A, R, S, w, s, r0, r1, kernel)
     for b in range(b1 - 1, b0 - 1, -1):
         blocks_backward(model, A, R, S, b, first, step, B, s, r0, r1, kernel)
