@@ -36,10 +36,15 @@ def ternary_panel_matmul_9x16(X, P, b, alpha, Y):
     not change, on machines with or without FMA. Never call it with a
     non-ternary matrix."""
     n, a = X.shape
-    sums = np.empty(n * 16)  # [n, 16]: the rows' sums for one panel
+    # The rows' sums for one panel [n, 16], then a chunk of a panel widened, in one
+    # allocation: an address taken with .ctypes.data does not keep its array alive (Numba
+    # frees an array after its last use), and the sums are read at the end of every
+    # panel. (As an array of its own, only ever addressed, the chunk was freed before the
+    # loop: another thread's allocation could take it while the tiles used it.)
+    scratch = np.empty(n * 16 + min(a, TERNARY_CHUNK) * 16)
+    sums = scratch[:n * 16]
     s = sums.ctypes.data
-    trits = np.empty(min(a, TERNARY_CHUNK) * 16)  # a chunk of a panel, widened
-    wide = trits.ctypes.data
+    wide = s + 8 * n * 16
     x, xs = X.ctypes.data, X.strides[0] // 8
     for q in range(P.shape[0]):
         j = q * 16
@@ -87,10 +92,15 @@ def ternary_panel_matmul_4x12(X, P, b, alpha, Y):
     not change, on machines with or without FMA. Never call it with a
     non-ternary matrix."""
     n, a = X.shape
-    sums = np.empty(n * 12)  # [n, 12]: the rows' sums for one panel
+    # The rows' sums for one panel [n, 12], then a chunk of a panel widened, in one
+    # allocation: an address taken with .ctypes.data does not keep its array alive (Numba
+    # frees an array after its last use), and the sums are read at the end of every
+    # panel. (As an array of its own, only ever addressed, the chunk was freed before the
+    # loop: another thread's allocation could take it while the tiles used it.)
+    scratch = np.empty(n * 12 + min(a, TERNARY_CHUNK) * 12)
+    sums = scratch[:n * 12]
     s = sums.ctypes.data
-    trits = np.empty(min(a, TERNARY_CHUNK) * 12)  # a chunk of a panel, widened
-    wide = trits.ctypes.data
+    wide = s + 8 * n * 12
     x, xs = X.ctypes.data, X.strides[0] // 8
     for q in range(P.shape[0]):
         j = q * 12

@@ -132,6 +132,14 @@ def test_same_bytes_on_another_machine(tmp_path, env):
     assert file_digests(tmp_path / "run") == GOLDEN_TINY_FILES
 
 
+def test_same_bytes_with_threads_sharing_one_allocator_arena(tmp_path):
+    """Threads beyond the cores, their allocations in one arena (MALLOC_ARENA_MAX=1, a
+    common container setting): the golden bytes. A kernel whose scratch was freed while
+    in use (tests/test_lifetimes.py) gave other bytes or crashed here."""
+    args = [*TINY_ARGS, "--threads", "4"]
+    assert train_in_fresh_process(tmp_path / "run", args, {"MALLOC_ARENA_MAX": "1"}) == GOLDEN_TINY
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["generic-cpu", "avx2", "256-bit"])
 def test_same_bytes_with_other_kernels(tmp_path, variant):

@@ -239,10 +239,15 @@ def ternary_kernel(rows, panel):
 def ternary_panel_matmul_{rows}x{panel}(X, P, b, alpha, Y):
     \"\"\"{doc}\"\"\"
     n, a = X.shape
-    sums = np.empty(n * {panel})  # [n, {panel}]: the rows' sums for one panel
+    # The rows' sums for one panel [n, {panel}], then a chunk of a panel widened, in one
+    # allocation: an address taken with .ctypes.data does not keep its array alive (Numba
+    # frees an array after its last use), and the sums are read at the end of every
+    # panel. (As an array of its own, only ever addressed, the chunk was freed before the
+    # loop: another thread's allocation could take it while the tiles used it.)
+    scratch = np.empty(n * {panel} + min(a, TERNARY_CHUNK) * {panel})
+    sums = scratch[:n * {panel}]
     s = sums.ctypes.data
-    trits = np.empty(min(a, TERNARY_CHUNK) * {panel})  # a chunk of a panel, widened
-    wide = trits.ctypes.data
+    wide = s + 8 * n * {panel}
     x, xs = X.ctypes.data, X.strides[0] // 8
     for q in range(P.shape[0]):
         j = q * {panel}

@@ -1,0 +1,148 @@
+"""Scratch memory lives as long as the kernels use it.
+
+Numba frees an array after its last use, and an address taken with `.ctypes.data` is
+not a use that keeps it: a buffer allocated in a kernel and then only addressed is
+freed before the loop that writes and reads it. Alone, the freed block is seldom
+handed out again before the kernel returns; with threads sharing the allocator's arena
+(many threads, or MALLOC_ARENA_MAX=1, a common container setting) another thread's
+allocation takes it, and the two write over each other: wrong bits or a crash.
+The ternary kernels' widened chunk was such a buffer (found by a black-box audit:
+`--threads 2` under MALLOC_ARENA_MAX=1 changed the validation loss or aborted).
+"""
+import ast
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from helpers import ROOT
+
+sys.path.insert(0, str(ROOT / "tools"))
+import gen_panel_kernels  # noqa: E402
+
+ALLOCATORS = {"empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ones_like"}
+
+
+def only_addressed_arrays(source: str):
+    """(function, name) of every array a function allocates (np.empty and the like)
+    whose every later use is `name.ctypes.data`: nothing keeps such an array alive
+    while its address is used."""
+    tree = ast.parse(source)
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    found = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, ast.FunctionDef):
+            continue
+        allocated = set()
+        for node in ast.walk(fn):
+            if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                    and isinstance(node.targets[0], ast.Name)
+                    and isinstance(node.value, ast.Call)
+                    and isinstance(node.value.func, ast.Attribute)
+                    and node.value.func.attr in ALLOCATORS
+                    and isinstance(node.value.func.value, ast.Name)
+                    and node.value.func.value.id == "np"):
+                allocated.add(node.targets[0].id)
+        for name in sorted(allocated):
+            uses = [n for n in ast.walk(fn)
+                    if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)]
+            addressed = [n for n in uses
+                         if isinstance(parents.get(n), ast.Attribute) and parents[n].attr == "ctypes"
+                         and isinstance(parents.get(parents[n]), ast.Attribute)
+                         and parents[parents[n]].attr == "data"]
+            if uses and len(addressed) == len(uses):
+                found.append((fn.name, name))
+    return found
+
+
+# The ternary kernel as it was: the widened chunk an array of its own, only addressed.
+EARLY_FREED = """\
+    sums = np.empty(n * {panel})  # [n, {panel}]: the rows' sums for one panel
+    s = sums.ctypes.data
+    trits = np.empty(min(a, TERNARY_CHUNK) * {panel})  # a chunk of a panel, widened
+    wide = trits.ctypes.data
+"""
+
+
+def early_freed_kernel(rows, panel):
+    """The generator's ternary kernel with its scratch made the old way."""
+    text = gen_panel_kernels.ternary_kernel(rows, panel)
+    start = text.index("    # The rows' sums for one panel")
+    end = text.index("    x, xs = X.ctypes.data")
+    return text[:start] + EARLY_FREED.format(panel=panel) + text[end:]
+
+
+def test_no_kernel_array_is_only_addressed():
+    offenders = []
+    for path in sorted((ROOT / "hslm").glob("*.py")) + [ROOT / "tools" / "gen_panel_kernels.py"]:
+        offenders += [(path.name, *f) for f in only_addressed_arrays(path.read_text())]
+    assert offenders == []
+    # negative control: the old kernel is caught, by name
+    rows, panel = gen_panel_kernels.TERNARY_TILES[0]
+    name = f"ternary_panel_matmul_{rows}x{panel}"
+    assert only_addressed_arrays(early_freed_kernel(rows, panel)) == [(name, "trits")]
+    assert only_addressed_arrays(gen_panel_kernels.ternary_kernel(rows, panel)) == []
+
+
+# Two threads call a ternary kernel over and over on their own operands (the kernels
+# release the GIL) and compare every result with the one made alone; MALLOC_ARENA_MAX=1
+# puts both threads' allocations in one arena.
+CONTENTION = textwrap.dedent("""
+    import sys, threading
+    import numpy as np
+    import hslm.micro as micro
+    from hslm.vector_tiles import make_tile, make_widen
+    from numba import njit
+    kernel = micro.ternary_panel_matmul
+    if sys.argv[1] == "early-freed":  # the old kernel, compiled here from its text
+        namespace = {"np": np, "njit": njit, "make_tile": make_tile,
+                     "make_widen": make_widen, "TERNARY_CHUNK": 96}
+        exec(sys.stdin.read().replace("cache=True", "cache=False"), namespace)
+        kernel = namespace[micro.ternary_panel_matmul.__name__]
+    P_ = micro.TERNARY_PANEL
+    rng = np.random.default_rng(0)
+    cases = []
+    for _ in range(2):
+        X = rng.standard_normal((27, 243))
+        T = rng.integers(-1, 2, (243, 729)).astype(np.int8)
+        npan = (729 + P_ - 1) // P_
+        P = np.zeros((npan, 243, P_), np.int8)
+        for q in range(npan):
+            c = T[:, q * P_:(q + 1) * P_]
+            P[q, :, :c.shape[1]] = c
+        Y = np.empty((27, 729))
+        kernel(X, P, 729, 0.5, Y)
+        cases.append((X, P, Y.copy()))
+    wrong = [0, 0]
+    def work(t):
+        X, P, alone = cases[t]
+        Y = np.empty_like(alone)
+        for _ in range(300):
+            kernel(X, P, 729, 0.5, Y)
+            wrong[t] += Y.tobytes() != alone.tobytes()
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print(sum(wrong))
+""")
+
+
+def wrong_results_under_contention(which: str, kernel_text: str = "") -> int:
+    env = dict(os.environ, MALLOC_ARENA_MAX="1")
+    p = subprocess.run([sys.executable, "-c", CONTENTION, which], input=kernel_text, env=env,
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if p.returncode != 0:  # a crash is the hazard too
+        return -p.returncode if p.returncode < 0 else 10**6
+    return int(p.stdout.split()[-1])
+
+
+def test_ternary_kernel_under_a_shared_allocator_arena():
+    import hslm.micro as micro
+    assert wrong_results_under_contention("installed") == 0
+    # negative control: the kernel with its chunk freed early goes wrong (or crashes)
+    # under the same contention; 263 of 600 results were wrong here
+    text = early_freed_kernel(micro.TERNARY_ROWS, micro.TERNARY_PANEL)
+    assert wrong_results_under_contention("early-freed", text) != 0
