@@ -361,8 +361,9 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
         for batch in batches:
             check_hyper(cfg, Hyper(batch=batch, loss_positions=k, seed=1729))
             check_fits(sum(memory_estimate(cfg, batch, t, s) for s, t in combos),
-                       f"bench --model {name} --batch {batch} (its {len(combos)} "
-                       f"run{'s' if len(combos) != 1 else ''} side by side)")
+                       f"bench --model {name} --batch {batch} --threads "
+                       f"{','.join(str(t) for t in sorted({t for _, t in combos}))} (its "
+                       f"{len(combos)} run{'s' if len(combos) != 1 else ''} side by side)")
     for name, cfg, k in plan:
         corpus = None
         entry = {"model": name, "params": cfg.n_params, "k": k, "window": cfg.window,

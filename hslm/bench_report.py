@@ -121,6 +121,8 @@ def load_report(path) -> dict:
     from .errors import read_bytes
     try:
         report = json.loads(read_bytes(path, "bench report"))
+    except RecursionError:  # '[' * 100000: json recurses once a level
+        raise HslmError(f"{path}: not a JSON bench report (nested too deeply)") from None
     except (UnicodeDecodeError, ValueError) as e:
         raise HslmError(f"{path}: not a JSON bench report ({e})") from None
     if not (isinstance(report, dict) and isinstance(report.get("models"), list)

@@ -41,6 +41,7 @@ written checkpoint under its final name.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -123,6 +124,11 @@ def write_atomic(path: Path, blob, what: str = "checkpoint", make_parent: bool =
     parts = [blob] if isinstance(blob, (bytes, bytearray, memoryview)) else blob
     try:
         if make_parent:
+            for folder in (path.parent, *path.parent.parents):
+                if folder.exists():  # the nearest one there must be a folder
+                    if not folder.is_dir():
+                        raise NotADirectoryError(errno.ENOTDIR, f"{folder} is not a folder")
+                    break
             path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
             for part in parts:

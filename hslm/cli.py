@@ -2,6 +2,7 @@
 the work is in the modules it calls (the run itself: hslm/train.py)."""
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -11,6 +12,30 @@ import click
 from . import distributed
 from .errors import HslmError, is_terminated
 from .speeds import DEFAULT_SPEED, SPEEDS, speed_help
+
+class PathArg(click.Path):
+    """A file or folder name; an empty one is refused (Path("") is the current folder,
+    so `--out ""` would have written there)."""
+
+    def __init__(self):
+        super().__init__(path_type=Path)
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not value.strip():
+            self.fail("an empty path; give a file or folder name", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+def not_empty(ctx, param, value):
+    """A callback refusing an empty name (a model, a checkpoint or config path)."""
+    values = value if isinstance(value, tuple) else (value,)
+    if any(isinstance(v, str) and not v.strip() for v in values):
+        raise click.BadParameter("an empty name; give a preset or a file", ctx, param)
+    return value
+
+
+MAX_THREADS = 1024  # --threads of train, eval and bench
+
 
 def token_cache_dir(flag, default):
     from .token_cache import cache_dir
@@ -37,23 +62,23 @@ def hyper_options(f):
     return f
 
 
-def data_options(f):
-    f = click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
-                     help="Folder for the token cache [default: $HSLM_CACHE_DIR, else the "
-                          "output or checkpoint folder].")(f)
-    return click.option("--data", type=click.Path(path_type=Path), multiple=True,
+def data_options(f, cache_default="the output or checkpoint folder"):
+    f = click.option("--cache-dir", type=PathArg(), default=None,
+                     help=f"Folder for the token cache [default: $HSLM_CACHE_DIR, else "
+                          f"{cache_default}].")(f)
+    return click.option("--data", type=PathArg(), multiple=True,
                         help="UTF-8 text file or folder; repeat for several (joined by a blank "
                              "line, a folder's files in sorted order) [default: the built-in "
                              "corpus].")(f)
 
 
 def threads_option(f):
-    return click.option("--threads", type=click.IntRange(1, 1024), default=None,
+    return click.option("--threads", type=click.IntRange(1, MAX_THREADS), default=None,
                         help="Threads [default: the cores available].")(f)
 
 
 @cli.command()
-@click.option("--model", default="hslm-3", show_default=True,
+@click.option("--model", default="hslm-3", show_default=True, callback=not_empty,
               help="A preset (see `hslm info`) or a JSON file of config fields.")
 @data_options
 @click.option("--steps", type=int, default=10, show_default=True,
@@ -62,15 +87,15 @@ def threads_option(f):
 @click.option("--speed", type=click.Choice([str(n) for n in SPEEDS]), default=str(DEFAULT_SPEED),
               show_default=True, help=speed_help())
 @threads_option
-@click.option("--out", type=click.Path(path_type=Path), default=None,
+@click.option("--out", type=PathArg(), default=None,
               help="Checkpoint folder [default: ckpt, or the resumed checkpoint's folder].")
 @click.option("--save-every", type=click.IntRange(0), default=0, show_default=True,
               help="Also save every N steps (0: only at the end).")
-@click.option("--resume", type=click.Path(path_type=Path), default=None,
+@click.option("--resume", type=PathArg(), default=None,
               help="Continue from DIR/ckpt_N.state (and the ckpt_N.bin beside it).")
 @click.option("--eval-every", type=click.IntRange(0), default=0, show_default=True,
               help="Validation loss every N steps (0: only at the end).")
-@click.option("--metrics", type=click.Path(path_type=Path), default=None,
+@click.option("--metrics", type=PathArg(), default=None,
               help="Append one JSON object per step and per evaluation to this file.")
 @click.option("--log-every", type=click.IntRange(1), default=1, show_default=True,
               help="A plain progress line every N steps (when stdout is not a terminal).")
@@ -94,8 +119,8 @@ def train(ctx, **opts):
 
 
 @cli.command()
-@click.argument("a", type=click.Path(path_type=Path))
-@click.argument("b", type=click.Path(path_type=Path))
+@click.argument("a", type=PathArg())
+@click.argument("b", type=PathArg())
 @click.pass_context
 def diff(ctx, a, b):
     """Compare two checkpoints (.bin or .state): exit 0 if byte-identical, else 1."""
@@ -107,7 +132,7 @@ def diff(ctx, a, b):
 
 
 @cli.command()
-@click.argument("file", required=False)
+@click.argument("file", required=False, callback=not_empty)
 def info(file):
     """Describe a checkpoint (config, step, checksum, ternary shares), a model config
     (a preset name or a JSON file), or, with no argument, list the presets."""
@@ -135,11 +160,11 @@ def info(file):
 
 
 @cli.command(name="eval")
-@click.argument("ckpt_path", metavar="CKPT", type=click.Path(path_type=Path))
-@click.option("--data", type=click.Path(path_type=Path), multiple=True,
+@click.argument("ckpt_path", metavar="CKPT", type=PathArg())
+@click.option("--data", type=PathArg(), multiple=True,
               help="The text (files or folders, as for train) whose validation split to score "
                    "[default: the built-in corpus].")
-@click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
+@click.option("--cache-dir", type=PathArg(), default=None,
               help="Folder for the token cache [default: $HSLM_CACHE_DIR, else CKPT's folder].")
 @click.option("--eval-windows", type=click.IntRange(1), default=64, show_default=True,
               help="Validation windows to score.")
@@ -182,7 +207,7 @@ def eval_cmd(ckpt_path, data, cache_dir, eval_windows, loss_positions, threads):
 
 
 @cli.command()
-@click.argument("ckpt_path", metavar="CKPT", type=click.Path(path_type=Path))
+@click.argument("ckpt_path", metavar="CKPT", type=PathArg())
 @click.option("--prompt", default="", help="Text to continue.")
 @click.option("--tokens", "n_tokens", type=click.IntRange(1), default=100, show_default=True,
               help="Tokens to generate.")
@@ -192,7 +217,7 @@ def eval_cmd(ckpt_path, data, cache_dir, eval_windows, loss_positions, threads):
               help="Sample among the k most likely tokens (0: all).")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Seed of the draws (the same seed gives the same text on every machine).")
-@click.option("--data", type=click.Path(path_type=Path), default=None, hidden=True,
+@click.option("--data", type=PathArg(), default=None, hidden=True,
               help="Ignored: the checkpoint carries its tokenizer.")
 def sample(ckpt_path, prompt, n_tokens, temperature, top_k, seed, data):
     """Continue a prompt with a trained model (reproducible for a seed)."""
@@ -202,13 +227,13 @@ def sample(ckpt_path, prompt, n_tokens, temperature, top_k, seed, data):
     from .sample import sample as sample_ids
     from .step import Worker
     from .train import load_for_inference
-    from .validate import MIN_TEMPERATURE
+    from .validate import MAX_INT, MIN_TEMPERATURE
 
     if not math.isfinite(temperature) or temperature < 0 or 0 < temperature < MIN_TEMPERATURE:
         raise HslmError(f"--temperature must be 0 (greedy) or a finite number of at least "
                         f"{MIN_TEMPERATURE:g}, got {temperature}")
-    if seed < 0:
-        raise HslmError(f"--seed must be at least 0, got {seed}")
+    if not 0 <= seed <= MAX_INT:  # as train's seed
+        raise HslmError(f"--seed must be from 0 to 2^63 - 1, got {seed}")
     try:
         prompt.encode("utf-8")
     except UnicodeEncodeError:  # bytes the shell's locale could not decode (surrogates)
@@ -225,8 +250,8 @@ def sample(ckpt_path, prompt, n_tokens, temperature, top_k, seed, data):
 
 
 @cli.command()
-@click.argument("metrics_file", metavar="METRICS", type=click.Path(path_type=Path))
-@click.option("-o", "--output", type=click.Path(path_type=Path), default=Path("loss.png"),
+@click.argument("metrics_file", metavar="METRICS", type=PathArg())
+@click.option("-o", "--output", type=PathArg(), default=Path("loss.png"),
               show_default=True, help="Image file to write (.png, .pdf, .svg, ...).")
 def plot(metrics_file, output):
     """Training and validation loss against step, from a --metrics file."""
@@ -252,9 +277,9 @@ def _split(values, convert, name):
 
 
 @cli.command()
-@click.option("--model", multiple=True, default=("hslm-3",), show_default=True,
+@click.option("--model", multiple=True, default=("hslm-3",), show_default=True, callback=not_empty,
               help="Model(s) to measure: presets or JSON files; repeat or separate by commas.")
-@data_options
+@functools.partial(data_options, cache_default="none: bench keeps no token cache")
 @click.option("--speed", multiple=True, default=tuple(map(str, SPEEDS)), show_default=True,
               help="Speed(s) to compare; repeat or separate by commas.")
 @click.option("--threads", multiple=True, default=("1",), show_default=True,
@@ -269,7 +294,7 @@ def _split(values, convert, name):
               help="Also time the PyTorch baseline (f64 and f32, one thread) if installed.")
 @click.option("--profile/--no-profile", default=True, show_default=True,
               help="Per-phase profile of a speed-3 step (first model and batch).")
-@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
+@click.option("--json", "json_path", type=PathArg(), default=None,
               help="Also write every figure (machine, versions, rows, ratios, profile) as JSON.")
 def bench(model, data, cache_dir, speed, threads, batch, steps, loss_positions, with_torch,
           profile, json_path):
@@ -283,8 +308,8 @@ def bench(model, data, cache_dir, speed, threads, batch, steps, loss_positions, 
                         f"{','.join(map(str, speeds))}")
     thread_counts = _split(threads, int, "--threads")
     batches = _split(batch, int, "--batch")
-    if min(thread_counts) < 1 or min(batches) < 1:
-        raise HslmError("--threads and --batch must be at least 1")
+    if min(thread_counts) < 1 or max(thread_counts) > MAX_THREADS or min(batches) < 1:
+        raise HslmError(f"--threads must be from 1 to {MAX_THREADS} and --batch at least 1")
     if json_path is not None:  # before minutes of benchmarking, not after
         from .checkpoint import check_atomic_target
         check_atomic_target(json_path, "--json")
@@ -311,7 +336,7 @@ def bench(model, data, cache_dir, speed, threads, batch, steps, loss_positions, 
 
 
 @cli.command("bench-compare")
-@click.argument("reports", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.argument("reports", nargs=-1, required=True, type=PathArg())
 @click.pass_context
 def bench_compare(ctx, reports):
     """Compare reports `hslm bench --json` wrote, each against the first: tok/s, the

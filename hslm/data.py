@@ -247,9 +247,10 @@ class Corpus:
         need_train, need_valid = window + 2, window + 1
         if len(self.train) < need_train or len(self.valid) < need_valid:
             raise HslmError(
-                f"the corpus is too short: {n} tokens from {src.size:,} bytes ({source}); a "
-                f"window of {window} needs at least {need_train} training and {need_valid} "
-                f"validation tokens (about {need_valid * 10} tokens in all)")
+                f"the corpus is too short: {n:,} token{'s' if n != 1 else ''} from "
+                f"{src.size:,} byte{'s' if src.size != 1 else ''} ({source}), {len(self.train):,} for training and "
+                f"{len(self.valid):,} for validation; a window of {window} needs at least "
+                f"{need_train} and {need_valid} (about {need_valid * 10} tokens in all)")
         learned, room = len(self.tokenizer.merges), vocab - FIRST_MERGE
         # (only for a tokenizer made from this text: a run's own, given, may come from another)
         if tokenizer is None and learned < room and distributed.is_writer():

@@ -27,8 +27,11 @@ def diff_checkpoints(a, b):
     if A.kind != B.kind:
         raise HslmError(f"cannot compare a '{A.kind}' file with a '{B.kind}' file")
     lines = [f"differ: {a} and {b}"]
+    # data_sha256 differs exactly when a tensor does (named below), and header_sha256
+    # whenever anything else in the header does: noise. params_sha256 (a .state's .bin)
+    # is compared like any other field.
     for key in sorted(set(A.meta) | set(B.meta)):
-        if key in ("data_sha256", "params_sha256"):
+        if key in ("data_sha256", "header_sha256"):
             continue
         va, vb = A.meta.get(key), B.meta.get(key)
         if va == vb:
@@ -63,6 +66,12 @@ def diff_checkpoints(a, b):
         idx = ",".join(str(int(i)) for i in first)
         lines.append(f"  {name}: {count:,} of {x.size:,} elements differ, max |diff| {mad:.3e}, "
                      f"first at [{idx}] ({float(x[first])!r} vs {float(y[first])!r})")
+    if len(lines) == 1:  # nothing named, yet the bytes differ: never leave it unsaid
+        ha, hb = A.meta.get("header_sha256"), B.meta.get("header_sha256")
+        if ha != hb:
+            lines.append(f"  the headers differ: header_sha256 {_differing(ha, hb)}")
+        else:
+            lines.append("  the bytes differ outside the metadata and tensors compared")
     lines.append(f"{n_diff_tensors} tensor(s) differ")
     return False, lines
 

@@ -4,10 +4,16 @@ OUT/.hslm.lock for as long as it runs.
 The lock is flock(2) on an open file, so the kernel drops it when the holder
 exits, however it exits (kill -9 included): a lock left by a dead process never
 blocks. The file holds the holder's PID, for the message a second run prints.
+
+The lock file must be a regular file (or not exist yet): a FIFO, device, socket,
+folder or symbolic link (dangling or not) at its name is refused in one line, before
+it is opened; it is opened without following a link and non-blocking (a FIFO opened
+for writing would wait for a reader), and judged again once open.
 """
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from .errors import HslmError
@@ -22,10 +28,26 @@ class FolderLock:
 
     def acquire(self):
         import fcntl
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # judged before opening: opening a device can itself do something
+            self._refuse_unless_regular(os.lstat(self.path).st_mode)
+        except FileNotFoundError:
+            pass  # created below
         except OSError as e:
-            raise HslmError(f"cannot create the lock file {self.path}: {e.strerror}") from None
+            raise HslmError(f"cannot use the lock file {self.path}: {e.strerror or e}") from None
+        flags = (os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+                 | getattr(os, "O_NONBLOCK", 0))
+        try:
+            fd = os.open(self.path, flags, 0o644)
+        except OSError as e:
+            raise HslmError(f"cannot create the lock file {self.path}: {e.strerror or e}") from None
+        try:  # again on what was opened: the name may have changed since lstat
+            self._refuse_unless_regular(os.fstat(fd).st_mode)
+        except OSError as e:
+            os.close(fd)
+            raise HslmError(f"cannot use the lock file {self.path}: {e.strerror or e}") from None
+        except HslmError:
+            os.close(fd)
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -36,11 +58,20 @@ class FolderLock:
                             "wait for it to finish or choose another --out") from None
         except OSError as e:  # a file system without flock: say so rather than run unguarded
             os.close(fd)
-            raise HslmError(f"cannot lock {self.path}: {e.strerror}") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+            raise HslmError(f"cannot lock {self.path}: {e.strerror or e}") from None
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        except OSError as e:  # a full disk, say: the lock is dropped with the file closed
+            os.close(fd)
+            raise HslmError(f"cannot write the lock file {self.path}: {e.strerror or e}") from None
         self.fd = fd
         return self
+
+    def _refuse_unless_regular(self, mode):
+        if not stat.S_ISREG(mode):
+            raise HslmError(f"the lock file {self.path} is {_kind(mode)}, not a regular file; "
+                            "remove it or choose another --out")
 
     def release(self):
         if self.fd is not None:
@@ -54,3 +85,12 @@ def _read_pid(fd):
     except OSError:
         return None
     return int(s) if s.isdigit() else None
+
+
+def _kind(mode) -> str:
+    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"),
+                       (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "something else"

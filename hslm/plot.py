@@ -30,9 +30,37 @@ def read_metrics(path):
     return sorted(dict(train).items()), sorted(dict(valid).items())
 
 
-def plot_metrics(path, output):
+def check_output(output):
+    """Refuse, before anything is drawn, an -o the image cannot be written to: a folder,
+    a FIFO, a device or a socket (os.replace would put the image in place of the node,
+    /dev/null included), or a name whose folder is missing or refuses a new file."""
+    import os
+    import stat
     from pathlib import Path
+
+    from .checkpoint import check_atomic_target
+    try:
+        mode = os.stat(output).st_mode  # through a link: where the name leads counts
+    except (FileNotFoundError, NotADirectoryError):
+        mode = None  # a new name (or a dangling link, replaced): check_atomic_target judges
+    except OSError as e:
+        raise HslmError(f"-o {output}: {e.strerror or e}") from None
+    if mode is not None and not stat.S_ISREG(mode):
+        if stat.S_ISDIR(mode):
+            raise HslmError(f"-o {output} is a folder; give a file name")
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+                else "a device")
+        raise HslmError(f"-o {output} is {kind}, not a regular file; give a file name")
+    check_atomic_target(Path(output), "-o")
+
+
+def plot_metrics(path, output):
+    import io
+    from pathlib import Path
+
+    from .checkpoint import write_atomic
     train, valid = read_metrics(path)
+    check_output(output)
     try:
         import matplotlib
     except ImportError:
@@ -57,9 +85,14 @@ def plot_metrics(path, output):
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
+    # drawn in memory, then written atomically (a temporary file in the same folder,
+    # renamed onto the name): a failed or interrupted write leaves no half an image
+    buf = io.BytesIO()
     try:
-        fig.savefig(output)
-    except OSError as e:
-        raise HslmError(f"cannot write {output}: {e.strerror}") from None
+        fig.savefig(buf, format=ext)
+    except (OSError, RuntimeError, ValueError) as e:  # .pgf without LaTeX, say
+        msg = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
+        raise HslmError(f"cannot draw {output} as .{ext}: {msg}") from None
     finally:
         plt.close(fig)
+    write_atomic(Path(output), buf.getbuffer(), what="plot")

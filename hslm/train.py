@@ -8,7 +8,7 @@ import shutil
 import signal
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,10 +26,15 @@ from .params import ModelState, init_params, ternary_mask
 from .rng import Stream
 from .speeds import SPEEDS
 from .tables import Tables
-from .validate import check_fits, check_hyper, memory_estimate
+from .validate import check_fits, check_hyper, memory_estimate, unique_keys
 
 if TYPE_CHECKING:  # (the step's module loads the kernels: only once the flags are judged)
     from .step import StepRunner
+
+
+# What a run that diverged says after naming what is not finite.
+DIVERGED = ("stopping without saving this step (checkpoints already written are left as "
+            "they are); a smaller --lr or --weight-decay may help")
 
 
 def perplexity(loss: float) -> float:
@@ -76,6 +81,9 @@ def check_metrics_path(metrics, out: Path):
     if m.is_dir():
         raise HslmError(f"--metrics {m} is a folder; give a file name")
     if m.exists():
+        if not m.is_file():  # a FIFO would block the run's first write; a device swallow it
+            raise HslmError(f"--metrics {m} is not a regular file (a FIFO or device); "
+                            "give a file name")
         if not os.access(m, os.W_OK):
             raise HslmError(f"--metrics {m} is not writable")
         return
@@ -190,9 +198,7 @@ class Run:
         every rank reaches the same verdict (the sums are gathered), rank 0 reports."""
         where = f"step {self.step}"
         if not np.isfinite(loss):
-            raise distributed.AllRanksError(f"{where}: the training loss is {loss}; stopping "
-                                            "without saving (the last checkpoint written "
-                                            "stays as it was)")
+            raise distributed.AllRanksError(f"{where}: the training loss is {loss}; {DIVERGED}")
         if (np.isfinite(self.norms).all() and np.isfinite(self.abs_sums).all()
                 and np.isfinite(self.moment_sums).all()):
             return  # the optimiser's per-tensor sums are finite: so is every element
@@ -214,8 +220,7 @@ class Run:
                 name = self.cfg.tensors()[t][0]
                 raise distributed.AllRanksError(
                     f"{where}: the {what} of tensor {name} is not finite (NaN or infinite); "
-                    "stopping without saving (the last checkpoint written stays as it was); "
-                    "a smaller --lr or --weight-decay may help")
+                    f"{DIVERGED}")
 
     # ------------------------------------------------------------- stepping
     def lr_at(self, step):
@@ -322,11 +327,14 @@ def load_for_inference(path, threads=1, warn=None, trained_on=None):
     """(config, ModelState, tokenizer, Hyper or None) from a .bin (or the .bin beside a
     .state). The tokenizer is the one the .bin carries; a tokenizer.json beside it that
     differs is ignored (with a warning); the hyper-parameters come from the .state
-    beside it, when there and when it belongs to this .bin."""
+    beside it, when there and when it belongs to this .bin. A .state named by the user
+    that is damaged or belongs to other parameters is an error (the file named would
+    be the one ignored); one found beside a named .bin is set aside with a warning."""
     import sys
     warn = warn or (lambda msg: print(f"warning: {msg}", file=sys.stderr))
     path = Path(path)
-    if path.suffix == ".state":
+    named_state = path.suffix == ".state"
+    if named_state:
         path = path.with_suffix(".bin")
     ck = ckpt.read(path, expect_kind="params")
     cfg = ck.config
@@ -347,6 +355,8 @@ def load_for_inference(path, threads=1, warn=None, trained_on=None):
         try:
             sck = ckpt.read(st, expect_kind="state")
         except HslmError as e:
+            if named_state:
+                raise
             warn(f"ignoring {st}: {e}")
         else:
             if sck.meta["params_sha256"] == ck.data_sha256:
@@ -354,6 +364,9 @@ def load_for_inference(path, threads=1, warn=None, trained_on=None):
                 if trained_on is not None:  # the run's text: its sha256 and where it came from
                     trained_on.update(sha256=sck.meta.get("text_sha256"),
                                       source=sck.meta.get("data_source"))
+            elif named_state:
+                raise HslmError(f"{st} belongs to other parameters than {path} (not the "
+                                "same checkpoint's pair); name the .bin to use it alone")
             else:
                 warn(f"ignoring {st}: it belongs to other parameters than {path}")
     check_fits(memory_estimate(cfg, threads=threads, training=False),
@@ -375,7 +388,7 @@ def resolve_config(model: str) -> Config:
         raise HslmError(f"model config {path} is {len(raw):,} bytes; a config is a small "
                         "JSON object")
     try:
-        return Config.from_dict(json.loads(raw.decode("utf-8")))
+        return Config.from_dict(json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys))
     except (ValueError, TypeError, RecursionError, UnicodeDecodeError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise HslmError(f"model config {path}: {msg}") from None
@@ -438,9 +451,13 @@ def open_run(o: TrainOptions):
         def corpus_for(cfg, hyper, text_sha256, tokenizer, step):
             if o.steps <= step:
                 raise HslmError(f"{o.resume} is already at step {step}; pass --steps above it")
+            check_checkpoint_names(out, step, o.steps, o.save_every)
             if cfg_flag is not None and cfg_flag != cfg:
+                mine, theirs = asdict(cfg_flag), asdict(cfg)
+                diff = ", ".join(f"{k} {mine[k]} against {theirs[k]}" for k in mine
+                                 if mine[k] != theirs[k])
                 raise HslmError(f"config mismatch: --model {o.model} differs from the "
-                                "checkpoint's configuration")
+                                f"checkpoint's configuration ({diff})")
             for n in HYPER_NAMES:  # flags that decide the bytes must agree with the run's
                 if n in o.given and o.hyper[n] != getattr(hyper, n):
                     raise HslmError(f"config mismatch: --{n.replace('_', '-')} {o.hyper[n]} "
@@ -467,6 +484,7 @@ def open_run(o: TrainOptions):
     out = o.out or Path("ckpt")
     check_out_dir(out)
     check_metrics_path(o.metrics, out)
+    check_checkpoint_names(out, 0, o.steps, o.save_every)
     check_fits(memory_estimate(cfg, hyper.batch, o.threads, o.speed),
                f"--model {o.model} with --batch {hyper.batch} on {o.threads} thread(s)")
     held = [hold_out_dir(out)]
@@ -523,18 +541,41 @@ def releasing_on_error(held):
         raise
 
 
-def warn_of_replaced_checkpoints(out: Path, step: int, steps: int):
-    """One line on stderr when `out` holds checkpoints this run may replace (steps after
-    its start, up to its last): another run's, or an earlier branch of this one."""
+def checkpoints_saved_over(out: Path, step: int, steps: int, save_every: int):
+    """{n: [paths]} of the ckpt_n.bin / .state already in `out` at the steps a run from
+    `step` to `steps` saves on its own (every save_every-th, and the last)."""
     import re
+    found = {}
+    if not out.is_dir():
+        return found
+    for p in out.glob("ckpt_*.*"):
+        m = re.fullmatch(r"ckpt_(\d+)\.(bin|state)", p.name)
+        if m:
+            n = int(m.group(1))
+            if step < n <= steps and (n == steps or (save_every and n % save_every == 0)):
+                found.setdefault(n, []).append(p)
+    return found
+
+
+def check_checkpoint_names(out: Path, step: int, steps: int, save_every: int):
+    """Refuse, before the run, a folder standing where it will save a checkpoint (the
+    rename onto it would fail after the training it saves)."""
+    for n, paths in sorted(checkpoints_saved_over(out, step, steps, save_every).items()):
+        for p in sorted(paths):
+            if p.is_dir():
+                raise HslmError(f"{p} is a folder, where this run saves its step-{n} "
+                                "checkpoint; move it or give another --out")
+
+
+def warn_of_replaced_checkpoints(out: Path, step: int, steps: int, save_every: int):
+    """One line on stderr when `out` holds checkpoints this run replaces (at the steps it
+    saves, after its start): another run's, or an earlier branch of this one."""
     import sys
-    found = sorted({int(m.group(1)) for p in out.glob("ckpt_*.*")
-                    if (m := re.fullmatch(r"ckpt_(\d+)\.(bin|state)", p.name))
-                    and step < int(m.group(1)) <= steps})
+    found = sorted(checkpoints_saved_over(out, step, steps, save_every))
     if found:
         shown = ", ".join(f"ckpt_{n}" for n in found[:3]) + (", ..." if len(found) > 3 else "")
         print(f"warning: {out} already holds checkpoints at steps this run saves ({shown}); "
-              "those it reaches are replaced", file=sys.stderr)
+              "they are replaced", file=sys.stderr)
 
 
 def train_run(o: TrainOptions, echo=None):
@@ -561,7 +602,7 @@ def train_run(o: TrainOptions, echo=None):
     try:
         cfg, h = run.cfg, run.hyper
         if distributed.is_writer():
-            warn_of_replaced_checkpoints(out, run.step, o.steps)
+            warn_of_replaced_checkpoints(out, run.step, o.steps, o.save_every)
             save_tokenizer(out, run.corpus.tokenizer)
         if not o.quiet:
             need = memory_estimate(cfg, h.batch, o.threads, o.speed)

@@ -34,6 +34,17 @@ def _no_constants(name):
     raise Invalid(f"the literal {name} is not allowed")
 
 
+def unique_keys(pairs):
+    """json's object_pairs_hook: a dict, or Invalid for a key given twice (json.loads
+    would keep the last one silently)."""
+    obj = {}
+    for key, value in pairs:
+        if key in obj:
+            raise Invalid(f"the key {key!r} is given twice")
+        obj[key] = value
+    return obj
+
+
 def parse_json(text, what: str, limit: int = MAX_JSON):
     """json.loads with a size bound, no NaN/Infinity literals and no RecursionError."""
     if isinstance(text, (bytes, bytearray)):
@@ -46,7 +57,9 @@ def parse_json(text, what: str, limit: int = MAX_JSON):
     if len(text) > limit:
         raise Invalid(f"{what} is {len(text):,} bytes, more than the {limit:,} allowed")
     try:
-        return json.loads(text, parse_constant=_no_constants)
+        return json.loads(text, parse_constant=_no_constants, object_pairs_hook=unique_keys)
+    except Invalid as e:
+        raise Invalid(f"{what}: {e}") from None
     except RecursionError:
         raise Invalid(f"{what} is nested too deeply") from None
     except (ValueError, TypeError) as e:

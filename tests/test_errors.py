@@ -100,3 +100,111 @@ def test_resume_errors(tmp_path, good):
     # already there
     line = one_line_error(*hslm("train", "--resume", good / "ckpt_1.state", "--steps", "1"))
     assert "already at step 1" in line
+
+
+# ---------------------------------------------- found by a black-box audit of the CLI
+@pytest.mark.parametrize("args,name", [
+    (["train", *TINY, "--out", ""], "--out"),
+    (["train", *TINY, "--metrics", ""], "--metrics"),
+    (["train", *TINY, "--resume", ""], "--resume"),
+    (["train", *TINY, "--data", ""], "--data"),
+    (["train", "--model", "", "--steps", "1"], "--model"),
+    (["eval", ""], "CKPT"),
+    (["info", ""], "FILE"),
+    (["bench", "--model", "", "--steps", "1"], "--model"),
+])
+def test_an_empty_path_is_refused_not_read_as_here(tmp_path, args, name):
+    """Path("") is the current folder: `--out ""` had written a run into it."""
+    line = one_line_error(*hslm(*args, cwd=tmp_path))
+    assert name in line and "empty" in line, line
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_fifo_or_device_as_metrics_is_refused_up_front(tmp_path):
+    fifo = tmp_path / "m.fifo"
+    os.mkfifo(fifo)
+    for target in (fifo, "/dev/full"):
+        out_dir = tmp_path / "o"
+        line = one_line_error(*hslm("train", *TINY, "--out", out_dir, "--metrics", target))
+        assert "not a regular file" in line, line  # before: hung on the FIFO; /dev/full after step 1
+        assert not out_dir.exists()
+    # control: a regular file is taken
+    code, _, err = hslm("train", *TINY, "--out", tmp_path / "o", "--metrics", tmp_path / "m.jsonl")
+    assert code == 0, err
+    assert (tmp_path / "m.jsonl").stat().st_size > 0
+
+
+def test_a_named_state_of_other_parameters_is_refused(tmp_path, good):
+    other = tmp_path / "other"
+    assert hslm("train", *TINY, "--seed", "2", "--out", other)[0] == 0
+    mix = tmp_path / "mix"
+    mix.mkdir()
+    (mix / "ckpt_1.bin").write_bytes((good / "ckpt_1.bin").read_bytes())
+    (mix / "ckpt_1.state").write_bytes((other / "ckpt_1.state").read_bytes())
+    for cmd in (["eval", mix / "ckpt_1.state"], ["sample", mix / "ckpt_1.state", "--tokens", "2"]):
+        line = one_line_error(*hslm(*cmd))
+        assert "belongs to other parameters" in line, line
+    # control: naming the .bin evaluates it, the foreign .state set aside with a warning
+    code, out, err = hslm("eval", mix / "ckpt_1.bin")
+    assert code == 0 and "valid loss" in out and "warning: ignoring" in err
+    # and a matching pair named by its .state is used as before
+    code, out, err = hslm("eval", good / "ckpt_1.state")
+    assert code == 0 and "warning" not in err, err
+
+
+def test_a_folder_where_a_checkpoint_goes_is_refused_before_the_run(tmp_path, good):
+    for name in ("ckpt_1.bin", "ckpt_1.state"):
+        out_dir = tmp_path / name.replace(".", "_")
+        (out_dir / name).mkdir(parents=True)
+        line = one_line_error(*hslm("train", *TINY, "--out", out_dir))
+        assert "is a folder" in line and "step-1" in line, line
+        assert sorted(os.listdir(out_dir)) == [name]  # nothing trained, nothing written
+    # resuming: the step it saves at
+    d = tmp_path / "resume"
+    d.mkdir()
+    for suffix in (".bin", ".state"):
+        (d / f"ckpt_1{suffix}").write_bytes((good / f"ckpt_1{suffix}").read_bytes())
+    (d / "ckpt_2.bin").mkdir()
+    line = one_line_error(*hslm("train", "--resume", d / "ckpt_1.state", "--steps", "2"))
+    assert "ckpt_2.bin is a folder" in line, line
+    # control: a folder named for a step the run does not save is left alone
+    ok = tmp_path / "ok"
+    (ok / "ckpt_5.bin").mkdir(parents=True)
+    assert hslm("train", *TINY, "--out", ok)[0] == 0
+
+
+def test_the_replaced_checkpoints_warning_counts_only_saved_steps(tmp_path):
+    d = tmp_path / "d"
+    assert hslm("train", *TINY, "--steps", "2", "--out", d)[0] == 0
+    code, _, err = hslm("train", *TINY, "--steps", "3", "--out", d)
+    assert code == 0 and "already holds" not in err, err  # it saves ckpt_3 only
+    code, _, err = hslm("train", *TINY, "--steps", "4", "--save-every", "2", "--out", d)
+    assert code == 0 and "(ckpt_2)" in err, err  # control: it does save ckpt_2
+
+
+def test_other_inputs_the_audit_found(tmp_path, good):
+    # sample's seed as train's: at most 2^63 - 1 (it had been taken)
+    line = one_line_error(*hslm("sample", good / "ckpt_1.bin", "--tokens", "2",
+                                "--seed", str(2 ** 64)))
+    assert "--seed" in line
+    # bench --threads as train's: at most 1024 (before compiling anything)
+    line = one_line_error(*hslm("bench", "--model", "hslm-tiny", "--threads", "100000"))
+    assert "--threads" in line and "1024" in line
+    # a model config giving a key twice (json keeps the last silently)
+    cfg = tmp_path / "dup.json"
+    cfg.write_text('{"vocab": 300, "width": 27, "width": 28}')
+    line = one_line_error(*hslm("info", cfg))
+    assert "'width' is given twice" in line
+    # a resumed run's other config names the fields that differ
+    line = one_line_error(*hslm("train", "--resume", good / "ckpt_1.state", "--steps", "2",
+                                "--model", "hslm-3"))
+    assert "width 243 against 27" in line, line
+    # a cache folder that is a file: said so
+    f = tmp_path / "afile"
+    f.write_text("")
+    code, _, err = hslm("train", *TINY, "--out", tmp_path / "c", "--cache-dir", f)
+    assert code == 0 and f"{f} is not a folder" in err, err
+    # a diverged run says no checkpoint of this step is written
+    line = one_line_error(*hslm("train", *TINY, "--steps", "3", "--lr", "1e308",
+                                "--out", tmp_path / "nan"))
+    assert "is nan" in line and "checkpoints already written are left" in line, line

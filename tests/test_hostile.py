@@ -142,11 +142,19 @@ def test_one_writer_per_folder(tmp_path):
 
 
 def test_metrics_write_failure_saves_and_stops(tmp_path):
-    if not os.path.exists("/dev/full"):
-        pytest.skip("no /dev/full")
+    """A metrics file whose writes fail mid-run (a file-size limit standing in for a full
+    disk: the file is filled to 100 bytes short of it, so the first record fails; a
+    FIFO or device as --metrics is refused up front, tests/test_errors.py)."""
+    import resource
+    limit = 1 << 20  # above the checkpoints of hslm-tiny; Python ignores SIGXFSZ
+    m = tmp_path / "m.jsonl"
+    m.write_bytes(b"\n" * (limit - 100))
     d = tmp_path / "mf"
-    line = one_line_error(*hslm("train", *TINY, "--steps", 3, "--metrics", "/dev/full",
-                                "--out", d))
+    p = subprocess.run([sys.executable, str(ROOT / "cli.py"), "train", *map(str, TINY), "--steps",
+                        "3", "--metrics", str(m), "--out", str(d)], capture_output=True, text=True,
+                       timeout=600,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    line = one_line_error(p.returncode, p.stdout, p.stderr)
     assert "cannot write --metrics" in line and "saved" in line
     ckpt.read(d / "ckpt_1.state")
 
@@ -357,3 +365,145 @@ def test_eval_says_when_it_scores_another_text_than_the_runs(base, tmp_path):
     assert code == 0 and "note:" not in err and "warning" not in err
     code, out, err = hslm("eval", base / "ckpt_2.bin")  # trained on the built-in text
     assert code == 0 and "note:" not in err
+
+
+def test_a_bench_report_nested_too_deeply_is_one_line(tmp_path):
+    """json recurses once a nesting level: '[' * 100000 was a RecursionError traceback."""
+    good = ROOT / "docs" / "bench" / "threads.json"
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100000 + "\n")
+    for args in ((good, deep), (deep, good)):
+        line = one_line_error(*hslm("bench-compare", *args))
+        assert f"{deep}: not a JSON bench report (nested too deeply)" in line, line
+    # nested, but within what json reads: judged as a report, as before
+    (tmp_path / "shallow.json").write_text("[" * 50 + "]" * 50)
+    assert "not an hslm bench report" in one_line_error(
+        *hslm("bench-compare", good, tmp_path / "shallow.json"))
+    code, out, err = hslm("bench-compare", good, good)  # the good case still compares
+    assert code == 0 and not err, err
+
+
+def test_a_lock_path_that_is_not_a_regular_file_is_refused(tmp_path):
+    """A FIFO at OUT/.hslm.lock was an ftruncate traceback (EINVAL); a FIFO opened for
+    writing may wait for a reader: refused before it is opened, one line naming it."""
+    d = tmp_path / "fifo"
+    d.mkdir()
+    os.mkfifo(d / ".hslm.lock")
+    line = one_line_error(*hslm("train", *TINY, "--steps", 1, "--out", d))
+    assert f"the lock file {d / '.hslm.lock'} is a FIFO, not a regular file" in line, line
+    assert os.listdir(d) == [".hslm.lock"]  # nothing written, the FIFO left as it was
+    for name, make, kind in (
+            ("folder", lambda p: p.mkdir(), "a folder"),
+            ("device", lambda p: p.symlink_to("/dev/null"), "a symbolic link"),
+            ("dangling", lambda p: p.symlink_to(tmp_path / "missing"), "a symbolic link")):
+        d = tmp_path / name
+        d.mkdir()
+        make(d / ".hslm.lock")
+        with pytest.raises(HslmError, match=f"is {kind}, not a regular file"):
+            FolderLock(d).acquire()
+        assert not (tmp_path / "missing").exists()  # a dangling link creates nothing
+    # the good cases: a stale regular lock file, and none at all
+    d = tmp_path / "stale"
+    d.mkdir()
+    (d / ".hslm.lock").write_text("not a pid\n")
+    lock = FolderLock(d).acquire()
+    assert (d / ".hslm.lock").read_text() == f"{os.getpid()}\n"
+    lock.release()
+    FolderLock(tmp_path).acquire().release()
+
+
+def _forged_state(src, dst, **meta_changes):
+    """A valid .state: src's tensors and metadata, with meta_changes, re-encoded (so both
+    checksums are right)."""
+    ck = ckpt.read(src)
+    meta = dict(ck.meta, **meta_changes)
+    dst.write_bytes(ckpt.encode([(n, ck.tensor(n)) for n in ck.names()], meta))
+    ckpt.read(dst)
+    return dst
+
+
+def test_diff_names_params_sha256_and_not_the_header_checksum(base, tmp_path, monkeypatch):
+    """Two .state files differing only in params_sha256 printed only
+    `metadata header_sha256: ...` (derived from the rest: noise) and 0 tensors."""
+    a = base / "ckpt_2.state"
+    b = _forged_state(a, tmp_path / "forged.state", params_sha256="0" * 64)
+    code, out, err = hslm("diff", a, b)
+    assert code == 1 and not err, err
+    pa = ckpt.read(a).meta["params_sha256"]
+    assert f"  metadata params_sha256: {pa[:24]}... (64 chars) != {'0' * 24}..." in out, out
+    assert "header_sha256" not in out and "data_sha256" not in out
+    assert out.splitlines()[-1] == "0 tensor(s) differ"
+    # two real states: the fields and tensors that differ, and still no header checksum
+    code, out, err = hslm("diff", base / "ckpt_1.state", a)
+    assert code == 1 and "metadata step: 1 != 2" in out and "metadata params_sha256:" in out
+    assert "adam.m:" in out and "header_sha256" not in out
+    code, out, err = hslm("diff", a, a)  # identical: exit 0, as before
+    assert code == 0 and out.startswith("identical: ")
+    # headers that differ only in header_sha256 (not possible in files that pass the
+    # checks): the difference is still said
+    from hslm import inspect as hslm_inspect
+    real = ckpt.read
+
+    def read(path, expect_kind=None):
+        ck = real(a, expect_kind)
+        if path == "other":
+            ck.raw += b"\0"
+            ck.meta["header_sha256"] = "f" * 64
+        return ck
+    monkeypatch.setattr(hslm_inspect.ckpt, "read", read)
+    same, lines = hslm_inspect.diff_checkpoints("a", "other")
+    assert not same and lines[1].startswith("  the headers differ: header_sha256 "), lines
+    assert lines[-1] == "0 tensor(s) differ"
+
+
+def test_plot_refuses_a_folder_fifo_or_device_before_drawing(tmp_path):
+    """-o a FIFO said `cannot write ff.png: None`, -o a folder complained about its
+    extension: each is now named for what it is (no matplotlib needed to say so)."""
+    m = tmp_path / "m.jsonl"
+    m.write_text(json.dumps({"kind": "train", "step": 1, "loss": 5.0}) + "\n")
+    fifo = tmp_path / "ff.png"
+    os.mkfifo(fifo)
+    (tmp_path / "outdir").mkdir()
+    (tmp_path / "dir.png").mkdir()
+    for out, expect in ((fifo, "is a FIFO, not a regular file"),
+                        (tmp_path / "outdir", "is a folder"), (tmp_path / "dir.png", "is a folder"),
+                        ("/dev/null", "is a device, not a regular file")):
+        line = one_line_error(*hslm("plot", m, "-o", out))
+        assert line.startswith(f"error: -o {out} {expect}"), line
+    assert sorted(os.listdir(tmp_path)) == ["dir.png", "ff.png", "m.jsonl", "outdir"]
+    assert os.listdir(tmp_path / "dir.png") == [] and os.path.exists("/dev/null")
+
+
+def test_plot_writes_its_image_atomically(tmp_path, monkeypatch):
+    """The image was saved straight onto -o: a failed write left half an image there.
+    Now it goes to a temporary file in the same folder, renamed onto the name."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from hslm.plot import plot_metrics
+    m = tmp_path / "m.jsonl"
+    m.write_text("".join(json.dumps({"kind": "train", "step": s, "loss": 5.0 / s}) + "\n"
+                         for s in range(1, 5)))
+    out = tmp_path / "loss.png"
+    out.write_bytes(b"the old image")
+    keep = tmp_path / "keep.png"
+    os.link(out, keep)  # written in place, the old file's other name would change too
+    code, stdout, err = hslm("plot", m, "-o", out)
+    assert code == 0, err
+    assert out.read_bytes().startswith(b"\x89PNG") and keep.read_bytes() == b"the old image"
+    assert sorted(os.listdir(tmp_path)) == ["keep.png", "loss.png", "m.jsonl"]
+    # a write that fails half way (a full disk): the old image is left whole, no debris
+    old = out.read_bytes()
+
+    def full_disk(self, fname, **kw):
+        if isinstance(fname, (str, os.PathLike)):
+            with open(fname, "wb") as f:
+                f.write(b"\x89PNG half")
+        else:
+            fname.write(b"\x89PNG half")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(Figure, "savefig", full_disk)
+    with pytest.raises(HslmError, match="No space left on device"):
+        plot_metrics(m, out)
+    assert out.read_bytes() == old
+    assert sorted(os.listdir(tmp_path)) == ["keep.png", "loss.png", "m.jsonl"]

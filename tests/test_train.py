@@ -226,8 +226,9 @@ def test_diff_reports_what_differs(tmp_path, capsys):
     code, out, _ = run(capsys, "diff", a / "ckpt_2.state", b / "ckpt_2.state")
     assert code == 1 and "metadata hyper: lr 0.001 != 0.002" in out and "adam.m:" in out
     # a long value is cut where the two first differ, not hidden behind a digest of it
-    ha = ckpt.read(a / "ckpt_2.state").meta["header_sha256"]
-    assert f"metadata header_sha256: {ha[:24]}... (64 chars) != " in out
+    pa = ckpt.read(a / "ckpt_2.state").meta["params_sha256"]
+    assert f"metadata params_sha256: {pa[:24]}... (64 chars) != " in out
+    assert "header_sha256" not in out  # derived from the rest of the header: noise
 
 
 def test_checkpoints_are_safetensors_and_self_describing(tmp_path, capsys):
