@@ -224,8 +224,13 @@ def parse(raw: bytes, path, expect_kind=None) -> Checkpoint:
     if len(raw) < 8:
         raise _damaged(path, f"truncated to {len(raw)} bytes")
     (n,) = struct.unpack("<Q", raw[:8])
-    if n > len(raw) - 8 or n > MAX_HEADER or n < 2:
-        raise _damaged(path, f"header length {n:,} does not fit the file's {len(raw):,} bytes")
+    if n < 2:
+        raise _damaged(path, f"its header length is {n}: no header")
+    if n > len(raw) - 8:
+        raise _damaged(path, f"its header length {n:,} reaches past the file's end "
+                             f"({len(raw):,} bytes)")
+    if n > MAX_HEADER:
+        raise _damaged(path, f"its header length {n:,} is more than the {MAX_HEADER:,} allowed")
     hbytes = raw[8:8 + n]
     try:
         header = parse_json(hbytes, "the header", limit=MAX_HEADER)
@@ -247,6 +252,11 @@ def parse(raw: bytes, path, expect_kind=None) -> Checkpoint:
     if not isinstance(claimed, str) or hashlib.sha256(_canonical(rest)).hexdigest() != claimed:
         raise _damaged(path, "header checksum mismatch")
     data = memoryview(raw)[8 + n:]
+    described = _described_data_bytes(header)  # the header is as written: its sizes hold
+    if described is not None and described != len(data):
+        what = "truncated" if len(data) < described else "longer than written"
+        raise _damaged(path, f"{what}: its header describes {described:,} bytes of data, the "
+                             f"file holds {len(data):,}")
     if hashlib.sha256(data).hexdigest() != meta.get("data_sha256"):
         raise _damaged(path, "data checksum mismatch")
     # Every byte is as written. Now the structure must be exactly what we write.
@@ -259,6 +269,21 @@ def parse(raw: bytes, path, expect_kind=None) -> Checkpoint:
     if expect_kind and ck.kind != expect_kind:
         raise HslmError(f"{path} is a '{ck.kind}' file, expected '{expect_kind}'")
     return ck
+
+
+def _described_data_bytes(header):
+    """The end of the last tensor's data_offsets, or None if an entry is malformed
+    (_check_tensors words that)."""
+    end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offs = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(offs, list) and len(offs) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in offs)):
+            return None
+        end = max(end, offs[1])
+    return end
 
 
 def _check_meta(meta, path, header, data_len):

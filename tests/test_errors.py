@@ -208,3 +208,17 @@ def test_other_inputs_the_audit_found(tmp_path, good):
     line = one_line_error(*hslm("train", *TINY, "--steps", "3", "--lr", "1e308",
                                 "--out", tmp_path / "nan"))
     assert "is nan" in line and "checkpoints already written are left" in line, line
+
+
+def test_a_damaged_checkpoint_says_how(tmp_path, good):
+    raw = (good / "ckpt_1.bin").read_bytes()
+    flipped = bytearray(raw)
+    flipped[-100] ^= 1
+    cases = [(raw[:-1000], "truncated: its header describes"), (raw + b"junk", "longer than written"),
+             (bytes(flipped), "data checksum mismatch"), (bytes(8) + raw[8:], "no header"),
+             (b"\xff" * 8 + raw[8:], "past the file's end")]
+    for i, (blob, expect) in enumerate(cases):
+        p = tmp_path / f"c{i}.bin"
+        p.write_bytes(blob)
+        line = one_line_error(*hslm("info", p))
+        assert expect in line, line
