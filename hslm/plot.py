@@ -81,6 +81,7 @@ def plot_metrics(path, output):
     if valid:
         ax.plot(*zip(*valid), "o-", label="validation loss", lw=1.5)
     ax.set_xlabel("step")
+    ax.xaxis.get_major_locator().set_params(integer=True)  # steps are whole numbers
     ax.set_ylabel("loss (nats)")
     ax.grid(alpha=0.3)
     ax.legend()

@@ -222,3 +222,14 @@ def test_a_damaged_checkpoint_says_how(tmp_path, good):
         p.write_bytes(blob)
         line = one_line_error(*hslm("info", p))
         assert expect in line, line
+
+
+def test_a_data_folders_subfolders_are_named_not_skipped_silently(tmp_path):
+    d = tmp_path / "d"
+    (d / "sub").mkdir(parents=True)
+    (d / "sub" / "t.txt").write_text("a text in a subfolder. " * 400)
+    line = one_line_error(*hslm("train", *TINY, "--data", d, "--out", tmp_path / "o"))
+    assert "has no files" in line and "sub" in line, line
+    (d / "a.txt").write_text("some text for the run to learn from. " * 400)
+    code, _, err = hslm("train", *TINY, "--data", d, "--out", tmp_path / "o", "-q")
+    assert code == 0 and "1 folder(s) in it are not read (sub)" in err, err
