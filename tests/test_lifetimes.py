@@ -146,3 +146,38 @@ def test_ternary_kernel_under_a_shared_allocator_arena():
     # under the same contention; 263 of 600 results were wrong here
     text = early_freed_kernel(micro.TERNARY_ROWS, micro.TERNARY_PANEL)
     assert wrong_results_under_contention("early-freed", text) != 0
+
+
+def test_raw_pointer_drivers_refuse_operands_that_do_not_agree():
+    """The tiles read and write through raw addresses, with no bounds checks of their own:
+    each driver checks its operands' shapes first (a guard-page run found every caller in
+    bounds; these checks keep a future caller so). The control: agreeing operands run."""
+    import numpy as np
+    import pytest
+
+    import hslm.micro as micro
+    from hslm.kernels import active_masks, active_rows_grad
+
+    P_, W = micro.TERNARY_PANEL, micro.WGRAD_PANEL
+    X = np.ones((5, 20))
+    P = np.zeros((2, 20, P_), np.int8)
+    micro.ternary_panel_matmul(X, P, 2 * P_, 1.0, np.empty((5, 2 * P_)))  # control
+    c = np.ascontiguousarray  # the kernels are compiled for contiguous operands
+    for bad in ((c(X[:, :19]), P, np.empty((5, 2 * P_))), (X, P, np.empty((4, 2 * P_))),
+                (X, P, np.empty((5, 2 * P_ - 1))), (X, c(P[:, :19]), np.empty((5, 2 * P_)))):
+        with pytest.raises(ValueError, match="shapes do not agree"):
+            micro.ternary_panel_matmul(bad[0], bad[1], 2 * P_, 1.0, bad[2])
+    XT, PD, G = np.ones((6, 27)), np.ones((2, 27, W)), np.zeros((6, 2 * W))
+    micro.panel_matmul_add(XT, PD, 2 * W, G, True)  # control
+    for bad in ((c(XT[:, :26]), PD, G), (XT, PD, G[:5]), (XT, PD, c(G[:, :-1])), (XT, PD[:1], G)):
+        with pytest.raises(ValueError, match="shapes do not agree"):
+            micro.panel_matmul_add(bad[0], bad[1], 2 * W, bad[2], True)
+    L, F, n = 30, 10, micro.ACTIVE_LANES + 3
+    S, D = np.ones((L, F)), np.ones((L, n))
+    M = np.zeros(((L + 63) // 64, F), np.int64)
+    active_masks(S, 0, F, M)
+    active_rows_grad(M, S, D, 0, n, 0, F, np.zeros((F, n)), True)  # control
+    with pytest.raises(ValueError, match="shapes do not agree"):  # narrower than a vector
+        active_rows_grad(M, S, D, 0, micro.ACTIVE_LANES - 1, 0, F, np.zeros((F, n)), True)
+    with pytest.raises(ValueError, match="shapes do not agree"):  # O too short
+        active_rows_grad(M, S, D, 0, n, 0, F, np.zeros((F - 1, n)), True)

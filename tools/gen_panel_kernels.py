@@ -115,7 +115,13 @@ def wgrad_kernel(rows, panel):
 
     L = [defs, "", '@njit(cache=True, nogil=True, error_model="numpy")',
          f"def panel_matmul_add_{rows}x{panel}(X, P, b, G, fresh):", f'    """{WGRAD_DOC}"""',
-         "    n, a = X.shape", f"    out = np.empty({rows * panel})",
+         "    n, a = X.shape",
+         f"    if (X.strides[1] != 8 or P.shape[1] != a or P.strides[1] != {panel * 8} "
+         f"or P.strides[2] != 8",
+         f"            or P.shape[0] * {panel} < b or G.shape[0] != n or G.shape[1] < b "
+         f"or G.strides[1] != 8):",
+         '        raise ValueError("panel_matmul_add: the operands\' shapes do not agree")',
+         f"    out = np.empty({rows * panel})",
          "    x, xb, xs = X.ctypes.data, X.strides[0], X.strides[0] // 8",
          "    g, gs = G.ctypes.data, G.strides[0] // 8",
          "    from_zero = 1 if fresh else 0  # the tiles store 0.0 + sum, not G + sum",
@@ -172,6 +178,8 @@ def panel_matmul_add2_{rows}x{panel}(X, X2, P, P2, b, G, fresh):
     full tile of both windows is summed in one loop (the pair tile: a tile is loaded,
     added to and stored once for the two, and its loop exits once), the same bits.\"\"\"
     n, a = X.shape
+    if X2.shape != X.shape or X2.strides != X.strides or P2.shape != P.shape or P2.strides != P.strides:
+        raise ValueError("panel_matmul_add2: the two windows' operands differ in shape")
     n_full = n - n % {rows}
     q_full = b // {panel}
     x, xb, xs = X.ctypes.data, X.strides[0], X.strides[0] // 8
@@ -239,6 +247,9 @@ def ternary_kernel(rows, panel):
 def ternary_panel_matmul_{rows}x{panel}(X, P, b, alpha, Y):
     \"\"\"{doc}\"\"\"
     n, a = X.shape
+    if (X.strides[1] != 8 or P.shape[1] != a or P.strides[1] != {panel} or P.strides[2] != 1
+            or P.shape[0] * {panel} < b or Y.shape[0] != n or Y.shape[1] < b):
+        raise ValueError("ternary_panel_matmul: the operands' shapes do not agree")  # raw addresses
     # The rows' sums for one panel [n, {panel}], then a chunk of a panel widened, in one
     # allocation: an address taken with .ctypes.data does not keep its array alive (Numba
     # frees an array after its last use), and the sums are read at the end of every
