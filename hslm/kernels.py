@@ -198,7 +198,8 @@ def active_rows_grad(M, S, D, c0, c1, j0, j1, O, fresh):
     n = c1 - c0
     if (n < ACTIVE_LANES or D.shape[1] < c1 or O.shape[1] < n or O.shape[0] < j1 or j1 > F
             or S.shape[1] != F or words * 64 < S.shape[0] or D.shape[0] < S.shape[0]
-            or D.strides[1] != 8 or O.strides[1] != 8 or S.strides[1] != 8):
+            or (D.size > 0 and D.strides[1] != 8) or (O.size > 0 and O.strides[1] != 8)
+            or (S.size > 0 and S.strides[1] != 8)):
         raise ValueError("active_rows_grad: the operands' shapes do not agree")  # raw addresses
     xs, ds, os = S.strides[0] // 8, D.strides[0] // 8, O.strides[0] // 8
     for q in range(active_tiles(n)):

@@ -36,8 +36,9 @@ def ternary_panel_matmul_9x16(X, P, b, alpha, Y):
     not change, on machines with or without FMA. Never call it with a
     non-ternary matrix."""
     n, a = X.shape
-    if (X.strides[1] != 8 or P.shape[1] != a or P.strides[1] != 16 or P.strides[2] != 1
-            or P.shape[0] * 16 < b or Y.shape[0] != n or Y.shape[1] < b):
+    if (P.shape[1] != a or P.shape[0] * 16 < b or Y.shape[0] != n or Y.shape[1] < b
+            or (X.size > 0 and X.strides[1] != 8)  # (an empty array's strides are 0)
+            or (P.size > 0 and (P.strides[1] != 16 or P.strides[2] != 1))):
         raise ValueError("ternary_panel_matmul: the operands' shapes do not agree")  # raw addresses
     # The rows' sums for one panel [n, 16], then a chunk of a panel widened, in one
     # allocation: an address taken with .ctypes.data does not keep its array alive (Numba
@@ -95,8 +96,9 @@ def ternary_panel_matmul_4x12(X, P, b, alpha, Y):
     not change, on machines with or without FMA. Never call it with a
     non-ternary matrix."""
     n, a = X.shape
-    if (X.strides[1] != 8 or P.shape[1] != a or P.strides[1] != 12 or P.strides[2] != 1
-            or P.shape[0] * 12 < b or Y.shape[0] != n or Y.shape[1] < b):
+    if (P.shape[1] != a or P.shape[0] * 12 < b or Y.shape[0] != n or Y.shape[1] < b
+            or (X.size > 0 and X.strides[1] != 8)  # (an empty array's strides are 0)
+            or (P.size > 0 and (P.strides[1] != 12 or P.strides[2] != 1))):
         raise ValueError("ternary_panel_matmul: the operands' shapes do not agree")  # raw addresses
     # The rows' sums for one panel [n, 12], then a chunk of a panel widened, in one
     # allocation: an address taken with .ctypes.data does not keep its array alive (Numba
@@ -149,8 +151,9 @@ def panel_matmul_add_3x24(X, P, b, G, fresh):
     fresh: G = 0.0 + X . D instead, whatever G held (the bits of G zeroed
     and then added to, without a pass that zeroes it)."""
     n, a = X.shape
-    if (X.strides[1] != 8 or P.shape[1] != a or P.strides[1] != 192 or P.strides[2] != 8
-            or P.shape[0] * 24 < b or G.shape[0] != n or G.shape[1] < b or G.strides[1] != 8):
+    if (P.shape[1] != a or P.shape[0] * 24 < b or G.shape[0] != n or G.shape[1] < b
+            or (X.size > 0 and X.strides[1] != 8) or (G.size > 0 and G.strides[1] != 8)
+            or (P.size > 0 and (P.strides[1] != 192 or P.strides[2] != 8))):
         raise ValueError("panel_matmul_add: the operands' shapes do not agree")
     out = np.empty(72)
     x, xb, xs = X.ctypes.data, X.strides[0], X.strides[0] // 8
@@ -269,8 +272,9 @@ def panel_matmul_add_3x12(X, P, b, G, fresh):
     fresh: G = 0.0 + X . D instead, whatever G held (the bits of G zeroed
     and then added to, without a pass that zeroes it)."""
     n, a = X.shape
-    if (X.strides[1] != 8 or P.shape[1] != a or P.strides[1] != 96 or P.strides[2] != 8
-            or P.shape[0] * 12 < b or G.shape[0] != n or G.shape[1] < b or G.strides[1] != 8):
+    if (P.shape[1] != a or P.shape[0] * 12 < b or G.shape[0] != n or G.shape[1] < b
+            or (X.size > 0 and X.strides[1] != 8) or (G.size > 0 and G.strides[1] != 8)
+            or (P.size > 0 and (P.strides[1] != 96 or P.strides[2] != 8))):
         raise ValueError("panel_matmul_add: the operands' shapes do not agree")
     out = np.empty(36)
     x, xb, xs = X.ctypes.data, X.strides[0], X.strides[0] // 8

@@ -116,10 +116,10 @@ def wgrad_kernel(rows, panel):
     L = [defs, "", '@njit(cache=True, nogil=True, error_model="numpy")',
          f"def panel_matmul_add_{rows}x{panel}(X, P, b, G, fresh):", f'    """{WGRAD_DOC}"""',
          "    n, a = X.shape",
-         f"    if (X.strides[1] != 8 or P.shape[1] != a or P.strides[1] != {panel * 8} "
-         f"or P.strides[2] != 8",
-         f"            or P.shape[0] * {panel} < b or G.shape[0] != n or G.shape[1] < b "
-         f"or G.strides[1] != 8):",
+         f"    if (P.shape[1] != a or P.shape[0] * {panel} < b or G.shape[0] != n "
+         f"or G.shape[1] < b",
+         "            or (X.size > 0 and X.strides[1] != 8) or (G.size > 0 and G.strides[1] != 8)",
+         f"            or (P.size > 0 and (P.strides[1] != {panel * 8} or P.strides[2] != 8))):",
          '        raise ValueError("panel_matmul_add: the operands\' shapes do not agree")',
          f"    out = np.empty({rows * panel})",
          "    x, xb, xs = X.ctypes.data, X.strides[0], X.strides[0] // 8",
@@ -247,8 +247,9 @@ def ternary_kernel(rows, panel):
 def ternary_panel_matmul_{rows}x{panel}(X, P, b, alpha, Y):
     \"\"\"{doc}\"\"\"
     n, a = X.shape
-    if (X.strides[1] != 8 or P.shape[1] != a or P.strides[1] != {panel} or P.strides[2] != 1
-            or P.shape[0] * {panel} < b or Y.shape[0] != n or Y.shape[1] < b):
+    if (P.shape[1] != a or P.shape[0] * {panel} < b or Y.shape[0] != n or Y.shape[1] < b
+            or (X.size > 0 and X.strides[1] != 8)  # (an empty array's strides are 0)
+            or (P.size > 0 and (P.strides[1] != {panel} or P.strides[2] != 1))):
         raise ValueError("ternary_panel_matmul: the operands' shapes do not agree")  # raw addresses
     # The rows' sums for one panel [n, {panel}], then a chunk of a panel widened, in one
     # allocation: an address taken with .ctypes.data does not keep its array alive (Numba
