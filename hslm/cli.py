@@ -13,6 +13,7 @@ from . import distributed
 from .errors import HslmError, is_terminated
 from .speeds import DEFAULT_SPEED, SPEEDS, speed_help
 
+
 class PathArg(click.Path):
     """A file or folder name; an empty one is refused (Path("") is the current folder,
     so `--out ""` would have written there)."""
