@@ -27,6 +27,8 @@ from .errors import HslmError
 TWO_M53 = 2.0 ** -53  # exact
 
 
+CHUNK = 1 << 20  # raw draws at a time in integers()
+
 class Stream:
     """A PCG64 bit generator and the project's own conversions of its raw words."""
 
@@ -50,20 +52,25 @@ class Stream:
         """count doubles uniform in [0, 1)."""
         return (self.raw(count) >> np.uint64(11)).astype(np.float64) * TWO_M53
 
-    def integers(self, count: int, n: int) -> np.ndarray:
-        """count integers uniform in [0, n), 1 <= n <= 2^63, as int64."""
+    def integers(self, count: int, n: int, dtype=np.int64) -> np.ndarray:
+        """count integers uniform in [0, n), 1 <= n <= 2^63, as dtype (it must hold n - 1):
+        each raw draw at or above the largest multiple of n is rejected, the rest taken
+        mod n, in order. Drawn in chunks of at most CHUNK, never more than still needed,
+        so the draws consumed and the values are those of one draw of `count` (the
+        minimal prefix of the stream holding `count` accepted draws), and a large table
+        (the VSA's: vocab x vsa_dim) costs its own bytes, not several int64 copies."""
         if not 1 <= n <= 2 ** 63:
             raise ValueError(f"integers: bound {n} out of range")
         limit = np.uint64(2 ** 64 - (2 ** 64 % n)) if 2 ** 64 % n else None
-        out = np.empty(0, np.uint64)
-        need = count
-        while need > 0:
-            x = self.raw(need)
+        out = np.empty(count, dtype)
+        done = 0
+        while done < count:
+            x = self.raw(min(count - done, CHUNK))
             if limit is not None:
                 x = x[x < limit]
-            out = np.concatenate([out, x])
-            need = count - len(out)
-        return (out % np.uint64(n)).astype(np.int64)
+            out[done:done + len(x)] = x % np.uint64(n)
+            done += len(x)
+        return out
 
     # ------------------------------------------------------------ state
     def state_json(self) -> str:

@@ -76,8 +76,9 @@ def vsa_table(cfg: Config, structured: bool = False) -> np.ndarray:
     if structured:
         row = (np.arange(cfg.vocab) % 3 - 1).astype(np.int8)
         return np.ascontiguousarray(np.repeat(row[:, None], cfg.vsa_dim, axis=1))
-    trits = Stream.seeded("vsa", VSA_SEED).integers(cfg.vocab * cfg.vsa_dim, 3) - 1
-    return trits.astype(np.int8).reshape(cfg.vocab, cfg.vsa_dim)
+    trits = Stream.seeded("vsa", VSA_SEED).integers(cfg.vocab * cfg.vsa_dim, 3, np.int8)
+    trits -= 1
+    return trits.reshape(cfg.vocab, cfg.vsa_dim)
 
 
 class Tables:

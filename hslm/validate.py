@@ -192,7 +192,7 @@ def memory_estimate(cfg, batch=0, threads=1, speed=3, training=True) -> int:
     f64 = 8
     total = P * f64  # theta
     total += 2 * P  # the ternary panels (int8)
-    total += V * cfg.vsa_dim * 9  # the VSA table (drawn as int64, kept as int8)
+    total += V * cfg.vsa_dim * 2  # the VSA table (int8, drawn into in place) and a copy
     # per block and position: 17 rows of d, the KV cache's four panel copies (about 4 d,
     # hslm.layers.cache_panels), 2 of the MLP width, the attention row
     per_window = L * (nb * (21 * d + 2 * F + H * L + 1) + 3 * V + 3 * d + 1) * f64

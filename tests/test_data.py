@@ -108,3 +108,40 @@ def test_a_vocabulary_the_text_cannot_fill_is_reported(capsys):
     err = capsys.readouterr().err
     assert f"only {learned:,} of the vocabulary's {5000 - FIRST_MERGE:,} merges" in err
     assert f"token ids {FIRST_MERGE + learned:,}-4,999 never occur" in err
+
+
+def test_integers_drawn_in_chunks_are_one_draws_values():
+    """Stream.integers draws at most rng.CHUNK raw values at a time (a large VSA table
+    costs its own bytes, not several int64 copies): the values and the stream after
+    are those of the one-draw form it replaced (the minimal prefix of raw draws holding
+    `count` accepted ones), with rejections (n = 2^62 + 1 rejects about a quarter) and without."""
+    import numpy as np
+
+    from hslm import rng
+    from hslm.rng import Stream
+
+    def one_draw(s, count, n):  # the form before chunks, verbatim
+        limit = np.uint64(2 ** 64 - (2 ** 64 % n)) if 2 ** 64 % n else None
+        out = np.empty(0, np.uint64)
+        need = count
+        while need > 0:
+            x = s.raw(need)
+            if limit is not None:
+                x = x[x < limit]
+            out = np.concatenate([out, x])
+            need = count - len(out)
+        return (out % np.uint64(n)).astype(np.int64)
+
+    count = 2 * rng.CHUNK + 12345
+    for n in (3, 2 ** 62 + 1, 1):
+        a, b = Stream.seeded("vsa", 7), Stream.seeded("vsa", 7)
+        ref = one_draw(a, count, n)
+        got = b.integers(count, n)
+        assert got.tobytes() == ref.tobytes() and a.state_json() == b.state_json(), n
+        if n <= 128:  # a dtype that holds n - 1: the same values
+            assert (Stream.seeded("vsa", 7).integers(count, n, np.int8) == ref).all()
+    # control: drawing one value more per chunk than needed would move the stream
+    a, b = Stream.seeded("vsa", 7), Stream.seeded("vsa", 7)
+    one_draw(a, count, 2 ** 62 + 1)
+    b.raw(count + 1)
+    assert a.state_json() != b.state_json()
