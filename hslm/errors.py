@@ -20,6 +20,17 @@ def is_terminated(e: BaseException) -> bool:
     return isinstance(e, Terminated) or isinstance(e.__cause__, Terminated)
 
 
+def node_kind(mode) -> str:
+    """What a file system node that is not a regular file is, for messages ("a FIFO")."""
+    import stat
+    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"),
+                       (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "something else"
+
+
 def read_bytes(path, what: str) -> bytes:
     """A regular file's bytes, or an HslmError naming `what` the file is ("checkpoint",
     ...). A device, FIFO or socket is refused before a byte is read: /dev/zero would

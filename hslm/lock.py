@@ -16,7 +16,7 @@ import os
 import stat
 from pathlib import Path
 
-from .errors import HslmError
+from .errors import HslmError, node_kind
 
 LOCK_NAME = ".hslm.lock"
 
@@ -70,7 +70,7 @@ class FolderLock:
 
     def _refuse_unless_regular(self, mode):
         if not stat.S_ISREG(mode):
-            raise HslmError(f"the lock file {self.path} is {_kind(mode)}, not a regular file; "
+            raise HslmError(f"the lock file {self.path} is {node_kind(mode)}, not a regular file; "
                             "remove it or choose another --out")
 
     def release(self):
@@ -86,11 +86,3 @@ def _read_pid(fd):
         return None
     return int(s) if s.isdigit() else None
 
-
-def _kind(mode) -> str:
-    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"),
-                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"),
-                       (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return "something else"

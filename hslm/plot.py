@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from .errors import HslmError, read_bytes
+from .errors import HslmError, node_kind, read_bytes
 
 
 def read_metrics(path):
@@ -48,9 +48,7 @@ def check_output(output):
     if mode is not None and not stat.S_ISREG(mode):
         if stat.S_ISDIR(mode):
             raise HslmError(f"-o {output} is a folder; give a file name")
-        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
-                else "a device")
-        raise HslmError(f"-o {output} is {kind}, not a regular file; give a file name")
+        raise HslmError(f"-o {output} is {node_kind(mode)}, not a regular file; give a file name")
     check_atomic_target(Path(output), "-o")
 
 

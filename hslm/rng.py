@@ -25,9 +25,8 @@ from .config import canonical_json
 from .errors import HslmError
 
 TWO_M53 = 2.0 ** -53  # exact
-
-
 CHUNK = 1 << 20  # raw draws at a time in integers()
+
 
 class Stream:
     """A PCG64 bit generator and the project's own conversions of its raw words."""

@@ -28,16 +28,15 @@ def _files_of(p: Path):
             folders = sorted(q.name for q in entries if q.is_dir())
         except OSError as e:
             raise HslmError(f"cannot read data folder {p}: {e.strerror or e}") from None
+        shown = ", ".join(folders[:3]) + (", ..." if len(folders) > 3 else "")
         if not files:
             raise HslmError(f"data folder {p} has no files"
-                            + (f" (only folders, which are not read: {', '.join(folders[:3])}"
-                               f"{', ...' if len(folders) > 3 else ''})" if folders else ""))
+                            + (f" (only folders, which are not read: {shown})" if folders else ""))
         if folders:  # one level only, as the README says: say what is left out
             from . import distributed
             if distributed.is_writer():
                 print(f"warning: data folder {p}: {len(folders)} folder(s) in it are not read "
-                      f"({', '.join(folders[:3])}{', ...' if len(folders) > 3 else ''}); give "
-                      "them as --data too", file=sys.stderr)
+                      f"({shown}); give them as --data too", file=sys.stderr)
         return files
     return [p]
 
