@@ -45,7 +45,7 @@ class Progress:
             self.bar_shown = True
         elif step % self.log_every == 0 or step == self.last:
             self.stream.write(f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | "
-                              f"{tok_s:8.1f} tok/s\n")
+                              f"{tok_s:8,.0f} tok/s\n")
             self.stream.flush()
 
     def message(self, text):

@@ -632,6 +632,7 @@ class StopRequest:
         self.signum = None     # the stop to act on (under MPI: the one the ranks agreed on)
         self.received = False  # whether this process got a signal itself
         self.echo = echo
+        self.progress = None   # run_loop's Progress: a bar on screen needs a line break first
 
     def __call__(self, signum, frame):
         # Only this process's own second signal stops at once: under MPI the ranks may
@@ -641,7 +642,9 @@ class StopRequest:
         self.received = True
         self.signum = self.signum or signum
         if distributed.is_writer():  # MPI: rank 0 alone prints
-            self.echo(f"\n{signal.Signals(signum).name}: finishing the current step, then "
+            bar = self.progress is not None and self.progress.bar_shown
+            lead = "\n" if bar else ""  # end the bar's line, and print no blank line otherwise
+            self.echo(f"{lead}{signal.Signals(signum).name}: finishing the current step, then "
                       "saving (again to stop at once)", err=True)
 
 
@@ -659,6 +662,7 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
     cfg, h = run.cfg, run.hyper
     metrics = Metrics(o.metrics)
     progress = Progress(run.step, o.steps, quiet=o.quiet, log_every=o.log_every)
+    stop.progress = progress
     from .step import StepRunner, kernels_cached, warm_up
     runner = StepRunner(cfg, o.speed, o.threads, world=distributed.current())
     distributed.share_state(run.state, h.batch, progress.message)  # MPI: a copy per node

@@ -118,12 +118,34 @@ def test_signal_finishes_the_step_saves_and_says_how_to_resume(tmp_path, sig):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + sig
     assert "Traceback" not in err
+    # no progress bar to end here (a pipe): the notice comes with no blank line before it
+    notice = [i for i, l in enumerate(err.splitlines()) if l.startswith(f"{sig.name}: finishing")]
+    assert len(notice) == 1 and (notice[0] == 0 or err.splitlines()[notice[0] - 1].strip()), err
     line = [l for l in out.splitlines() if "stopped after step" in l][0]
     step = int(line.split("stopped after step ")[1].split(";")[0])
     assert f"resume with: hslm train --resume {tmp_path / f'ckpt_{step}.state'}" in out
     ckpt.read(tmp_path / f"ckpt_{step}.bin", expect_kind="params")
     code, _, err = hslm("train", "--resume", tmp_path / f"ckpt_{step}.state", "--steps", step + 1)
     assert code == 0, err
+
+
+def test_signal_notice_ends_a_progress_bar_and_adds_no_blank_line_otherwise():
+    from hslm.train import StopRequest
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for shown in (True, False):
+        said = []
+        stop = StopRequest(lambda text, err=False: said.append(text))
+        stop.progress = Progress(0, 10, stream=Terminal())
+        if shown:
+            stop.progress.step(1, 5.0, 1e-3, 1234.5)
+        stop(signal.SIGINT, None)
+        assert said == [("\n" if shown else "") + "SIGINT: finishing the current step, then "
+                        "saving (again to stop at once)"]
+        assert stop.signum == signal.SIGINT
 
 
 def test_kill_9_never_leaves_a_corrupt_checkpoint(tmp_path):
