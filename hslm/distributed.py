@@ -606,15 +606,14 @@ class World:
         return self.ordered_mean(losses)
 
     # ------------------------------------------- one node: shared memory
-    def shared_arrays(self, name, specs):
-        """Zeroed arrays [(shape, dtype)] in one block of memory that every rank of the
-        node maps (MPI-3 shared memory: Win.Allocate_shared), replacing the block made
-        before under `name`. Collective: every rank calls it with the same specs."""
+    def shared_arrays(self, name, specs, fill=None):
+        """Arrays [(shape, dtype)] in one block of memory that every rank of the node
+        maps (MPI-3 shared memory: Win.Allocate_shared), zeroed, then given to
+        `fill(arrays)` on the node's first rank; they replace the block made before
+        under `name`, freed only after `fill` (which may copy from it). Collective:
+        every rank calls it with the same specs."""
         MPI = self.MPI
         old = self._wins.pop(name, None)
-        if old is not None:
-            old.Unlock_all()
-            old.Free()
         sizes = [int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in specs]
         starts = np.concatenate([[0], np.cumsum([-(-n // 64) * 64 for n in sizes])]).astype(int)
         total = int(starts[-1]) + 64  # each array starts on a cache line
@@ -624,11 +623,17 @@ class World:
         self._wins[name] = win
         raw = np.frombuffer(win.Shared_query(0)[0], np.uint8)
         base = -raw.ctypes.data % 64
+        arrays = [raw[base + a:base + a + n].view(dtype).reshape(shape)
+                  for (shape, dtype), a, n in zip(specs, starts, sizes)]
         if self.node.Get_rank() == 0:  # MPI does not promise zeroed memory
             raw[:] = 0
+            if fill is not None:
+                fill(arrays)
         self.node_sync()
-        return [raw[base + a:base + a + n].view(dtype).reshape(shape)
-                for (shape, dtype), a, n in zip(specs, starts, sizes)]
+        if old is not None:
+            old.Unlock_all()
+            old.Free()
+        return arrays
 
     def node_sync(self):
         """A barrier of the node's ranks that orders their stores to shared memory:
@@ -668,12 +673,12 @@ class World:
                      f"shared model and records need {need / 2 ** 20:.0f} MiB: each rank keeps "
                      "its own copy and passes messages (a container: --shm-size)")
             return
-        arrays = self.shared_arrays("model", [(getattr(state, n).shape, getattr(state, n).dtype)
-                                              for n in names])
-        if self.node.Get_rank() == 0:
+        def fill(arrays):  # rank 0's values (they may live in the block being replaced)
             for n, a in zip(names, arrays):
                 a[...] = getattr(state, n)
-        self.node_sync()
+
+        arrays = self.shared_arrays("model", [(getattr(state, n).shape, getattr(state, n).dtype)
+                                              for n in names], fill)
         for n, a in zip(names, arrays):
             setattr(state, n, a)
 

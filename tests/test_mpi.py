@@ -446,3 +446,33 @@ def test_mpi_batch_beyond_one_group_of_weight_gradient_windows(tmp_path):
         train(tmp_path / reduction, "--batch", 19, "--steps", 2, "-k", 5, ranks=2,
               extra_env={"HSLM_MPI_REDUCTION": reduction})
         same_bytes(tmp_path / "one", tmp_path / reduction, 2)
+
+
+SHARE_TWICE = """
+import numpy as np
+from hslm import distributed
+from hslm.config import PRESETS
+from hslm.params import ModelState, init_params
+from hslm.tables import Tables
+cfg = PRESETS["hslm-tiny"]
+state = ModelState(cfg, init_params(cfg, 1729), Tables(cfg))
+want = {n: getattr(state, n).copy() for n in ("theta", "Tf", "Tb", "alpha", "zeros", "Pf", "Pb")}
+world = distributed.init()
+for _ in range(3):  # each share replaces the block the state's arrays live in
+    world.share_state(state, batch=2)
+    for n, a in want.items():
+        assert getattr(state, n).tobytes() == a.tobytes(), n
+world.close()
+open(f"rank{world.rank}", "w").write("same values")
+"""
+
+
+def test_sharing_the_model_again_copies_it_before_freeing_its_old_block(tmp_path):
+    """shared_arrays frees the block it replaces only after the copy from it (it was freed
+    first: rank 0 copied from unmapped memory, a segfault)."""
+    script = tmp_path / "share_twice.py"
+    script.write_text(SHARE_TWICE)
+    p = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(script)], capture_output=True,
+                       text=True, timeout=120, env=env(), cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["same values"] * 2
