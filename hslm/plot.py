@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from .errors import HslmError, node_kind, read_bytes
+from .errors import HslmError, read_bytes
 
 
 def read_metrics(path):
@@ -31,24 +31,12 @@ def read_metrics(path):
 
 
 def check_output(output):
-    """Refuse, before anything is drawn, an -o the image cannot be written to: a folder,
-    a FIFO, a device or a socket (os.replace would put the image in place of the node,
-    /dev/null included), or a name whose folder is missing or refuses a new file."""
-    import os
-    import stat
+    """Refuse, before anything is drawn, an -o the image cannot be written to
+    (checkpoint.check_atomic_target: a folder, a FIFO, a device, a socket, or a name
+    whose folder is missing or refuses a new file)."""
     from pathlib import Path
 
     from .checkpoint import check_atomic_target
-    try:
-        mode = os.stat(output).st_mode  # through a link: where the name leads counts
-    except (FileNotFoundError, NotADirectoryError):
-        mode = None  # a new name (or a dangling link, replaced): check_atomic_target judges
-    except OSError as e:
-        raise HslmError(f"-o {output}: {e.strerror or e}") from None
-    if mode is not None and not stat.S_ISREG(mode):
-        if stat.S_ISDIR(mode):
-            raise HslmError(f"-o {output} is a folder; give a file name")
-        raise HslmError(f"-o {output} is {node_kind(mode)}, not a regular file; give a file name")
     check_atomic_target(Path(output), "-o")
 
 

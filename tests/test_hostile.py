@@ -4,6 +4,7 @@ import json
 import os
 import shlex
 import signal
+import stat
 import subprocess
 import sys
 
@@ -472,6 +473,24 @@ def test_plot_refuses_a_folder_fifo_or_device_before_drawing(tmp_path):
         assert line.startswith(f"error: -o {out} {expect}"), line
     assert sorted(os.listdir(tmp_path)) == ["dir.png", "ff.png", "m.jsonl", "outdir"]
     assert os.listdir(tmp_path / "dir.png") == [] and os.path.exists("/dev/null")
+
+
+def test_bench_json_that_is_not_a_regular_file_is_refused_before_benchmarking(tmp_path):
+    """bench --json a FIFO (or /dev/null) reported "wrote" and put a file in the node's
+    place: now refused up front, as plot -o and --metrics are."""
+    from hslm.checkpoint import check_atomic_target
+    from hslm.errors import HslmError
+    fifo = tmp_path / "ff.json"
+    os.mkfifo(fifo)
+    line = one_line_error(*hslm("bench", "--model", "hslm-tiny", "--steps", 1, "--no-torch",
+                                "--no-profile", "--json", fifo))
+    assert line == f"error: --json {fifo} is a FIFO, not a regular file; give a file name"
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    for device in ("/dev/null", "/dev/full"):  # judged, never written (a refusal writes nothing)
+        with pytest.raises(HslmError, match=f"--json {device} is a device, not a regular file"):
+            check_atomic_target(device, "--json")
+        assert stat.S_ISCHR(os.stat(device).st_mode)
+    check_atomic_target(tmp_path / "new.json", "--json")  # a new name in a writable folder
 
 
 def test_plot_writes_its_image_atomically(tmp_path, monkeypatch):
