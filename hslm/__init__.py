@@ -64,6 +64,45 @@ def _tolerate_stale_kernel_caches():
     caching.IndexDataCacheFile._load_index = tolerant_load_index
 
 
+def _kernel_caches_follow_the_whole_package():
+    """Numba's cache of a kernel is stamped with the kernel's own source file only (its
+    documentation: cache invalidation "fails to recognize changes in symbols defined in
+    a different file"), yet the cached code holds every kernel it calls and every
+    constant it read, from hslm's other files: after a change to kernels.py alone (a
+    checkout, an editable install) the cached kernels of windows.py ran the old
+    kernels.py. So each of hslm's kernels is stamped with a digest of every .py file of
+    the package as well, taken at import: any change to hslm's source compiles them all
+    again (as an upgrade does)."""
+    import hashlib
+
+    try:
+        from numba.core import caching
+        mixin = caching._SourceFileBackedLocatorMixin
+        numba_stamp = mixin.get_source_stamp
+    except (ImportError, AttributeError):  # another Numba: leave it as it is
+        return
+    if getattr(numba_stamp, "hslm_package", None) is not None:
+        return
+    here = _os.path.dirname(_os.path.abspath(__file__))
+    h = hashlib.sha256()
+    for name in sorted(n for n in _os.listdir(here) if n.endswith(".py")):
+        with open(_os.path.join(here, name), "rb") as f:
+            data = f.read()
+        h.update(b"%s %d\n" % (name.encode(), len(data)) + data)
+    package = h.hexdigest()
+
+    def get_source_stamp(self):
+        stamp = numba_stamp(self)
+        if _os.path.dirname(_os.path.abspath(self._py_file)) == here:
+            return stamp, package
+        return stamp
+
+    get_source_stamp.hslm_package = package
+    get_source_stamp.numba_get_source_stamp = numba_stamp  # (a test's negative control)
+    mixin.get_source_stamp = get_source_stamp
+
+
 _writable_kernel_cache()
 _prefer_512_bit_vectors()
 _tolerate_stale_kernel_caches()
+_kernel_caches_follow_the_whole_package()

@@ -218,3 +218,58 @@ def test_a_stale_kernel_cache_index_from_another_version_is_compiled_over(tmp_pa
     again = subprocess.run([sys.executable, "-c", "from hslm.mathfn import log; print(log(2.0))"],
                            env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and again.stdout.strip() == repr(float(np.log(2.0))), again
+
+
+PROBE_CALLEE = """from numba import njit
+
+VALUE = {value}
+
+
+@njit(cache=True)
+def value():
+    return VALUE
+"""
+PROBE_CALLER = """from numba import njit
+
+from ._probe_callee import value
+
+
+@njit(cache=True)
+def twice():
+    return 2 * value()
+"""
+RUN_PROBE = """import sys
+import hslm
+if sys.argv[1] == "numba's stamps":  # the negative control: each file's own stamp only
+    from numba.core import caching
+    m = caching._SourceFileBackedLocatorMixin
+    m.get_source_stamp = m.get_source_stamp.numba_get_source_stamp
+from hslm._probe_caller import twice
+print(twice())
+"""
+
+
+@pytest.mark.parametrize("stamps", ["hslm's stamps", "numba's stamps"])
+def test_a_change_in_one_file_recompiles_the_cached_kernels_of_the_others(tmp_path, stamps):
+    """A cached kernel holds the code of the kernels it calls from other files, which
+    Numba's cache does not follow: after a change to _probe_callee.py alone, the cached
+    twice() of _probe_caller.py still ran the old value() (the control shows it). hslm
+    stamps its kernels with a digest of the whole package, so they compile again."""
+    pkg = tmp_path / "pkg" / "hslm"
+    pkg.mkdir(parents=True)
+    for f in (ROOT / "hslm").glob("*.py"):  # a copy of the package, probes added
+        (pkg / f.name).write_bytes(f.read_bytes())
+    (pkg / "_probe_caller.py").write_text(PROBE_CALLER)
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"),
+           "PYTHONPATH": str(tmp_path / "pkg")}
+
+    def run():
+        p = subprocess.run([sys.executable, "-c", RUN_PROBE, stamps], env=env, text=True,
+                           capture_output=True, timeout=300, cwd=tmp_path)
+        assert p.returncode == 0, p.stderr
+        return int(p.stdout)
+
+    (pkg / "_probe_callee.py").write_text(PROBE_CALLEE.format(value=1))
+    assert run() == 2 and run() == 2  # compiled, then loaded from the cache
+    (pkg / "_probe_callee.py").write_text(PROBE_CALLEE.format(value=5))
+    assert run() == (10 if stamps == "hslm's stamps" else 2)
