@@ -102,7 +102,37 @@ def _kernel_caches_follow_the_whole_package():
     mixin.get_source_stamp = get_source_stamp
 
 
+def _kernel_cache_saves_may_fail():
+    """A kernel that compiled but cannot be saved in Numba's cache (a full disk, a file-size
+    limit, a cache folder made read-only) stopped the run with a traceback from Numba's
+    cache; the cache only saves time, so the run goes on with a warning (once) and the
+    kernel compiles again next time."""
+    import sys
+
+    try:
+        from numba.core import caching
+        numba_save = caching.Cache.save_overload
+    except (ImportError, AttributeError):
+        return
+    if getattr(numba_save, "numba_save_overload", None) is not None:
+        return
+    warned = []
+
+    def save_overload(self, sig, data):
+        try:
+            numba_save(self, sig, data)
+        except OSError as e:
+            if not warned:
+                warned.append(e)
+                print(f"warning: cannot save compiled kernels in Numba's cache "
+                      f"({e.strerror or e}); they will compile again next run", file=sys.stderr)
+
+    save_overload.numba_save_overload = numba_save  # (a test's negative control)
+    caching.Cache.save_overload = save_overload
+
+
 _writable_kernel_cache()
 _prefer_512_bit_vectors()
 _tolerate_stale_kernel_caches()
 _kernel_caches_follow_the_whole_package()
+_kernel_cache_saves_may_fail()

@@ -168,7 +168,7 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
                f"{vocab:,} on {src.size:,} bytes of text")
     show = src.size >= SHOW_FROM
     ph = Phase("reading and checking the text", src.size, show=show)
-    ids = src.read_ids(bpe.ids_dtype(vocab), BYTE0, ph)
+    ids = src.read_ids(bpe.ids_dtype(vocab), BYTE0, ph, expect_sha256=sha)
     ph.close()
     ctl = np.zeros(4, np.int64)
     learn = tokenizer is None

@@ -55,8 +55,20 @@ JOBS = {
     "evaluation": ("forward", "backward"),
 }
 MAX_PROCESSES = 4  # the chains allow no more than about this many at once
-# one lock for every parallel compile of this user's (two first runs at once included)
-CACHE_LOCK = Path(tempfile.gettempdir()) / f"hslm-numba-cache-{getattr(os, 'getuid', lambda: 0)()}.lock"
+
+
+def _cache_lock_path():
+    """One lock for every parallel compile of this user's (two first runs at once
+    included), in the temporary folder; None when no temporary folder is usable (then
+    nothing compiles in parallel: a run needs none of its own)."""
+    try:
+        folder = tempfile.gettempdir()
+    except OSError:  # (FileNotFoundError: "No usable temporary directory found")
+        return None
+    return Path(folder) / f"hslm-numba-cache-{getattr(os, 'getuid', lambda: 0)()}.lock"
+
+
+CACHE_LOCK = _cache_lock_path()
 
 
 def jobs_for(speeds, teams: bool = False) -> list[str]:
@@ -420,7 +432,7 @@ def session(speeds, vocab: int, echo=None, tokenizing_here=False, teams=False):
             echo("compiling kernels (first run on this machine: under a minute) ...")
         return _Nothing()
     reason = needed(speeds, teams)
-    if not reason:
+    if not reason or CACHE_LOCK is None:  # (no temporary folder: compiled as the run goes)
         return _Nothing()
     jobs = [j for j in jobs_for(speeds, teams) if not (tokenizing_here and j == "tokenizer")]
     return ParallelCompile(speeds, vocab, echo, jobs,

@@ -3,6 +3,7 @@ elsewhere, and an optional JSON-lines metrics file."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import time
@@ -68,30 +69,63 @@ class MetricsError(Exception):
 
 
 class Metrics:
-    """Appends one JSON object per line to a file (flushed, so a crash loses nothing)."""
+    """Appends one JSON object per line to a file, each line written whole or not at
+    all: a write that fails part way (a full disk) is cut back to the last whole line,
+    and a partial last line left by a run that died while writing is cut off when the
+    file is opened again (with a warning), so the file always reads back (hslm plot)."""
 
     def __init__(self, path):
         self.path = path
-        self.f = None
+        self.fd = None
+        self.end = 0  # the file's length after its last whole line
         if path:
             from .errors import HslmError
             try:
-                self.f = open(path, "a", encoding="utf-8")
+                self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+                self.end = self._cut_partial_line()
             except OSError as e:
+                self.close()
                 raise HslmError(f"cannot open --metrics {path}: {e.strerror}") from None
 
-    def write(self, **record):
-        if self.f is not None:
-            try:
-                self.f.write(json.dumps(record, sort_keys=True) + "\n")
-                self.f.flush()
-            except OSError as e:
-                raise MetricsError(f"cannot write --metrics {self.path}: {e.strerror}") from None
+    def _cut_partial_line(self) -> int:
+        size = os.fstat(self.fd).st_size
+        end = size
+        with open(self.path, "rb") as f:
+            while end > 0:  # back to the last newline, a block at a time
+                start = max(0, end - 65536)
+                f.seek(start)
+                block = f.read(end - start)
+                nl = block.rfind(b"\n")
+                if nl >= 0:
+                    end = start + nl + 1
+                    break
+                end = start
+        if end < size:
+            os.ftruncate(self.fd, end)
+            print(f"warning: --metrics {self.path} ended in a partial line (a run stopped "
+                  f"while writing it): its {size - end} bytes removed", file=sys.stderr)
+        return end
 
-    def close(self):
-        if self.f is not None:
+    def write(self, **record):
+        if self.fd is None:
+            return
+        line = (json.dumps(record, sort_keys=True) + "\n").encode("utf-8")
+        try:
+            done = 0
+            while done < len(line):
+                done += os.write(self.fd, line[done:])
+        except OSError as e:
             try:
-                self.f.close()
+                os.ftruncate(self.fd, self.end)  # no half line left behind
             except OSError:
                 pass
-            self.f = None
+            raise MetricsError(f"cannot write --metrics {self.path}: {e.strerror}") from None
+        self.end += len(line)
+
+    def close(self):
+        if self.fd is not None:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = None

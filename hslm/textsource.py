@@ -148,14 +148,20 @@ class TextSource:
         carry[0] = data[used:]
         return off + len(b)
 
-    def read_ids(self, dtype, offset_by: int, progress=None) -> np.ndarray:
+    def read_ids(self, dtype, offset_by: int, progress=None, expect_sha256=None) -> np.ndarray:
         """The joined bytes as ids (byte + offset_by) in a fresh array of dtype,
         checking that every file is UTF-8 text (else an error naming the file and
-        the offset of the first bad byte)."""
+        the offset of the first bad byte) and, given expect_sha256 (the text's hash
+        taken before, or remembered), that these are the bytes it was taken of: a file
+        rewritten in between at the same size would otherwise be trained on under the
+        other text's name."""
         out = np.empty(self.size, dtype)
         pos = end = 0
         cur, carry = None, [b""]
+        h = hashlib.sha256() if expect_sha256 is not None else None
         for b, f, off in self.chunks(progress):
+            if h is not None:
+                h.update(b)
             if pos + len(b) > self.size:
                 raise HslmError(f"the data changed while it was read ({self.label})")
             if f is not None:
@@ -170,7 +176,7 @@ class TextSource:
             pos += len(b)
         if cur is not None:
             self._check(carry, b"", cur, end, True)
-        if pos != self.size:
+        if pos != self.size or (h is not None and h.hexdigest() != expect_sha256):
             raise HslmError(f"the data changed while it was read ({self.label})")
         return out
 

@@ -23,6 +23,7 @@ by its files' stat (see `recall_text_sha256`).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -180,12 +181,19 @@ def read_tokenizer(path: Path, text_sha256: str):
 
 
 TEXT_SHA_MEMO = "text-sha256.json"
-TEXT_SHA_MEMO_VERSION = "hslm-text-sha256/1"
+TEXT_SHA_MEMO_VERSION = "hslm-text-sha256/2"  # /2: each entry checked (memo_check)
 TEXT_SHA_MEMO_ENTRIES = 16   # texts remembered per folder, the most recent first
 
 
 def _is_sha256(s) -> bool:
     return isinstance(s, str) and len(s) == 64 and all(c in "0123456789abcdef" for c in s)
+
+
+def memo_check(files, sha256: str) -> str:
+    """An entry's own checksum: a damaged character anywhere in it (a sha256 that another
+    text has, a file's key) makes the entry a miss, never a wrong text's name."""
+    body = json.dumps({"files": files, "sha256": sha256}, separators=(",", ":"), sort_keys=True)
+    return hashlib.sha256(body.encode("utf-8")).hexdigest()
 
 
 def _memo_entries(folder: Path):
@@ -194,7 +202,8 @@ def _memo_entries(folder: Path):
         if obj.get("version") != TEXT_SHA_MEMO_VERSION or not isinstance(obj["entries"], list):
             return []
         return [e for e in obj["entries"] if isinstance(e, dict) and _is_sha256(e.get("sha256"))
-                and isinstance(e.get("files"), list)]
+                and isinstance(e.get("files"), list)
+                and e.get("check") == memo_check(e["files"], e["sha256"])]
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return []
 
@@ -214,7 +223,8 @@ def remember_text_sha256(folder: Path, key, sha256: str):
     """Remember the text's sha256 under its stat key (a failure to write is ignored: the
     memo is only an optimisation)."""
     entries = [e for e in _memo_entries(folder) if e["files"] != key]
-    entries = [{"files": key, "sha256": sha256}] + entries[:TEXT_SHA_MEMO_ENTRIES - 1]
+    entries = ([{"files": key, "sha256": sha256, "check": memo_check(key, sha256)}]
+               + entries[:TEXT_SHA_MEMO_ENTRIES - 1])
     obj = {"version": TEXT_SHA_MEMO_VERSION, "entries": entries}
     try:
         _write(Path(folder) / TEXT_SHA_MEMO, [json.dumps(obj, separators=(",", ":")).encode("utf-8")])

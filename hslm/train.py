@@ -320,7 +320,7 @@ def load_corpus_compiling(o: TrainOptions, cfg: Config, load, batch: int):
 def save_tokenizer(out: Path, tok: Tokenizer):
     """tokenizer.json beside the checkpoints, for people and other tools; hslm itself
     reads the copy inside each .bin."""
-    ckpt.write_atomic(out / "tokenizer.json", tok.to_json().encode("utf-8"))
+    ckpt.write_atomic(out / "tokenizer.json", tok.to_json().encode("utf-8"), what="tokenizer")
 
 
 def load_for_inference(path, threads=1, warn=None, trained_on=None):
@@ -558,8 +558,11 @@ def checkpoints_saved_over(out: Path, step: int, steps: int, save_every: int):
 
 
 def check_checkpoint_names(out: Path, step: int, steps: int, save_every: int):
-    """Refuse, before the run, a folder standing where it will save a checkpoint (the
-    rename onto it would fail after the training it saves)."""
+    """Refuse, before the run, a folder standing where it will save a checkpoint or its
+    tokenizer.json (the rename onto it would fail after the work that made the file)."""
+    if (out / "tokenizer.json").is_dir():
+        raise HslmError(f"{out / 'tokenizer.json'} is a folder, where this run saves its "
+                        "tokenizer; move it or give another --out")
     for n, paths in sorted(checkpoints_saved_over(out, step, steps, save_every).items()):
         for p in sorted(paths):
             if p.is_dir():
@@ -712,7 +715,7 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
             last = loss
             tok_s = h.batch * cfg.window / dt
             progress.step(run.step, loss, run.lr_at(run.step), tok_s)
-            if metrics.f is not None:
+            if metrics.fd is not None:
                 write_metrics(kind="train", step=run.step, loss=loss, lr=run.lr_at(run.step),
                               grad_norm=float(np.sqrt(np.sum(run.norms ** 2))), tok_s=tok_s,
                               ternary_zero_share=run.ternary_zero_share())

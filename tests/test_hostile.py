@@ -158,6 +158,31 @@ def test_metrics_write_failure_saves_and_stops(tmp_path):
     line = one_line_error(p.returncode, p.stdout, p.stderr)
     assert "cannot write --metrics" in line and "saved" in line
     ckpt.read(d / "ckpt_1.state")
+    # the record that did not fit left nothing (it left its first 100 bytes, and the
+    # printed resume command then appended to that half line: hslm plot refused the file)
+    assert m.read_bytes() == b"\n" * (limit - 100)
+
+
+def test_a_metrics_file_ending_in_a_partial_line_is_cut_back_to_its_last_whole_line(tmp_path,
+                                                                                   capsys):
+    """A run killed while writing a record leaves part of a line; the next run appending
+    to the file cuts it off (with a warning) so that every line stays a record."""
+    from hslm.plot import read_metrics
+    from hslm.progress import Metrics
+    m = tmp_path / "m.jsonl"
+    whole = json.dumps({"kind": "train", "step": 1, "loss": 5.0}) + "\n"
+    m.write_text(whole + '{"kind": "train", "st')
+    metrics = Metrics(m)
+    assert "partial line" in capsys.readouterr().err
+    metrics.write(kind="train", step=2, loss=4.0)
+    metrics.close()
+    assert read_metrics(m)[0] == [(1, 5.0), (2, 4.0)]
+    m.write_text('{"kind": "tr')  # no whole line at all
+    Metrics(m).close()
+    assert m.read_bytes() == b"" and "its 12 bytes removed" in capsys.readouterr().err
+    m.write_text(whole)  # whole lines: left as they are, no warning
+    Metrics(m).close()
+    assert m.read_text() == whole and capsys.readouterr().err == ""
 
 
 def test_plot_refuses_what_it_cannot_do(tmp_path):

@@ -273,3 +273,39 @@ def test_a_change_in_one_file_recompiles_the_cached_kernels_of_the_others(tmp_pa
     assert run() == 2 and run() == 2  # compiled, then loaded from the cache
     (pkg / "_probe_callee.py").write_text(PROBE_CALLEE.format(value=5))
     assert run() == (10 if stamps == "hslm's stamps" else 2)
+
+
+SAVE_FAILS = """import resource, sys
+import hslm
+if sys.argv[1] == "numba's save":  # the negative control
+    from numba.core import caching
+    caching.Cache.save_overload = caching.Cache.save_overload.numba_save_overload
+from hslm import precompile
+print(precompile.CACHE_LOCK)
+from hslm.mathfn import log
+print(log(2.0))
+"""
+
+
+@pytest.mark.parametrize("save", ["hslm's save", "numba's save"])
+def test_no_room_to_write_costs_the_kernel_cache_and_parallel_compiles_not_the_run(tmp_path,
+                                                                                   save):
+    """With no byte writable (a file-size limit of 0; a full disk alike), importing
+    hslm.precompile raised (no usable temporary folder for its lock) and a kernel that
+    compiled raised from Numba's cache save: a traceback either way, from a command that
+    writes nothing of its own (hslm eval). Now: no parallel compile, and a warning."""
+    import resource
+
+    def no_room():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT),
+           "TMPDIR": str(tmp_path)}
+    p = subprocess.run([sys.executable, "-c", SAVE_FAILS, save], env=env, capture_output=True,
+                       text=True, timeout=300, preexec_fn=no_room)
+    if save == "numba's save":
+        assert p.returncode == 1 and "OSError" in p.stderr, p.stderr
+        return
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["None", repr(float(np.log(2.0)))]
+    assert p.stderr.count("warning: cannot save compiled kernels in Numba's cache") == 1

@@ -268,3 +268,57 @@ def test_a_remembered_text_sha256_that_is_not_one_is_ignored(tmp_path):
     assert token_cache.recall_text_sha256(tmp_path / "c", key) is None
     c = Corpus.load(f, 300, 27, cache_dir=tmp_path / "c")
     assert c.text_sha256 == hashlib.sha256(TEXT.encode()).hexdigest()
+
+
+def test_a_damaged_remembered_text_sha256_is_a_miss_not_another_texts_name(tmp_path,
+                                                                           monkeypatch):
+    """One character changed in text-sha256.json (a hex digit of the sha256): the run
+    recorded that false sha256 as its text's and cached its tokens under it. Each entry
+    now carries its own checksum: damaged, it is a miss, and the text is hashed."""
+    from hslm import data
+    monkeypatch.setattr(data, "SETTLE_NS", 0)
+    monkeypatch.delenv(data.REHASH_ENV, raising=False)
+    f = tmp_path / "t.txt"
+    f.write_text(TEXT, encoding="utf-8")
+    true = hashlib.sha256(TEXT.encode()).hexdigest()
+    assert Corpus.load(f, 300, 27, cache_dir=tmp_path / "c").text_sha256 == true
+    memo = tmp_path / "c" / token_cache.TEXT_SHA_MEMO
+    good = memo.read_text()
+    key = textsource.TextSource(f).stat_key()
+    assert token_cache.recall_text_sha256(tmp_path / "c", key) == true
+    flipped = "f" if true[0] != "f" else "e"
+    memo.write_text(good.replace(f'"sha256":"{true}', f'"sha256":"{flipped}{true[1:]}'))
+    assert memo.read_text() != good
+    assert token_cache.recall_text_sha256(tmp_path / "c", key) is None
+    assert Corpus.load(f, 300, 27, cache_dir=tmp_path / "c").text_sha256 == true
+    # the control: the same damage with the entry's checksum made to match is believed
+    obj = json.loads(memo.read_text())
+    e = obj["entries"][0]
+    e["sha256"] = flipped + true[1:]
+    e["check"] = token_cache.memo_check(e["files"], e["sha256"])
+    memo.write_text(json.dumps(obj))
+    assert token_cache.recall_text_sha256(tmp_path / "c", key) == flipped + true[1:]
+
+
+def test_a_text_rewritten_between_its_hash_and_its_reading_is_refused(tmp_path, monkeypatch):
+    """The text is hashed, then read again to be tokenized: a file rewritten in between at
+    the same size was trained on under the first text's sha256. The bytes read are now
+    hashed too and must be the ones named."""
+    f = tmp_path / "t.txt"
+    f.write_text(TEXT, encoding="utf-8")
+    other = TEXT.replace("return", "RETURN")
+    real_scan = textsource.TextSource.scan
+
+    def scan_then_rewrite(self, progress=None):
+        sha = real_scan(self, progress)
+        f.write_text(other, encoding="utf-8")  # after the hash, before the tokenizer reads
+        return sha
+
+    monkeypatch.setattr(textsource.TextSource, "scan", scan_then_rewrite)
+    with pytest.raises(HslmError, match="the data changed while it was read"):
+        Corpus.load(f, 300, 27)
+    src = textsource.TextSource(f)  # the check itself, and its control
+    assert src.read_ids(np.uint16, 4, expect_sha256=hashlib.sha256(other.encode()).hexdigest()
+                        ).size == len(other.encode())
+    with pytest.raises(HslmError, match="the data changed while it was read"):
+        src.read_ids(np.uint16, 4, expect_sha256=hashlib.sha256(TEXT.encode()).hexdigest())
