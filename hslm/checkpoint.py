@@ -127,11 +127,16 @@ def check_atomic_target(path: Path, flag: str):
         raise HslmError(f"{flag} {path}: cannot write in {parent} ({e.strerror or e})") from None
 
 
-def write_atomic(path: Path, blob, what: str = "checkpoint", make_parent: bool = False):
+def write_atomic(path: Path, blob, what: str = "checkpoint", make_parent: bool = False,
+                 dir_fd=None):
     """Write blob (bytes, or a list of byte-like parts) to path atomically: a temporary
     file in the same folder, flushed and fsynced, renamed over path, and the folder
-    fsynced. A reader never sees a half-written file under path."""
+    fsynced. A reader never sees a half-written file under path. dir_fd: the folder,
+    open (a run's locked folder, FolderLock.dir_fd): written there whatever its name
+    has become (path's folder only names it in messages)."""
     path = Path(path)
+    if dir_fd is not None:
+        return _write_atomic_in(dir_fd, path, blob, what)
     tmp = path.parent / f".{path.name}.tmp{os.getpid()}"
     parts = [blob] if isinstance(blob, (bytes, bytearray, memoryview)) else blob
     try:
@@ -160,6 +165,30 @@ def write_atomic(path: Path, blob, what: str = "checkpoint", make_parent: bool =
             os.fsync(fd)
         finally:
             os.close(fd)
+    except OSError:
+        pass
+
+
+def _write_atomic_in(dir_fd, path: Path, blob, what: str):
+    """write_atomic with every name taken in the open folder dir_fd."""
+    tmp = f".{path.name}.tmp{os.getpid()}"
+    parts = [blob] if isinstance(blob, (bytes, bytearray, memoryview)) else blob
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666, dir_fd=dir_fd)
+        with open(fd, "wb") as f:
+            for part in parts:
+                f.write(part)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except OSError as e:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except OSError:
+            pass
+        raise HslmError(f"cannot write {what} {path}: {e.strerror or e}") from None
+    try:  # make the rename itself durable
+        os.fsync(dir_fd)
     except OSError:
         pass
 

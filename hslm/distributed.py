@@ -140,6 +140,9 @@ def is_writer() -> bool:
 
 
 class _NoLock:
+    def check(self):
+        pass
+
     def release(self):
         pass
 

@@ -25,11 +25,27 @@ class FolderLock:
     def __init__(self, folder: Path):
         self.path = Path(folder) / LOCK_NAME
         self.fd = None
+        self.dir_fd = None  # the folder locked: the run's checkpoints are written through it
 
     def acquire(self):
+        try:
+            self.dir_fd = os.open(self.path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except OSError as e:
+            raise HslmError(f"cannot open the folder {self.path.parent}: {e.strerror or e}") from None
+        try:
+            self.fd = self._lock_in(self.dir_fd)
+        except BaseException:
+            os.close(self.dir_fd)
+            self.dir_fd = None
+            raise
+        return self
+
+    def _lock_in(self, dir_fd):
+        """The lock file inside the folder opened as dir_fd (so that the folder locked is
+        the one held, whatever its name does meanwhile), locked and holding our pid."""
         import fcntl
         try:  # judged before opening: opening a device can itself do something
-            self._refuse_unless_regular(os.lstat(self.path).st_mode)
+            self._refuse_unless_regular(os.lstat(LOCK_NAME, dir_fd=dir_fd).st_mode)
         except FileNotFoundError:
             pass  # created below
         except OSError as e:
@@ -37,7 +53,7 @@ class FolderLock:
         flags = (os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
                  | getattr(os, "O_NONBLOCK", 0))
         try:
-            fd = os.open(self.path, flags, 0o644)
+            fd = os.open(LOCK_NAME, flags, 0o644, dir_fd=dir_fd)
         except OSError as e:
             raise HslmError(f"cannot create the lock file {self.path}: {e.strerror or e}") from None
         try:  # again on what was opened: the name may have changed since lstat
@@ -65,18 +81,37 @@ class FolderLock:
         except OSError as e:  # a full disk, say: the lock is dropped with the file closed
             os.close(fd)
             raise HslmError(f"cannot write the lock file {self.path}: {e.strerror or e}") from None
-        self.fd = fd
-        return self
+        return fd
 
     def _refuse_unless_regular(self, mode):
         if not stat.S_ISREG(mode):
             raise HslmError(f"the lock file {self.path} is {node_kind(mode)}, not a regular file; "
                             "remove it or choose another --out")
 
+    def check(self):
+        """Raise unless the lock file at this path is still the one held: a folder moved
+        or replaced during the run (or its lock file removed) lets another run take the
+        name while this one would go on writing there."""
+        if self.fd is None:
+            return
+        held = os.fstat(self.fd)
+        try:
+            st = os.stat(self.path)
+            same = (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
+        except OSError:
+            same = False
+        if not same:
+            raise HslmError(f"{self.path.parent} is no longer the folder this run locked (moved, "
+                            "replaced, or its lock file removed during the run); its checkpoints "
+                            "are in the folder it locked, wherever that is now")
+
     def release(self):
         if self.fd is not None:
             os.close(self.fd)  # closing drops the flock
             self.fd = None
+        if self.dir_fd is not None:
+            os.close(self.dir_fd)
+            self.dir_fd = None
 
 
 def _read_pid(fd):

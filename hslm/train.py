@@ -161,6 +161,7 @@ class Run:
         # MPI: the world of the runner that took the steps (None in one process, and in
         # a bench, whose runners have none): where each rank owns part of the state
         self.world = None
+        self.folder_lock = None  # hslm train's lock of the output folder, checked at each save
 
     @classmethod
     def fresh(cls, cfg: Config, hyper: Hyper, corpus: Corpus, plain=True) -> "Run":
@@ -275,6 +276,8 @@ class Run:
             self.world.gather_moments(self.m, self.v)  # it needs every rank's moments
         if not distributed.is_writer():
             return paths
+        if self.folder_lock is not None:
+            self.folder_lock.check()
         pblob = ckpt.params_blob(self.cfg, self.state.theta, self.step, self.corpus.tokenizer)
         extra = {
             "rng": self.rng.state_json(),
@@ -287,8 +290,9 @@ class Run:
         }
         sblob = ckpt.state_blob(self.cfg, self.m, self.v, self.step,
                                 ckpt.params_sha256_of(pblob), extra)
-        ckpt.write_atomic(paths[0], pblob)
-        ckpt.write_atomic(paths[1], sblob)
+        held = getattr(self.folder_lock, "dir_fd", None)  # the folder locked, however named
+        ckpt.write_atomic(paths[0], pblob, dir_fd=held)
+        ckpt.write_atomic(paths[1], sblob, dir_fd=held)
         return paths
 
     def ternary_zero_share(self) -> float:
@@ -602,6 +606,7 @@ def train_run(o: TrainOptions, echo=None):
     previous[signal.SIGTERM] = original_term
     # one writer per folder, held (open_run took it) until the run ends
     lock = held.lock
+    run.folder_lock = lock
     try:
         cfg, h = run.cfg, run.hyper
         if distributed.is_writer():

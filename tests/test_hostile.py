@@ -142,6 +142,31 @@ def test_one_writer_per_folder(tmp_path):
     FolderLock(d).acquire().release()
 
 
+def test_a_folder_replaced_during_the_run_is_not_written_to(tmp_path):
+    """The run's folder moved away and a new one made under its name: a second run could
+    lock the new folder while the first went on saving there (two writers in one
+    folder). The first run now stops at its next save, writing nothing into it."""
+    d = tmp_path / "X"
+    p = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "train", *map(str, TINY),
+                          "--steps", "100000", "--save-every", "1", "--log-every", "1",
+                          "--out", str(d)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    for line in p.stdout:  # until step 2 is saved
+        if line.startswith("step ") and int(line.split()[1]) >= 3:
+            break
+    os.rename(d, tmp_path / "X.old")
+    d.mkdir()
+    _, err = p.communicate(timeout=120)
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert p.returncode == 2 and "Traceback" not in err and len(errors) == 1, err
+    assert errors[0].startswith(f"error: {d} is no longer the folder this run locked"), err
+    assert os.listdir(d) == []
+    held = FolderLock(tmp_path / "X.old")  # the moved folder is still the run's, and whole
+    held.acquire().release()
+    for n in (1, 2):
+        ckpt.read(tmp_path / "X.old" / f"ckpt_{n}.state")
+
+
 def test_metrics_write_failure_saves_and_stops(tmp_path):
     """A metrics file whose writes fail mid-run (a file-size limit standing in for a full
     disk: the file is filled to 100 bytes short of it, so the first record fails; a
