@@ -133,12 +133,10 @@ def write_atomic(path: Path, blob, what: str = "checkpoint", make_parent: bool =
     file in the same folder, flushed and fsynced, renamed over path, and the folder
     fsynced. A reader never sees a half-written file under path. dir_fd: the folder,
     open (a run's locked folder, FolderLock.dir_fd): written there whatever its name
-    has become (path's folder only names it in messages)."""
+    has become (path's folder then only names it in messages)."""
     path = Path(path)
     if dir_fd is not None:
         return _write_atomic_in(dir_fd, path, blob, what)
-    tmp = path.parent / f".{path.name}.tmp{os.getpid()}"
-    parts = [blob] if isinstance(blob, (bytes, bytearray, memoryview)) else blob
     try:
         if make_parent:
             for folder in (path.parent, *path.parent.parents):
@@ -147,26 +145,13 @@ def write_atomic(path: Path, blob, what: str = "checkpoint", make_parent: bool =
                         raise NotADirectoryError(errno.ENOTDIR, f"{folder} is not a folder")
                     break
             path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            for part in parts:
-                f.write(part)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        folder_fd = os.open(path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except OSError as e:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
         raise HslmError(f"cannot write {what} {path}: {e.strerror or e}") from None
-    try:  # make the rename itself durable
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
+    try:
+        _write_atomic_in(folder_fd, path, blob, what)
+    finally:
+        os.close(folder_fd)
 
 
 def _write_atomic_in(dir_fd, path: Path, blob, what: str):

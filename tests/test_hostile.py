@@ -147,16 +147,22 @@ def test_a_folder_replaced_during_the_run_is_not_written_to(tmp_path):
     lock the new folder while the first went on saving there (two writers in one
     folder). The first run now stops at its next save, writing nothing into it."""
     d = tmp_path / "X"
+    # (200 steps: long enough to be running at the swap, short enough that a run which
+    # does not stop ends soon; it once wrote 69 GB of checkpoints, killed by nothing)
     p = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "train", *map(str, TINY),
-                          "--steps", "100000", "--save-every", "1", "--log-every", "1",
+                          "--steps", "200", "--save-every", "1", "--log-every", "1",
                           "--out", str(d)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
-    for line in p.stdout:  # until step 2 is saved
-        if line.startswith("step ") and int(line.split()[1]) >= 3:
-            break
-    os.rename(d, tmp_path / "X.old")
-    d.mkdir()
-    _, err = p.communicate(timeout=120)
+    try:
+        for line in p.stdout:  # until step 2 is saved
+            if line.startswith("step ") and int(line.split()[1]) >= 3:
+                break
+        os.rename(d, tmp_path / "X.old")
+        d.mkdir()
+        _, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+        p.wait()
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert p.returncode == 2 and "Traceback" not in err and len(errors) == 1, err
     assert errors[0].startswith(f"error: {d} is no longer the folder this run locked"), err
