@@ -116,8 +116,9 @@ SCRATCH_FIELDS = (
     # weight-gradient scratch: a layer input transposed, output gradients in panels
     # (one row per window of a group, panel_kernels.WGRAD_WINDOWS)
     ("xt", lambda D: (WGRAD_WINDOWS, max(D.vocab, D.mlp, D.width) * D.window)),
+    # (each window's row a whole number of 64 bytes long, so every row starts on 64 bytes)
     ("dy_panels", lambda D: (WGRAD_WINDOWS,
-                             (max(D.vocab, D.mlp, D.width) + WGRAD_PANEL) * D.window)),
+                             -(-(max(D.vocab, D.mlp, D.width) + WGRAD_PANEL) * D.window // 8) * 8)),
 )
 # The fields weight_grad_operands reads: all a weight gradient needs of a window (MPI
 # sends them between ranks, hslm/distributed.py).
@@ -129,9 +130,19 @@ Record = namedtuple("Record", [f for f, _ in RECORD_FIELDS])
 Scratch = namedtuple("Scratch", [f for f, _ in SCRATCH_FIELDS])
 
 
+def zeros_on_64(shape):
+    """np.zeros(shape) starting on 64 bytes (numpy promises 16): the kernels' vector
+    loads from a buffer's rows then cross no cache line where its rows are a whole
+    number of 64 bytes long (a 512-bit load across two lines costs two)."""
+    n = math.prod(shape)
+    raw = np.zeros(n + 8)
+    first = (-raw.ctypes.data) % 64 // 8
+    return raw[first:first + n].reshape(shape)
+
+
 def _alloc(kind, fields, dims: Dims, batch):
     pre = () if batch is None else (batch,)
-    return kind(*[np.zeros(pre + shape(dims)) for _, shape in fields])
+    return kind(*[zeros_on_64(pre + shape(dims)) for _, shape in fields])
 
 
 def alloc_acts(dims: Dims, batch: int):

@@ -44,11 +44,14 @@ def ternary_panel_matmul_9x16(X, P, b, alpha, Y):
     # allocation: an address taken with .ctypes.data does not keep its array alive (Numba
     # frees an array after its last use), and the sums are read at the end of every
     # panel. (As an array of its own, only ever addressed, the chunk was freed before the
-    # loop: another thread's allocation could take it while the tiles used it.)
-    scratch = np.empty(n * 16 + min(a, TERNARY_CHUNK) * 16)
-    sums = scratch[:n * 16]
+    # loop: another thread's allocation could take it while the tiles used it.) Both
+    # start on 64 bytes: Numba aligns an array on 32, and a 512-bit load that crosses
+    # two cache lines costs two.
+    scratch = np.empty(n * 16 + min(a, TERNARY_CHUNK) * 16 + 16)
+    first = (-scratch.ctypes.data) % 64 // 8
+    sums = scratch[first:first + n * 16]
     s = sums.ctypes.data
-    wide = s + 8 * n * 16
+    wide = s + 8 * ((n * 16 + 7) // 8 * 8)
     x, xs = X.ctypes.data, X.strides[0] // 8
     for q in range(P.shape[0]):
         j = q * 16
@@ -104,11 +107,14 @@ def ternary_panel_matmul_4x12(X, P, b, alpha, Y):
     # allocation: an address taken with .ctypes.data does not keep its array alive (Numba
     # frees an array after its last use), and the sums are read at the end of every
     # panel. (As an array of its own, only ever addressed, the chunk was freed before the
-    # loop: another thread's allocation could take it while the tiles used it.)
-    scratch = np.empty(n * 12 + min(a, TERNARY_CHUNK) * 12)
-    sums = scratch[:n * 12]
+    # loop: another thread's allocation could take it while the tiles used it.) Both
+    # start on 64 bytes: Numba aligns an array on 32, and a 512-bit load that crosses
+    # two cache lines costs two.
+    scratch = np.empty(n * 12 + min(a, TERNARY_CHUNK) * 12 + 16)
+    first = (-scratch.ctypes.data) % 64 // 8
+    sums = scratch[first:first + n * 12]
     s = sums.ctypes.data
-    wide = s + 8 * n * 12
+    wide = s + 8 * ((n * 12 + 7) // 8 * 8)
     x, xs = X.ctypes.data, X.strides[0] // 8
     for q in range(P.shape[0]):
         j = q * 12

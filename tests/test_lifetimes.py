@@ -181,3 +181,21 @@ def test_raw_pointer_drivers_refuse_operands_that_do_not_agree():
         active_rows_grad(M, S, D, 0, micro.ACTIVE_LANES - 1, 0, F, np.zeros((F, n)), True)
     with pytest.raises(ValueError, match="shapes do not agree"):  # O too short
         active_rows_grad(M, S, D, 0, n, 0, F, np.zeros((F - 1, n)), True)
+
+
+def test_the_kernels_buffers_start_on_64_bytes():
+    """Activations, records and scratch start on a cache line (numpy gives 16 bytes), and
+    the weight gradient's output-gradient panels have each window's row on one too: their
+    512-bit loads then never cross two lines (the phase ran about 3% faster here)."""
+    from hslm.config import PRESETS
+    from hslm.layers import alloc_acts, alloc_record, alloc_scratch, zeros_on_64
+    dims = PRESETS["hslm-3"].dims()
+    for group in (alloc_acts(dims, 3), alloc_record(dims, 3), alloc_scratch(dims)):
+        for name, a in zip(group._fields, group):
+            assert a.ctypes.data % 64 == 0 and a.flags.c_contiguous and not a.any(), name
+    dy = alloc_scratch(dims).dy_panels
+    assert all(dy[w].ctypes.data % 64 == 0 for w in range(dy.shape[0]))
+    for _ in range(50):  # whatever numpy's allocator hands out
+        for s in [(1,), (7, 3), (3, 1, 5)]:
+            assert zeros_on_64(s).shape == s and zeros_on_64(s).ctypes.data % 64 == 0
+    assert zeros_on_64((2, 0, 5)).shape == (2, 0, 5)  # (an empty array has no loads)

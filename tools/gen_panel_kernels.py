@@ -255,11 +255,14 @@ def ternary_panel_matmul_{rows}x{panel}(X, P, b, alpha, Y):
     # allocation: an address taken with .ctypes.data does not keep its array alive (Numba
     # frees an array after its last use), and the sums are read at the end of every
     # panel. (As an array of its own, only ever addressed, the chunk was freed before the
-    # loop: another thread's allocation could take it while the tiles used it.)
-    scratch = np.empty(n * {panel} + min(a, TERNARY_CHUNK) * {panel})
-    sums = scratch[:n * {panel}]
+    # loop: another thread's allocation could take it while the tiles used it.) Both
+    # start on 64 bytes: Numba aligns an array on 32, and a 512-bit load that crosses
+    # two cache lines costs two.
+    scratch = np.empty(n * {panel} + min(a, TERNARY_CHUNK) * {panel} + 16)
+    first = (-scratch.ctypes.data) % 64 // 8
+    sums = scratch[first:first + n * {panel}]
     s = sums.ctypes.data
-    wide = s + 8 * n * {panel}
+    wide = s + 8 * ((n * {panel} + 7) // 8 * 8)
     x, xs = X.ctypes.data, X.strides[0] // 8
     for q in range(P.shape[0]):
         j = q * {panel}
