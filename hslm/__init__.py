@@ -85,10 +85,13 @@ def _kernel_caches_follow_the_whole_package():
         return
     here = _os.path.dirname(_os.path.abspath(__file__))
     h = hashlib.sha256()
-    for name in sorted(n for n in _os.listdir(here) if n.endswith(".py")):
-        with open(_os.path.join(here, name), "rb") as f:
-            data = f.read()
-        h.update(b"%s %d\n" % (name.encode(), len(data)) + data)
+    try:
+        for name in sorted(n for n in _os.listdir(here) if n.endswith(".py")):
+            with open(_os.path.join(here, name), "rb") as f:
+                data = f.read()
+            h.update(b"%s %d\n" % (name.encode(), len(data)) + data)
+    except OSError:  # not a folder of files (hslm run from a zip): Numba's stamps alone
+        return
     package = h.hexdigest()
 
     def get_source_stamp(self):
@@ -122,10 +125,13 @@ def _kernel_cache_saves_may_fail():
         try:
             numba_save(self, sig, data)
         except OSError as e:
-            if not warned:
+            if not warned and not _os.environ.get("HSLM_QUIET_CACHE_WARNINGS"):
                 warned.append(e)
-                print(f"warning: cannot save compiled kernels in Numba's cache "
-                      f"({e.strerror or e}); they will compile again next run", file=sys.stderr)
+                from . import distributed  # (under MPI rank 0 alone prints)
+                if distributed.is_writer():
+                    print(f"warning: cannot save compiled kernels in Numba's cache "
+                          f"({e.strerror or e}); they will compile again next run",
+                          file=sys.stderr)
 
     save_overload.numba_save_overload = numba_save  # (a test's negative control)
     caching.Cache.save_overload = save_overload

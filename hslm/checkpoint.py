@@ -145,13 +145,26 @@ def write_atomic(path: Path, blob, what: str = "checkpoint", make_parent: bool =
                         raise NotADirectoryError(errno.ENOTDIR, f"{folder} is not a folder")
                     break
             path.parent.mkdir(parents=True, exist_ok=True)
-        folder_fd = os.open(path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        folder_fd = open_folder(path.parent)
     except OSError as e:
         raise HslmError(f"cannot write {what} {path}: {e.strerror or e}") from None
     try:
         _write_atomic_in(folder_fd, path, blob, what)
     finally:
         os.close(folder_fd)
+
+
+def open_folder(folder) -> int:
+    """A folder opened to name files in (dir_fd): read-only, or where the folder may be
+    written and searched but not listed (mode 0733), as a path only (Linux's O_PATH:
+    enough for openat, renameat and unlinkat; its fsync fails, which is ignored)."""
+    directory = getattr(os, "O_DIRECTORY", 0)
+    try:
+        return os.open(folder, os.O_RDONLY | directory)
+    except PermissionError:
+        if not hasattr(os, "O_PATH"):
+            raise
+        return os.open(folder, os.O_PATH | directory)
 
 
 def _write_atomic_in(dir_fd, path: Path, blob, what: str):

@@ -140,8 +140,10 @@ def is_writer() -> bool:
 
 
 class _NoLock:
+    dir_fd = None
+
     def check(self):
-        pass
+        return None
 
     def release(self):
         pass
@@ -676,6 +678,7 @@ class World:
                      f"shared model and records need {need / 2 ** 20:.0f} MiB: each rank keeps "
                      "its own copy and passes messages (a container: --shm-size)")
             return
+
         def fill(arrays):  # rank 0's values (they may live in the block being replaced)
             for n, a in zip(names, arrays):
                 a[...] = getattr(state, n)

@@ -105,6 +105,11 @@ RECORD_FIELDS = (
     ("d_gain", lambda D: (D.blocks, D.window, D.width)),   # dn * x_normed: gamma's rows
     ("d_x0", lambda D: (D.window, D.width)),               # dloss/dx_0: the embedding's rows
 )
+def whole_lines(n: int) -> int:
+    """n float64 rounded up to whole 64-byte cache lines."""
+    return -(-n // 8) * 8
+
+
 # One thread's scratch: rows overwritten by every window it runs.
 SCRATCH_FIELDS = (
     ("d_attn_out", lambda D: (D.window, D.width)),
@@ -116,9 +121,9 @@ SCRATCH_FIELDS = (
     # weight-gradient scratch: a layer input transposed, output gradients in panels
     # (one row per window of a group, panel_kernels.WGRAD_WINDOWS)
     ("xt", lambda D: (WGRAD_WINDOWS, max(D.vocab, D.mlp, D.width) * D.window)),
-    # (each window's row a whole number of 64 bytes long, so every row starts on 64 bytes)
+    # (each window's row whole cache lines long, so that every row starts on one)
     ("dy_panels", lambda D: (WGRAD_WINDOWS,
-                             -(-(max(D.vocab, D.mlp, D.width) + WGRAD_PANEL) * D.window // 8) * 8)),
+                             whole_lines((max(D.vocab, D.mlp, D.width) + WGRAD_PANEL) * D.window))),
 )
 # The fields weight_grad_operands reads: all a weight gradient needs of a window (MPI
 # sends them between ranks, hslm/distributed.py).

@@ -28,10 +28,12 @@ class FolderLock:
         self.dir_fd = None  # the folder locked: the run's checkpoints are written through it
 
     def acquire(self):
+        from .checkpoint import open_folder
         try:
-            self.dir_fd = os.open(self.path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+            self.dir_fd = open_folder(self.path.parent)
         except OSError as e:
-            raise HslmError(f"cannot open the folder {self.path.parent}: {e.strerror or e}") from None
+            raise HslmError(f"cannot open the folder {self.path.parent}: "
+                            f"{e.strerror or e}") from None
         try:
             self.fd = self._lock_in(self.dir_fd)
         except BaseException:
@@ -89,21 +91,20 @@ class FolderLock:
                             "remove it or choose another --out")
 
     def check(self):
-        """Raise unless the lock file at this path is still the one held: a folder moved
-        or replaced during the run (or its lock file removed) lets another run take the
-        name while this one would go on writing there."""
+        """None while this path still leads to the lock file held; else what happened:
+        "moved" (the folder held, still this run's, is under another name or none: the
+        name may be another folder, which another run may lock) or "unlocked" (the lock
+        file held was removed: another run may lock the folder itself)."""
         if self.fd is None:
-            return
+            return None
         held = os.fstat(self.fd)
+        if held.st_nlink == 0:
+            return "unlocked"
         try:
             st = os.stat(self.path)
-            same = (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
         except OSError:
-            same = False
-        if not same:
-            raise HslmError(f"{self.path.parent} is no longer the folder this run locked (moved, "
-                            "replaced, or its lock file removed during the run); its checkpoints "
-                            "are in the folder it locked, wherever that is now")
+            return "moved"
+        return None if (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino) else "moved"
 
     def release(self):
         if self.fd is not None:

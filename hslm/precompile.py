@@ -389,6 +389,7 @@ def helper_environment() -> dict:
         env["HSLM_VECTOR_WIDTH"] = "256"
     if config.CACHE_DIR:
         env["NUMBA_CACHE_DIR"] = config.CACHE_DIR
+    env["HSLM_QUIET_CACHE_WARNINGS"] = "1"  # the run's own process says it, once
     env["PYTHONPATH"] = os.pathsep.join(
         [str(Path(__file__).resolve().parents[1])] + [p for p in [env.get("PYTHONPATH")] if p])
     return env

@@ -68,6 +68,43 @@ class MetricsError(Exception):
     """The metrics file could not be written (the run saves a checkpoint, then stops)."""
 
 
+TAIL_CHECKED = 1 << 16  # bytes read back from a metrics file's end
+
+
+def partial_record(path) -> int:
+    """The length of the partial record a metrics file ends in (what a run killed while
+    writing it leaves: '{' and no newline, after a whole record or nothing), 0 when it
+    ends in a newline (or is empty or absent). Any other file not ending in a newline is
+    refused: it is not a metrics file, and nothing of it is cut."""
+    from .errors import HslmError
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - TAIL_CHECKED))
+            tail = f.read()
+    except FileNotFoundError:
+        return 0
+    if not tail or tail.endswith(b"\n"):
+        return 0
+    lines = tail.split(b"\n")
+    partial = lines[-1]
+    if len(lines) == 1:
+        before_ok = len(tail) == size  # the whole file is one partial record
+    else:
+        before_ok = _is_record(lines[-2])
+    if partial.startswith(b"{") and before_ok:
+        return len(partial)
+    raise HslmError(f"--metrics {path} does not end in a whole line, and is not a metrics "
+                    "file cut short; give a metrics file or a new name")
+
+
+def _is_record(line: bytes) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
 class Metrics:
     """Appends one JSON object per line to a file, each line written whole or not at
     all: a write that fails part way (a full disk) is cut back to the last whole line,
@@ -77,50 +114,35 @@ class Metrics:
     def __init__(self, path):
         self.path = path
         self.fd = None
-        self.end = 0  # the file's length after its last whole line
         if path:
             from .errors import HslmError
+            cut = partial_record(path)  # (judged before: train.check_metrics_path)
             try:
                 self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
-                self.end = self._cut_partial_line()
+                if cut:
+                    os.ftruncate(self.fd, os.fstat(self.fd).st_size - cut)
             except OSError as e:
                 self.close()
                 raise HslmError(f"cannot open --metrics {path}: {e.strerror}") from None
-
-    def _cut_partial_line(self) -> int:
-        size = os.fstat(self.fd).st_size
-        end = size
-        with open(self.path, "rb") as f:
-            while end > 0:  # back to the last newline, a block at a time
-                start = max(0, end - 65536)
-                f.seek(start)
-                block = f.read(end - start)
-                nl = block.rfind(b"\n")
-                if nl >= 0:
-                    end = start + nl + 1
-                    break
-                end = start
-        if end < size:
-            os.ftruncate(self.fd, end)
-            print(f"warning: --metrics {self.path} ended in a partial line (a run stopped "
-                  f"while writing it): its {size - end} bytes removed", file=sys.stderr)
-        return end
+            if cut:
+                print(f"warning: --metrics {path} ended in a partial record (a run stopped "
+                      f"while writing it): its {cut} bytes removed", file=sys.stderr)
 
     def write(self, **record):
         if self.fd is None:
             return
         line = (json.dumps(record, sort_keys=True) + "\n").encode("utf-8")
         try:
+            end = os.fstat(self.fd).st_size  # (another writer's lines are kept too)
             done = 0
             while done < len(line):
                 done += os.write(self.fd, line[done:])
         except OSError as e:
             try:
-                os.ftruncate(self.fd, self.end)  # no half line left behind
-            except OSError:
+                os.ftruncate(self.fd, end)  # no half line left behind
+            except (OSError, UnboundLocalError):
                 pass
             raise MetricsError(f"cannot write --metrics {self.path}: {e.strerror}") from None
-        self.end += len(line)
 
     def close(self):
         if self.fd is not None:

@@ -86,6 +86,8 @@ def check_metrics_path(metrics, out: Path):
                             "file; give a file name")
         if not os.access(m, os.W_OK):
             raise HslmError(f"--metrics {m} is not writable")
+        from .progress import partial_record
+        partial_record(m)  # a file that is not a metrics file cut short is refused here
         return
     parent = m.parent
     if os.path.abspath(parent) == os.path.abspath(out):
@@ -276,8 +278,11 @@ class Run:
             self.world.gather_moments(self.m, self.v)  # it needs every rank's moments
         if not distributed.is_writer():
             return paths
-        if self.folder_lock is not None:
-            self.folder_lock.check()
+        lock = self.folder_lock
+        problem = lock.check() if lock is not None else None
+        if problem == "unlocked":  # another run may hold the folder now: write nothing there
+            raise HslmError(f"the lock file {lock.path} was removed during the run, so another "
+                            f"run may hold {out}; step {self.step} not saved")
         pblob = ckpt.params_blob(self.cfg, self.state.theta, self.step, self.corpus.tokenizer)
         extra = {
             "rng": self.rng.state_json(),
@@ -290,9 +295,14 @@ class Run:
         }
         sblob = ckpt.state_blob(self.cfg, self.m, self.v, self.step,
                                 ckpt.params_sha256_of(pblob), extra)
-        held = getattr(self.folder_lock, "dir_fd", None)  # the folder locked, however named
-        ckpt.write_atomic(paths[0], pblob, dir_fd=held)
-        ckpt.write_atomic(paths[1], sblob, dir_fd=held)
+        # through the folder locked, whatever its name now
+        locked_dir_fd = lock.dir_fd if lock is not None else None
+        ckpt.write_atomic(paths[0], pblob, dir_fd=locked_dir_fd)
+        ckpt.write_atomic(paths[1], sblob, dir_fd=locked_dir_fd)
+        if problem == "moved":
+            raise HslmError(f"{out} is no longer the folder this run locked (moved or replaced "
+                            f"during the run): step {self.step} is saved in the folder it "
+                            "locked, under its new name, and the run stops")
         return paths
 
     def ternary_zero_share(self) -> float:

@@ -142,35 +142,75 @@ def test_one_writer_per_folder(tmp_path):
     FolderLock(d).acquire().release()
 
 
-def test_a_folder_replaced_during_the_run_is_not_written_to(tmp_path):
+@pytest.mark.parametrize("how", ["replaced", "unlocked"])
+def test_a_folder_replaced_or_unlocked_during_the_run_is_not_written_to(tmp_path, how):
     """The run's folder moved away and a new one made under its name: a second run could
     lock the new folder while the first went on saving there (two writers in one
-    folder). The first run now stops at its next save, writing nothing into it."""
+    folder). Now the first run saves through the folder it locked, and stops with one
+    line. With its lock file removed (another run may lock the folder itself) it saves
+    nothing more and stops."""
     d = tmp_path / "X"
-    # (200 steps: long enough to be running at the swap, short enough that a run which
+    # (200 steps: long enough to be running at the change, short enough that a run which
     # does not stop ends soon; it once wrote 69 GB of checkpoints, killed by nothing)
     p = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "train", *map(str, TINY),
                           "--steps", "200", "--save-every", "1", "--log-every", "1",
                           "--out", str(d)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
     try:
-        for line in p.stdout:  # until step 2 is saved
+        for line in p.stdout:  # until step 3 has been reported (and step 2 saved)
             if line.startswith("step ") and int(line.split()[1]) >= 3:
                 break
-        os.rename(d, tmp_path / "X.old")
-        d.mkdir()
+        if how == "replaced":
+            os.rename(d, tmp_path / "X.old")
+            d.mkdir()
+        else:
+            os.unlink(d / ".hslm.lock")
         _, err = p.communicate(timeout=120)
     finally:
         p.kill()
         p.wait()
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert p.returncode == 2 and "Traceback" not in err and len(errors) == 1, err
-    assert errors[0].startswith(f"error: {d} is no longer the folder this run locked"), err
-    assert os.listdir(d) == []
-    held = FolderLock(tmp_path / "X.old")  # the moved folder is still the run's, and whole
-    held.acquire().release()
-    for n in (1, 2):
-        ckpt.read(tmp_path / "X.old" / f"ckpt_{n}.state")
+    held = tmp_path / ("X.old" if how == "replaced" else "X")
+    saved = sorted(int(n[5:-4]) for n in os.listdir(held) if n.endswith(".bin"))
+    assert saved == list(range(1, saved[-1] + 1)) and saved[-1] >= 2, saved
+    for n in saved:  # every one whole, each .bin with its .state
+        ckpt.read(held / f"ckpt_{n}.state")
+    if how == "replaced":
+        assert errors[0].startswith(f"error: {d} is no longer the folder this run locked"), err
+        assert f"step {saved[-1]} is saved in the folder it locked" in errors[0]
+        assert os.listdir(d) == []  # nothing written into the new folder
+    else:
+        assert errors[0].startswith(f"error: the lock file {d / '.hslm.lock'} was removed"), err
+        assert f"step {saved[-1] + 1} not saved" in errors[0]
+
+
+def test_a_folder_that_may_be_written_but_not_listed_is_opened_as_a_path(tmp_path,
+                                                                         monkeypatch):
+    """Mode 0733 (write and search, no read): opening the folder read-only fails, where
+    naming files in it by path worked; it is then opened as a path only (O_PATH), which
+    serves to create, rename and remove files in it."""
+    from hslm.checkpoint import open_folder, write_atomic
+    if not hasattr(os, "O_PATH"):
+        pytest.skip("no O_PATH here")
+    real_open = os.open
+
+    def no_read(path, flags, *a, **kw):  # as for a user without read permission
+        if os.path.isdir(path) and not flags & os.O_PATH:
+            raise PermissionError(13, "Permission denied")
+        return real_open(path, flags, *a, **kw)
+
+    monkeypatch.setattr(os, "open", no_read)
+    fd = open_folder(tmp_path)
+    try:
+        write_atomic(tmp_path / "a.bin", b"abc", dir_fd=fd)
+        held = FolderLock(tmp_path).acquire()
+        held.release()
+    finally:
+        os.close(fd)
+    write_atomic(tmp_path / "b.bin", b"def")
+    assert (tmp_path / "a.bin").read_bytes() == b"abc"
+    assert (tmp_path / "b.bin").read_bytes() == b"def"
 
 
 def test_metrics_write_failure_saves_and_stops(tmp_path):
@@ -204,7 +244,7 @@ def test_a_metrics_file_ending_in_a_partial_line_is_cut_back_to_its_last_whole_l
     whole = json.dumps({"kind": "train", "step": 1, "loss": 5.0}) + "\n"
     m.write_text(whole + '{"kind": "train", "st')
     metrics = Metrics(m)
-    assert "partial line" in capsys.readouterr().err
+    assert "partial record" in capsys.readouterr().err
     metrics.write(kind="train", step=2, loss=4.0)
     metrics.close()
     assert read_metrics(m)[0] == [(1, 5.0), (2, 4.0)]
@@ -214,6 +254,16 @@ def test_a_metrics_file_ending_in_a_partial_line_is_cut_back_to_its_last_whole_l
     m.write_text(whole)  # whole lines: left as they are, no warning
     Metrics(m).close()
     assert m.read_text() == whole and capsys.readouterr().err == ""
+    # a file that is not a metrics file cut short is refused, not cut (before the run too)
+    for other in ("notes\nmy important notes", whole + "free text", "x" * 70000,
+                  "[1, 2]\n{partial"):
+        m.write_text(other)
+        with pytest.raises(HslmError, match="is not a metrics file cut short"):
+            Metrics(m)
+        assert m.read_text() == other
+    line = one_line_error(*hslm("train", *TINY, "--steps", 1, "--metrics", m,
+                                "--out", tmp_path / "o"))
+    assert "is not a metrics file cut short" in line and not (tmp_path / "o").exists()
 
 
 def test_plot_refuses_what_it_cannot_do(tmp_path):

@@ -460,6 +460,7 @@ want = {n: getattr(state, n).copy() for n in ("theta", "Tf", "Tb", "alpha", "zer
 world = distributed.init()
 for _ in range(3):  # each share replaces the block the state's arrays live in
     world.share_state(state, batch=2)
+    assert world.shared  # (too little /dev/shm would share nothing: no test then)
     for n, a in want.items():
         assert getattr(state, n).tobytes() == a.tobytes(), n
 world.close()

@@ -258,6 +258,7 @@ def ternary_panel_matmul_{rows}x{panel}(X, P, b, alpha, Y):
     # loop: another thread's allocation could take it while the tiles used it.) Both
     # start on 64 bytes: Numba aligns an array on 32, and a 512-bit load that crosses
     # two cache lines costs two.
+    # (+ 16: up to 7 elements to reach 64 bytes, up to 7 to round the sums to 8 elements)
     scratch = np.empty(n * {panel} + min(a, TERNARY_CHUNK) * {panel} + 16)
     first = (-scratch.ctypes.data) % 64 // 8
     sums = scratch[first:first + n * {panel}]
