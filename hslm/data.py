@@ -22,7 +22,7 @@ import numpy as np
 from . import bpe, distributed, token_cache
 from .errors import HslmError
 from .validate import check_fits
-from .textsource import SHOW_FROM, Phase, TextSource, run_interruptible
+from .textsource import SHOW_FROM, DataChanged, Phase, TextSource, run_interruptible
 
 N_SPECIAL = 4
 BYTE0 = N_SPECIAL
@@ -203,14 +203,15 @@ REHASH_ENV = "HSLM_REHASH"   # set to 1: hash the text in full, whatever is reme
 SETTLE_NS = 2_000_000_000    # a file changed this recently is not trusted by its stat
 
 
-def hash_text(src: TextSource, cache_dir=None) -> str:
+def hash_text(src: TextSource, cache_dir=None, rehash=False) -> str:
     """The text's sha256: remembered in the cache folder by its files' stat key when
     they are unchanged since it was computed, else read in full (and remembered when
     every file had been left alone for SETTLE_NS before the hashing began: a file
     written again within the same timestamp tick could otherwise keep its key, the
-    "racy" case git's index guards against in the same way)."""
+    "racy" case git's index guards against in the same way). rehash: read in full
+    whatever is remembered."""
     key = src.stat_key() if cache_dir is not None else None
-    if key is not None and os.environ.get(REHASH_ENV, "") in ("", "0"):
+    if key is not None and not rehash and os.environ.get(REHASH_ENV, "") in ("", "0"):
         sha = token_cache.recall_text_sha256(cache_dir, key)
         if sha is not None:
             return sha
@@ -234,12 +235,21 @@ class Corpus:
         if src.size == 0:
             raise HslmError(f"the corpus is empty ({source})")
         self.source = source
-        self.text_sha256 = hash_text(src, cache_dir)
-        if expect_sha256 is not None and self.text_sha256 != expect_sha256:
-            raise HslmError(f"the training text ({source}) differs from the one the checkpoint "
-                            "was trained on; pass the same --data")
-        self.tokenizer, self.tokens = corpus_tokens(src, self.text_sha256, vocab, tokenizer,
-                                                    cache_dir)
+        for rehash in (False, True):
+            self.text_sha256 = hash_text(src, cache_dir, rehash)
+            if expect_sha256 is not None and self.text_sha256 != expect_sha256:
+                raise HslmError(f"the training text ({source}) differs from the one the "
+                                "checkpoint was trained on; pass the same --data")
+            try:
+                self.tokenizer, self.tokens = corpus_tokens(src, self.text_sha256, vocab,
+                                                            tokenizer, cache_dir)
+                break
+            except DataChanged:
+                if rehash or cache_dir is None:
+                    raise
+                # the sha256 remembered for the files' stat key named other bytes (a file
+                # rewritten with its key kept): forgotten, and the text hashed in full
+                token_cache.forget_text_sha256(cache_dir, src.stat_key())
         n = len(self.tokens)
         n_valid = int(n * VALID_SHARE)
         self.train = self.tokens[: n - n_valid]

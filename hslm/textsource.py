@@ -41,6 +41,10 @@ def _files_of(p: Path):
     return [p]
 
 
+class DataChanged(HslmError):
+    """The text's bytes changed while hslm read them (or are not those a hash named)."""
+
+
 class TextSource:
     """The bytes of the built-in text (`text` given) or of files joined by SEP."""
 
@@ -177,7 +181,7 @@ class TextSource:
         if cur is not None:
             self._check(carry, b"", cur, end, True)
         if pos != self.size or (h is not None and h.hexdigest() != expect_sha256):
-            raise HslmError(f"the data changed while it was read ({self.label})")
+            raise DataChanged(f"the data changed while it was read ({self.label})")
         return out
 
 

@@ -219,6 +219,19 @@ def recall_text_sha256(folder: Path, key):
     return None
 
 
+def forget_text_sha256(folder: Path, key):
+    """Forget what is remembered under this stat key (it named other bytes)."""
+    entries = _memo_entries(folder)
+    kept = [e for e in entries if e["files"] != key]
+    if len(kept) < len(entries):
+        obj = {"version": TEXT_SHA_MEMO_VERSION, "entries": kept}
+        try:
+            _write(Path(folder) / TEXT_SHA_MEMO,
+                   [json.dumps(obj, separators=(",", ":")).encode("utf-8")])
+        except HslmError:
+            pass
+
+
 def remember_text_sha256(folder: Path, key, sha256: str):
     """Remember the text's sha256 under its stat key (a failure to write is ignored: the
     memo is only an optimisation)."""

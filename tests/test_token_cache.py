@@ -322,3 +322,30 @@ def test_a_text_rewritten_between_its_hash_and_its_reading_is_refused(tmp_path, 
                         ).size == len(other.encode())
     with pytest.raises(HslmError, match="the data changed while it was read"):
         src.read_ids(np.uint16, 4, expect_sha256=hashlib.sha256(TEXT.encode()).hexdigest())
+
+
+def test_a_remembered_sha256_of_other_bytes_is_forgotten_and_the_text_hashed_again(tmp_path,
+                                                                                   monkeypatch):
+    """A file rewritten with its stat key kept (forged timestamps) keeps its remembered
+    sha256, which the bytes read to tokenize it no longer match: that refused every run
+    from then on ("the data changed while it was read"). The entry is now forgotten and
+    the text hashed in full, once."""
+    from hslm import data
+    monkeypatch.delenv(data.REHASH_ENV, raising=False)
+    f = tmp_path / "t.txt"
+    f.write_text(TEXT, encoding="utf-8")
+    key = textsource.TextSource(f).stat_key()
+    stale = hashlib.sha256(b"the text as it was").hexdigest()
+    token_cache.remember_text_sha256(tmp_path / "c", key, stale)
+    assert token_cache.recall_text_sha256(tmp_path / "c", key) == stale
+    c = Corpus.load(f, 300, 27, cache_dir=tmp_path / "c")
+    assert c.text_sha256 == hashlib.sha256(TEXT.encode()).hexdigest()
+    assert token_cache.recall_text_sha256(tmp_path / "c", key) != stale
+    # the control: neither forgotten nor hashed again, the stale entry refuses the run
+    token_cache.remember_text_sha256(tmp_path / "c2", key, stale)
+    real_hash = data.hash_text
+    monkeypatch.setattr(data, "hash_text", lambda src, cache_dir=None, rehash=False:
+                        real_hash(src, cache_dir, False))
+    monkeypatch.setattr(token_cache, "forget_text_sha256", lambda folder, key: None)
+    with pytest.raises(HslmError, match="the data changed while it was read"):
+        Corpus.load(f, 300, 27, cache_dir=tmp_path / "c2")
