@@ -82,7 +82,7 @@ def partial_record(path) -> int:
             size = f.seek(0, os.SEEK_END)
             f.seek(max(0, size - TAIL_CHECKED))
             tail = f.read()
-    except FileNotFoundError:
+    except OSError:  # absent (made by the run), or not readable: appended to as it is
         return 0
     if not tail or tail.endswith(b"\n"):
         return 0
@@ -132,16 +132,18 @@ class Metrics:
         if self.fd is None:
             return
         line = (json.dumps(record, sort_keys=True) + "\n").encode("utf-8")
+        end = None
         try:
             end = os.fstat(self.fd).st_size  # (another writer's lines are kept too)
             done = 0
             while done < len(line):
                 done += os.write(self.fd, line[done:])
         except OSError as e:
-            try:
-                os.ftruncate(self.fd, end)  # no half line left behind
-            except (OSError, UnboundLocalError):
-                pass
+            if end is not None:
+                try:
+                    os.ftruncate(self.fd, end)  # no half line left behind
+                except OSError:
+                    pass
             raise MetricsError(f"cannot write --metrics {self.path}: {e.strerror}") from None
 
     def close(self):
