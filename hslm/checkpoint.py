@@ -45,14 +45,13 @@ import errno
 import hashlib
 import json
 import os
-import stat
 import struct
 from pathlib import Path
 
 import numpy as np
 
 from .config import Config, canonical_json
-from .errors import HslmError, node_kind, read_bytes
+from .errors import HslmError, read_bytes, refuse_unless_file
 from .validate import (MAX_JSON, Invalid, check_fits, check_rng_state, config_from_json, exact_keys,
                        hyper_from_json, is_hex64, parse_json)
 
@@ -103,17 +102,7 @@ def check_atomic_target(path: Path, flag: str):
     file (the temporary file and the rename need the folder; the file's own mode does
     not matter)."""
     path = Path(path)
-    try:
-        mode = os.stat(path).st_mode  # through a link: where the name leads counts
-    except (FileNotFoundError, NotADirectoryError):
-        mode = None  # a new name (or a dangling link, replaced): the folder is judged below
-    except OSError as e:
-        raise HslmError(f"{flag} {path}: {e.strerror or e}") from None
-    if mode is not None and stat.S_ISDIR(mode):
-        raise HslmError(f"{flag} {path} is a folder; give a file name")
-    if mode is not None and not stat.S_ISREG(mode):
-        raise HslmError(f"{flag} {path} is {node_kind(mode)}, not a regular file; give a "
-                        "file name")
+    refuse_unless_file(path, flag)
     parent = path.parent
     if not parent.is_dir():
         what = "is not a folder" if parent.exists() else "does not exist"

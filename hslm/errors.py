@@ -31,6 +31,27 @@ def node_kind(mode) -> str:
     return "something else"
 
 
+def refuse_unless_file(path, flag: str):
+    """Refuse a name that leads (through links) to a folder, a FIFO, a device or a socket
+    where a file is to be written: a FIFO would block the first write, a device swallow
+    it, and a rename would put a file in place of the node (/dev/null included). Returns
+    the mode of what is there, or None for a new name."""
+    import os
+    import stat
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None  # a new name (or a dangling link, replaced)
+    except OSError as e:
+        raise HslmError(f"{flag} {path}: {e.strerror or e}") from None
+    if stat.S_ISDIR(mode):
+        raise HslmError(f"{flag} {path} is a folder; give a file name")
+    if not stat.S_ISREG(mode):
+        raise HslmError(f"{flag} {path} is {node_kind(mode)}, not a regular file; give a "
+                        "file name")
+    return mode
+
+
 def read_bytes(path, what: str) -> bytes:
     """A regular file's bytes, or an HslmError naming `what` the file is ("checkpoint",
     ...). A device, FIFO or socket is refused before a byte is read: /dev/zero would

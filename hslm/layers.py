@@ -105,11 +105,6 @@ RECORD_FIELDS = (
     ("d_gain", lambda D: (D.blocks, D.window, D.width)),   # dn * x_normed: gamma's rows
     ("d_x0", lambda D: (D.window, D.width)),               # dloss/dx_0: the embedding's rows
 )
-def whole_lines(n: int) -> int:
-    """n float64 rounded up to whole 64-byte cache lines."""
-    return -(-n // 8) * 8
-
-
 # One thread's scratch: rows overwritten by every window it runs.
 SCRATCH_FIELDS = (
     ("d_attn_out", lambda D: (D.window, D.width)),
@@ -133,6 +128,11 @@ WEIGHT_GRAD_RECORDS = ("d_logits", "d_head", "d_block_out", "d_u", "d_h", "d_q",
 Acts = namedtuple("Acts", [f for f, _ in ACT_FIELDS])
 Record = namedtuple("Record", [f for f, _ in RECORD_FIELDS])
 Scratch = namedtuple("Scratch", [f for f, _ in SCRATCH_FIELDS])
+
+
+def whole_lines(n: int) -> int:
+    """n float64 rounded up to whole 64-byte cache lines."""
+    return -(-n // 8) * 8
 
 
 def zeros_on_64(shape):

@@ -121,4 +121,3 @@ def _read_pid(fd):
     except OSError:
         return None
     return int(s) if s.isdigit() else None
-

@@ -224,20 +224,18 @@ def forget_text_sha256(folder: Path, key):
     entries = _memo_entries(folder)
     kept = [e for e in entries if e["files"] != key]
     if len(kept) < len(entries):
-        obj = {"version": TEXT_SHA_MEMO_VERSION, "entries": kept}
-        try:
-            _write(Path(folder) / TEXT_SHA_MEMO,
-                   [json.dumps(obj, separators=(",", ":")).encode("utf-8")])
-        except HslmError:
-            pass
+        _write_memo(folder, kept)
 
 
 def remember_text_sha256(folder: Path, key, sha256: str):
-    """Remember the text's sha256 under its stat key (a failure to write is ignored: the
-    memo is only an optimisation)."""
+    """Remember the text's sha256 under its stat key (the memo is only an optimisation)."""
     entries = [e for e in _memo_entries(folder) if e["files"] != key]
-    entries = ([{"files": key, "sha256": sha256, "check": memo_check(key, sha256)}]
-               + entries[:TEXT_SHA_MEMO_ENTRIES - 1])
+    _write_memo(folder, [{"files": key, "sha256": sha256, "check": memo_check(key, sha256)}]
+                + entries[:TEXT_SHA_MEMO_ENTRIES - 1])
+
+
+def _write_memo(folder: Path, entries):
+    """The memo's file, written atomically (a failure to write is ignored)."""
     obj = {"version": TEXT_SHA_MEMO_VERSION, "entries": entries}
     try:
         _write(Path(folder) / TEXT_SHA_MEMO, [json.dumps(obj, separators=(",", ":")).encode("utf-8")])

@@ -19,7 +19,7 @@ from . import checkpoint as ckpt
 from . import distributed
 from .config import PRESETS, Config
 from .data import BUILTIN_SOURCE, Corpus, Tokenizer
-from .errors import HslmError, node_kind, raise_terminated, read_bytes
+from .errors import HslmError, raise_terminated, read_bytes, refuse_unless_file
 from .hyper import HYPER_NAMES, Hyper
 from .optim import adamw_step, adamw_tensors, bias_corrections, learning_rate
 from .params import ModelState, init_params, ternary_mask
@@ -78,12 +78,7 @@ def check_metrics_path(metrics, out: Path):
     if metrics is None:
         return
     m = Path(metrics)
-    if m.is_dir():
-        raise HslmError(f"--metrics {m} is a folder; give a file name")
-    if m.exists():
-        if not m.is_file():  # a FIFO would block the run's first write; a device swallow it
-            raise HslmError(f"--metrics {m} is {node_kind(m.stat().st_mode)}, not a regular "
-                            "file; give a file name")
+    if refuse_unless_file(m, "--metrics") is not None:
         if not os.access(m, os.W_OK):
             raise HslmError(f"--metrics {m} is not writable")
         from .progress import partial_record
