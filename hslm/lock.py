@@ -97,14 +97,16 @@ class FolderLock:
         file held was removed: another run may lock the folder itself)."""
         if self.fd is None:
             return None
-        held = os.fstat(self.fd)
-        if held.st_nlink == 0:
-            return "unlocked"
         try:
             st = os.stat(self.path)
         except OSError:
-            return "moved"
-        return None if (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino) else "moved"
+            st = None
+        # the file held read after its name: a removal between the two reads then says
+        # "unlocked" (or nothing yet), never "moved" for a folder that is where it was
+        held = os.fstat(self.fd)
+        if st is not None and (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino):
+            return None
+        return "unlocked" if held.st_nlink == 0 else "moved"
 
     def release(self):
         if self.fd is not None:

@@ -185,6 +185,73 @@ def test_a_folder_replaced_or_unlocked_during_the_run_is_not_written_to(tmp_path
         assert f"step {saved[-1] + 1} not saved" in errors[0]
 
 
+def _check_with_the_lock_removed_at(call, lock, monkeypatch):
+    """lock.check(), the lock file removed just before its call number `call` to
+    os.stat / os.fstat (the race CI once met: removed between the two reads)."""
+    import hslm.lock as lock_module
+    real = {"stat": os.stat, "fstat": os.fstat}
+    calls = []
+
+    def removing_before(name):
+        def f(*a, **kw):
+            calls.append(name)
+            if len(calls) == call and os.path.exists(lock.path):
+                os.unlink(lock.path)
+            return real[name](*a, **kw)
+        return f
+    fake_os = type("os", (), {})()
+    for attr in dir(os):
+        if not attr.startswith("__"):
+            setattr(fake_os, attr, getattr(os, attr))
+    fake_os.stat, fake_os.fstat = removing_before("stat"), removing_before("fstat")
+    monkeypatch.setattr(lock_module, "os", fake_os)
+    try:
+        return lock.check(), len(calls)
+    finally:
+        monkeypatch.setattr(lock_module, "os", os)
+
+
+def test_a_lock_file_removed_while_it_is_checked_is_never_taken_for_a_moved_folder(
+        tmp_path, monkeypatch):
+    """Removed at any point of the check, the answer is "unlocked" or, removed after the
+    name was read, nothing yet (and "unlocked" at the next check): never "moved", which
+    would save one more step into a folder another run may hold. Control: the order
+    of reads before the fix (the file held, then its name) answers "moved"."""
+    seen = set()
+    for call in (1, 2):  # before the first read, between the two
+        d = tmp_path / f"run{call}"
+        d.mkdir()
+        lock = FolderLock(d).acquire()
+        try:
+            answer, n_calls = _check_with_the_lock_removed_at(call, lock, monkeypatch)
+            assert answer in (None, "unlocked"), (call, answer)
+            assert lock.check() == "unlocked"
+            seen.add(answer)
+        finally:
+            lock.release()
+    assert n_calls == 2 and seen == {None, "unlocked"}
+
+    import hslm.lock as lock_module
+
+    def old_check(self):  # the file held first, then its name (through the module's os)
+        held = lock_module.os.fstat(self.fd)
+        if held.st_nlink == 0:
+            return "unlocked"
+        try:
+            st = lock_module.os.stat(self.path)
+        except OSError:
+            return "moved"
+        return None if (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino) else "moved"
+    d = tmp_path / "control"
+    d.mkdir()
+    lock = FolderLock(d).acquire()
+    try:
+        monkeypatch.setattr(FolderLock, "check", old_check)
+        assert _check_with_the_lock_removed_at(2, lock, monkeypatch)[0] == "moved"
+    finally:
+        lock.release()
+
+
 def test_a_folder_that_may_be_written_but_not_listed_is_opened_as_a_path(tmp_path,
                                                                          monkeypatch):
     """Mode 0733 (write and search, no read): opening the folder read-only fails, where
