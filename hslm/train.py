@@ -759,10 +759,16 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
         b, s = run.save(out)
         if distributed.any_rank(metrics_error is not None):
             stop_for_metrics(s)
-        if not o.quiet:
+        if stop.signum is not None:  # asked during the last evaluation or save: done anyway,
+            # but said as a stop is, and ended as one (a caller's `&&` must not go on)
+            progress.message(f"{signal.Signals(stop.signum).name}: stopped after step "
+                             f"{run.step}, the last; saved {b} and {s}")
+        elif not o.quiet:
             echo(f"saved {b} and {s}")
         distributed.summary(echo)  # MPI: bytes sent per rank per step
         distributed.close()
+        if stop.signum is not None:
+            sys.exit(128 + stop.signum)
     finally:
         progress.close()
         runner.close()

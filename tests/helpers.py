@@ -1,8 +1,10 @@
 """Shared test helpers: one window at a speed, and exact comparisons."""
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +15,21 @@ from hslm.step import Worker
 from hslm.tables import Tables
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextlib.contextmanager
+def running(proc, timeout):
+    """The process killed when the block ends, however it ends, or after timeout seconds
+    (its pipes then end, so a loop over its lines cannot wait forever): a failed test
+    leaves no run behind (one once wrote 69 GB of checkpoints into /tmp)."""
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    try:
+        yield proc
+    finally:
+        timer.cancel()
+        proc.kill()
+        proc.wait()
 
 
 def setup(name, structured, seed=1):

@@ -7,6 +7,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from hslm.errors import HslmError
 from hslm.lock import FolderLock
 from hslm.train import load_for_inference
 
-from helpers import ROOT, hslm, one_line_error
+from helpers import ROOT, hslm, one_line_error, running
 
 TINY = ["--model", "hslm-tiny", "--batch", "2", "--threads", "1"]
 TEXT = "".join(f"sentence {i}: a different corpus about {i % 11} cats and {i % 5} owls.\n"
@@ -377,11 +378,12 @@ def test_resume_command_printed_on_ctrl_c_runs_verbatim(tmp_path):
                              "100000", "--data", str(data), "--out", str(d), "--log-every", "1",
                              "--save-every", "50000", "--eval-every", "40000"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for line in proc.stdout:
-        if line.startswith("step ") and int(line.split()[1]) >= 2:
-            break
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
+    with running(proc, timeout=300):
+        for line in proc.stdout:
+            if line.startswith("step ") and int(line.split()[1]) >= 2:
+                break
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     cmd = [l for l in out.splitlines() if l.startswith("resume with: ")][0][len("resume with: "):]
     argv = shlex.split(cmd)
@@ -428,23 +430,28 @@ def test_a_run_that_fails_on_its_text_leaves_no_new_folder(base, tmp_path):
 
 def test_a_closed_standard_output_does_not_stop_the_run(tmp_path):
     """`hslm train | head -1`: the run goes on without its output and saves."""
+    # (400 steps, a line each: still writing when its reader has gone, however late)
     out = tmp_path / "piped"
-    p = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "train", *TINY, "--steps", "40",
-                          "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    p.stdout.readline()
-    p.stdout.close()  # the reader goes away
-    err = p.stderr.read().decode()
-    assert p.wait(timeout=600) == 0, err
+    p = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "train", *TINY, "--steps", "400",
+                          "--log-every", "1", "--out", str(out)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    with running(p, timeout=600):
+        p.stdout.readline()
+        p.stdout.close()  # the reader goes away
+        err = p.stderr.read().decode()
+        assert p.wait(timeout=600) == 0, err
     assert "Traceback" not in err and "going on without it" in err
-    ckpt.read(out / "ckpt_40.state")
+    ckpt.read(out / "ckpt_400.state")
     # `2>&1 | head -1`: both streams into the closed pipe, the note on stderr included
     out = tmp_path / "both"
-    p = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "train", *TINY, "--steps", "40",
-                          "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    p.stdout.readline()
-    p.stdout.close()
-    assert p.wait(timeout=600) == 0
-    ckpt.read(out / "ckpt_40.state")
+    p = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "train", *TINY, "--steps", "400",
+                          "--log-every", "1", "--out", str(out)], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT)
+    with running(p, timeout=600):
+        p.stdout.readline()
+        p.stdout.close()
+        assert p.wait(timeout=600) == 0
+    ckpt.read(out / "ckpt_400.state")
 
 
 def test_bench_paths_and_reports_are_judged_first(tmp_path):
@@ -505,11 +512,34 @@ def test_ctrl_c_in_the_last_step_saves_and_prints_no_resume_command(tmp_path):
     proc = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "train", "--model", "hslm-3",
                              "--batch", "32", "--threads", "1", "--steps", "1", "--out", str(d)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().startswith("model ")  # the handlers are in; step 1 runs
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=300)
+    with running(proc, timeout=600):
+        assert proc.stdout.readline().startswith("model ")  # the handlers are in; step 1 runs
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err
     assert "stopped after step 1, the last; saved" in out and "resume with" not in out
+    ckpt.read(d / "ckpt_1.state")
+
+
+def test_ctrl_c_during_the_final_evaluation_ends_as_a_stop(tmp_path):
+    """A stop asked after the last step, during the final evaluation (here made long):
+    the run evaluates and saves as it would have, then says it stopped and exits 130,
+    as a stop asked in the last step does (it exited 0: `hslm train && next` went on)."""
+    d = tmp_path / "evaluating"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "train", "--model", "hslm-3",
+                             "--batch", "1", "--threads", "1", "--steps", "1", "--log-every", "1",
+                             "--eval-windows", "3000", "--out", str(d)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with running(proc, timeout=300):
+        for line in proc.stdout:  # step 1 done: the final evaluation runs (about 3 s)
+            if line.startswith("step "):
+                break
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert "SIGINT: stopped after step 1, the last; saved" in out and "resume with" not in out
+    assert "first " not in out  # no summary line: the run ended as stopped
     ckpt.read(d / "ckpt_1.state")
 
 

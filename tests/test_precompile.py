@@ -12,7 +12,7 @@ import pytest
 from hslm import precompile
 from hslm.precompile import JOBS, Board
 
-from helpers import ROOT
+from helpers import ROOT, running
 
 
 def test_jobs_for_each_loop_order():
@@ -163,11 +163,12 @@ def test_sigterm_while_compiling_leaves_no_helper_and_no_folder(tmp_path):
     p = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "train", "--model", "hslm-tiny",
                           "--steps", "2", "--out", str(tmp_path / "out")], env=env,
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    line = p.stderr.readline()  # the notice: the helpers are at work
-    assert line.startswith("compiling kernels in "), line
-    time.sleep(1)
-    p.send_signal(signal.SIGTERM)
-    assert p.wait(timeout=30) == -signal.SIGTERM
+    with running(p, timeout=600):
+        line = p.stderr.readline()  # the notice: the helpers are at work
+        assert line.startswith("compiling kernels in "), line
+        time.sleep(1)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=120) == -signal.SIGTERM
     time.sleep(0.5)
     assert not list(tmp.glob("hslm-compile-*"))  # (the cache-save lock file stays, by design)
 

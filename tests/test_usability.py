@@ -13,7 +13,7 @@ import pytest
 from hslm import checkpoint as ckpt
 from hslm.progress import Progress
 
-from helpers import ROOT, hslm, one_line_error
+from helpers import ROOT, hslm, one_line_error, running
 
 TINY = ["--model", "hslm-tiny", "--batch", "4", "--seed", "7", "--threads", "1"]
 
@@ -100,22 +100,22 @@ def start_training(out_dir, *extra, batch=4):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def wait_for_step(proc, n=2, timeout=120):
-    """Reads progress lines until step n is reported."""
-    t0 = time.time()
+def wait_for_step(proc, n=2):
+    """Reads progress lines until step n is reported (inside `running`, which ends a
+    silent process at its timeout, and with it this loop)."""
     for line in proc.stdout:
         if line.startswith("step ") and int(line.split()[1]) >= n:
             return
-        assert time.time() - t0 < timeout
-    raise AssertionError("training ended early")
+    raise AssertionError("training ended early (or did not report in time)")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_finishes_the_step_saves_and_says_how_to_resume(tmp_path, sig):
     proc = start_training(tmp_path)
-    wait_for_step(proc)
-    proc.send_signal(sig)
-    out, err = proc.communicate(timeout=120)
+    with running(proc, timeout=300):
+        wait_for_step(proc)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + sig
     assert "Traceback" not in err
     # no progress bar to end here (a pipe): the notice comes with no blank line before it
@@ -151,11 +151,19 @@ def test_signal_notice_ends_a_progress_bar_and_adds_no_blank_line_otherwise():
 def test_kill_9_never_leaves_a_corrupt_checkpoint(tmp_path):
     rng = np.random.default_rng(0)
     for round_ in range(6):
+        began = time.time_ns()
         # batches of 256 windows: tens of checkpoints a round, not thousands
         proc = start_training(tmp_path, "--save-every", 1, "--log-every", 1000000, batch=256)
-        time.sleep(1.5 + rng.uniform(0, 2.0))  # startup, then anywhere in the save loop
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        with running(proc, timeout=300):
+            # the round's first save made (however slow the start), then anywhere in the
+            # save loop: each round kills a run that is saving a checkpoint every step
+            while not any(n.endswith(".state") and os.stat(tmp_path / n).st_mtime_ns >= began
+                          for n in os.listdir(tmp_path)):
+                assert proc.poll() is None, proc.communicate()[1]
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0, 1.0))
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.communicate()
     names = [n for n in os.listdir(tmp_path) if n.startswith("ckpt_")]
     assert len(names) >= 4, f"too few checkpoints were written before the kills: {names}"
     for n in names:  # every file under a checkpoint's name loads and checks out
@@ -278,10 +286,13 @@ def test_measured_peaks_are_physical():
     merged would report many times that), an FMA at least as fast as a multiply and an
     add, and both well above zero."""
     from hslm.peak import ACCUMULATORS, _loop_ir, measured_peaks
-    peaks = measured_peaks(seconds=0.02)
-    assert peaks is not None
-    ceiling = 2 * peaks["lanes"] * 2 * 6.0
-    assert 1.0 < peaks["mul_add"] <= 1.15 * peaks["fma"] <= 1.15 * ceiling, peaks
+    # the best of 3 alternations each: a neighbour busy during one kind's timing alone
+    # must not decide (on Zen the two rates are equal, so only the margin separates them)
+    runs = [measured_peaks(seconds=0.02) for _ in range(3)]
+    assert None not in runs
+    peaks = {k: max(r[k] for r in runs) for k in ("fma", "mul_add")}
+    ceiling = 2 * runs[0]["lanes"] * 2 * 6.0
+    assert 1.0 < peaks["mul_add"] <= 1.25 * peaks["fma"] <= 1.25 * ceiling, runs
     # the loop holds ACCUMULATORS independent chains, each starting from its own value
     ir = _loop_ir(8, True)
     assert ir.count("call <8 x double> @llvm.fmuladd") == ACCUMULATORS
