@@ -145,7 +145,8 @@ def test_ternary_kernel_under_a_shared_allocator_arena():
     # negative control: the kernel with its chunk freed early goes wrong (or crashes)
     # under the same contention; 263 of 600 results were wrong here
     text = early_freed_kernel(micro.TERNARY_ROWS, micro.TERNARY_PANEL)
-    assert wrong_results_under_contention("early-freed", text) != 0
+    # (tries until it shows: the threads must overlap, which a loaded machine may delay)
+    assert any(wrong_results_under_contention("early-freed", text) != 0 for _ in range(5))
 
 
 def test_raw_pointer_drivers_refuse_operands_that_do_not_agree():

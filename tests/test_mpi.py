@@ -371,21 +371,23 @@ def test_bad_flags_are_reported_once(tmp_path):
 @needs_mpi
 def test_sigterm_saves_one_checkpoint_and_stops_every_rank(tmp_path):
     cmd = [MPIEXEC, "-n", "2", sys.executable, str(ROOT / "cli.py"), "train", *TINY,
-           "--batch", 4, "--steps", 10 ** 6, "--out", tmp_path, "--threads", 1, "--log-every", 1]
+           "--batch", 4, "--steps", 10 ** 6, "--out", tmp_path / "run", "--threads", 1,
+           "--log-every", 1, "--metrics", tmp_path / "m.jsonl"]
     p = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, env=env())
     try:
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "tokenizer.json").exists() and time.monotonic() < deadline:
+        # a step recorded: every rank is past the start (its handlers in), however slow
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (
+                (tmp_path / "m.jsonl").exists() and (tmp_path / "m.jsonl").read_text()):
             time.sleep(0.2)
-        time.sleep(1.5)
         p.send_signal(signal.SIGTERM)
         stdout, err = p.communicate(timeout=60)
     finally:
         if p.poll() is None:
             p.kill()
     assert p.returncode == 128 + signal.SIGTERM, err
-    ckpts = sorted(tmp_path.glob("ckpt_*"))
+    ckpts = sorted((tmp_path / "run").glob("ckpt_*"))
     assert len(ckpts) == 2, ckpts
     assert "SIGTERM: stopped after step" in stdout + err
     assert err.count("SIGTERM: finishing the current step") == 1

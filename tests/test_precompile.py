@@ -91,7 +91,10 @@ def test_a_job_whose_owner_died_does_not_hold_up_the_others(tmp_path, monkeypatc
     (tmp_path / "optimiser.claim").write_text(str(os.getpid()))  # alive: this process
     worker = threading.Thread(target=board.work)  # (no give_up: the helpers are alive)
     worker.start()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 30  # (polled: a loaded machine may take a while)
+    while ran != ["weight-gradient tile"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # forward must go on waiting for the optimiser, not run
     assert board.settled("ternary tile") and not board.settled("optimiser")
     assert ran == ["weight-gradient tile"] and worker.is_alive()  # forward waits on optimiser
     board.finish("optimiser", True, time.time())
