@@ -42,15 +42,20 @@ import numpy as np
 
 # name: the jobs it needs done first. Order is priority: the ternary tile starts the
 # longest chain (tile -> forward or backward), the tokenizer fills a core meanwhile.
+# The forward's blocks (about 70% of its compile) are a job of their own, so that with
+# two processes the three long jobs (forward blocks, backward, weight gradients, each
+# 12-18 s) and the forward's short rest share the two evenly: in one job the forward
+# (21 s) and any other made the first run's compile 37 s in a slow hour, now 32.
 JOBS = {
     "ternary tile": (),
     "weight-gradient tile": (),
     "optimiser": (),
-    "forward": ("ternary tile", "weight-gradient tile", "optimiser"),
+    "forward blocks": ("ternary tile", "weight-gradient tile", "optimiser"),
     "backward": ("ternary tile", "weight-gradient tile", "optimiser"),
     "per position": ("ternary tile", "weight-gradient tile", "optimiser"),
-    "tokenizer": (),
     "weight gradients": ("ternary tile", "weight-gradient tile", "optimiser"),
+    "forward": ("forward blocks",),
+    "tokenizer": (),
     "team": ("backward", "weight gradients"),
     "evaluation": ("forward", "backward"),
 }
@@ -81,6 +86,8 @@ def jobs_for(speeds, teams: bool = False) -> list[str]:
         skip.add("per position")
     if loops == {PER_POSITION}:
         skip |= {"backward", "team", "weight gradients"}
+    # (the per-position loop's forward is its own; evaluation is layer by layer at every
+    # speed, through the forward's blocks)
     if not teams:
         skip.add("team")
     return [j for j in JOBS if j not in skip]
@@ -136,7 +143,11 @@ def _run_job(name: str, vocab: int) -> None:
     from .windows import (gradients_from_records, mean_losses, team_counters, team_slot,
                           windows_backward, windows_forward)
     A, R, S, vsa = _layerwise_buffers(cfg)
-    if name == "forward":
+    if name == "forward blocks":  # with the argument types windows_forward gives it
+        from .windows import every_block_forward
+        every_block_forward(model, A, vsa, 0, 1, windows.shape[0], cfg.window, 0,
+                            KERNEL_PANELS)
+    elif name == "forward":
         windows_forward(model, vsa_table, windows, vsa, k, A, 0, 1, KERNEL_PANELS)
     elif name == "backward":
         row_losses = np.zeros((1, k))

@@ -150,11 +150,20 @@ def windows_forward(model, vsa_table, windows, vsa, k, A, first, step, kernel):
     for w in range(first, B, step):
         vsa_window(vsa_table, windows[w], D.blocks, D.width, vsa[w])
         embed_forward(model, A, w, windows[w], 0, L)
+    every_block_forward(model, A, vsa, first, step, B, L, s, kernel)
+    for w in range(first, B, step):
+        head_forward(model, A, w, s, L, kernel)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def every_block_forward(model, A, vsa, first, step, B, L, s, kernel):
+    """The blocks of windows_forward, block by block. A kernel of its own so that a first
+    run compiles it beside the backward (hslm.precompile's "forward blocks"): called from
+    Python with these types, it is the very kernel windows_forward calls."""
+    D = model.dims
     for b in range(D.blocks):  # in the last block only the scored rows go past their keys
         blocks_forward(model, A, vsa, b, first, step, B, 0, L,
                        s if b == D.blocks - 1 else 0, kernel)
-    for w in range(first, B, step):
-        head_forward(model, A, w, s, L, kernel)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
