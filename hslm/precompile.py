@@ -44,8 +44,8 @@ import numpy as np
 # longest chain (tile -> forward or backward), the tokenizer fills a core meanwhile.
 # The forward's blocks (about 70% of its compile) are a job of their own, so that with
 # two processes the three long jobs (forward blocks, backward, weight gradients, each
-# 12-18 s) and the forward's short rest share the two evenly: in one job the forward
-# (21 s) and any other made the first run's compile 37 s in a slow hour, now 32.
+# 12-18 s) and the forward's short rest share the two evenly: with the forward one job
+# (21 s) a first run compiled in 35 and 34 s in a slow hour, now in 32 and 29.
 JOBS = {
     "ternary tile": (),
     "weight-gradient tile": (),
