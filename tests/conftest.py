@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import ROOT
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -8,6 +8,7 @@ import stat
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -157,7 +158,7 @@ def test_a_folder_replaced_or_unlocked_during_the_run_is_not_written_to(tmp_path
                           "--steps", "200", "--save-every", "1", "--log-every", "1",
                           "--out", str(d)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
-    try:
+    with running(p, timeout=300):
         for line in p.stdout:  # until step 3 has been reported (and step 2 saved)
             if line.startswith("step ") and int(line.split()[1]) >= 3:
                 break
@@ -167,9 +168,6 @@ def test_a_folder_replaced_or_unlocked_during_the_run_is_not_written_to(tmp_path
         else:
             os.unlink(d / ".hslm.lock")
         _, err = p.communicate(timeout=120)
-    finally:
-        p.kill()
-        p.wait()
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert p.returncode == 2 and "Traceback" not in err and len(errors) == 1, err
     held = tmp_path / ("X.old" if how == "replaced" else "X")
@@ -200,12 +198,9 @@ def _check_with_the_lock_removed_at(call, lock, monkeypatch):
                 os.unlink(lock.path)
             return real[name](*a, **kw)
         return f
-    fake_os = type("os", (), {})()
-    for attr in dir(os):
-        if not attr.startswith("__"):
-            setattr(fake_os, attr, getattr(os, attr))
-    fake_os.stat, fake_os.fstat = removing_before("stat"), removing_before("fstat")
-    monkeypatch.setattr(lock_module, "os", fake_os)
+    # (check() calls nothing else of os)
+    monkeypatch.setattr(lock_module, "os", types.SimpleNamespace(
+        stat=removing_before("stat"), fstat=removing_before("fstat")))
     try:
         return lock.check(), len(calls)
     finally:
