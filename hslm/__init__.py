@@ -5,6 +5,56 @@ import sys as _sys
 __version__ = "0.2.0"
 
 
+def _the_hslm_command() -> bool:
+    """Whether this process is the hslm command (the console script, `python -m hslm`, or
+    the checkout's cli.py) rather than a program that imports hslm (or `python -m
+    hslm.precompile`, a first run's helper)."""
+    argv0 = _sys.argv[0] if _sys.argv else ""
+    if argv0 == "-m":  # runpy imports the package before the module it runs
+        orig = list(getattr(_sys, "orig_argv", []))
+        return "-m" in orig[:-1] and orig[orig.index("-m") + 1] == "hslm"
+    checkout_cli = _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))),
+                                 "cli.py")
+    return _os.path.basename(argv0) == "hslm" or (
+        bool(argv0) and _os.path.abspath(argv0) == checkout_cli)
+
+
+def _early_signal(signum, frame):
+    """Ctrl-C or SIGTERM while the command is still starting (Python importing numpy,
+    Numba and hslm, about half a second): nothing is open or written yet, so stop at
+    once with the CLI's one line and exit status, not a traceback from inside an import."""
+    import signal
+    interrupted = signum == signal.SIGINT
+    _os.write(2, b"error: interrupted\n" if interrupted else b"error: terminated\n")
+    _os._exit(130 if interrupted else 128 + 15)
+
+
+def _stop_quietly_while_starting():
+    """For the hslm command only (a program importing hslm keeps its own handlers): the
+    two signals end the start-up with one line (_early_signal) until hslm.cli.main()
+    puts Python's handlers back and handles them itself. First of all, so that Numba's
+    import is covered."""
+    if not _the_hslm_command():
+        return
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for s in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(s) in (signal.default_int_handler, signal.SIG_DFL):
+            signal.signal(s, _early_signal)
+
+
+def end_of_start_up():
+    """hslm.cli.main(): the command's own handling of Ctrl-C and SIGTERM takes over
+    (KeyboardInterrupt, SIGTERM's default) from _early_signal."""
+    import signal
+    if signal.getsignal(signal.SIGINT) is _early_signal:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGTERM) is _early_signal:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _writable_kernel_cache():
     """Numba caches compiled kernels beside the source; an install the user cannot
     write to (system site-packages) would fail at import, so point Numba at the
@@ -137,6 +187,7 @@ def _kernel_cache_saves_may_fail():
     caching.Cache.save_overload = save_overload
 
 
+_stop_quietly_while_starting()
 _writable_kernel_cache()
 _prefer_512_bit_vectors()
 _tolerate_stale_kernel_caches()

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import click
 
-from . import distributed
-from .errors import HslmError, is_terminated
+from . import distributed, end_of_start_up
+from .errors import (HslmError, is_terminated, keep_dropped_interrupts,
+                     raise_dropped_interrupt)
 from .speeds import DEFAULT_SPEED, SPEEDS, speed_help
 
 
@@ -414,11 +415,14 @@ def guard_streams():
 
 def main(argv=None):
     """Entry point: every error is one line on stderr and a non-zero exit."""
+    end_of_start_up()
     guard_streams()
+    sys.unraisablehook = keep_dropped_interrupts
     try:
         if distributed.init() is not None:  # launched by MPI with P > 1 (hslm/distributed.py)
             distributed.run_main(cli, argv)
         rv = cli.main(args=argv, prog_name="hslm", standalone_mode=False)
+        raise_dropped_interrupt()  # (a command that went on after one: it was interrupted)
     except click.exceptions.NoArgsIsHelpError as e:
         click.echo(e.ctx.get_help())
         sys.exit(0)

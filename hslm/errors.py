@@ -15,6 +15,32 @@ def raise_terminated(signum, frame):
     raise Terminated()
 
 
+# Interrupts that C code dropped: an exception raised in a signal handler while Python
+# runs inside a ctypes callback (Numba loading a cached kernel calls back into Python)
+# ends the callback alone; ctypes reports it through sys.unraisablehook ("Exception
+# ignored ...", with a traceback) and the program goes on as if no signal had come.
+_dropped = []
+
+
+def keep_dropped_interrupts(unraisable):
+    """sys.unraisablehook of the hslm command: an interrupt C code dropped is kept, to be
+    raised where it cannot be dropped (raise_dropped_interrupt); anything else is
+    reported as Python reports it."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt):
+        _dropped.append(unraisable.exc_value)
+        return
+    import sys
+    sys.__unraisablehook__(unraisable)
+
+
+def raise_dropped_interrupt():
+    """Raise the first interrupt a C callback dropped since the last call, if any."""
+    if _dropped:
+        e = _dropped[0]
+        _dropped.clear()
+        raise e.with_traceback(None)
+
+
 def is_terminated(e: BaseException) -> bool:
     """Whether an interrupt the CLI caught was SIGTERM's (click wraps it in an Abort)."""
     return isinstance(e, Terminated) or isinstance(e.__cause__, Terminated)

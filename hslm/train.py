@@ -19,7 +19,8 @@ from . import checkpoint as ckpt
 from . import distributed
 from .config import PRESETS, Config
 from .data import BUILTIN_SOURCE, Corpus, Tokenizer
-from .errors import HslmError, raise_terminated, read_bytes, refuse_unless_file
+from .errors import (HslmError, raise_dropped_interrupt, raise_terminated, read_bytes,
+                     refuse_unless_file)
 from .hyper import HYPER_NAMES, Hyper
 from .optim import adamw_step, adamw_tensors, bias_corrections, learning_rate
 from .params import ModelState, init_params, ternary_mask
@@ -540,9 +541,11 @@ def hold_out_dir(out: Path) -> HeldFolder:
 @contextmanager
 def releasing_on_error(held):
     """On any error (a bad text, Ctrl-C while tokenizing) release the folder held, and
-    remove it if this run created it: it holds only this run's caches."""
+    remove it if this run created it: it holds only this run's caches. A Ctrl-C or
+    SIGTERM that C code dropped meanwhile (hslm.errors) stops it here, as it would have."""
     try:
         yield
+        raise_dropped_interrupt()
     except BaseException:
         for h in held:
             h.release()
