@@ -11,12 +11,13 @@ chooses one of each for the machine).
 import numpy as np
 from numba import njit
 
-from .vector_tiles import make_tile, make_widen
+from .vector_tiles import make_prefetch_for_writing, make_tile, make_widen
 
 TERNARY_TILES = ((9, 16), (4, 12))
 WGRAD_TILES = ((3, 24), (3, 12))
 WGRAD_WINDOWS = 8  # windows whose output gradients a thread holds in panels at once
 TERNARY_CHUNK = 96  # input indices per widened chunk of a ternary panel
+PREFETCH_FOR_WRITING = make_prefetch_for_writing()
 
 
 TILE_9x16 = make_tile(9, 2, 8, resume=True)
@@ -56,6 +57,10 @@ def ternary_panel_matmul_9x16(X, P, b, alpha, Y):
     x, xs = X.ctypes.data, X.strides[0] // 8
     for q in range(P.shape[0]):
         j = q * 16
+        if j + 16 < b:  # the next panel's output columns, on their way meanwhile
+            for r in range(n):
+                PREFETCH_FOR_WRITING(Y[r].ctypes.data + 8 * (j + 16),
+                                     8 * min(16, b - j - 16))
         p = P.ctypes.data + q * P.strides[0]
         k0 = 0
         while True:  # chunks of the input index (at least one: a = 0 sums to 0.0)
@@ -120,6 +125,10 @@ def ternary_panel_matmul_4x12(X, P, b, alpha, Y):
     x, xs = X.ctypes.data, X.strides[0] // 8
     for q in range(P.shape[0]):
         j = q * 12
+        if j + 12 < b:  # the next panel's output columns, on their way meanwhile
+            for r in range(n):
+                PREFETCH_FOR_WRITING(Y[r].ctypes.data + 8 * (j + 12),
+                                     8 * min(12, b - j - 12))
         p = P.ctypes.data + q * P.strides[0]
         k0 = 0
         while True:  # chunks of the input index (at least one: a = 0 sums to 0.0)

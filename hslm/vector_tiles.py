@@ -272,6 +272,33 @@ def make_widen(panel: int):
     return intrinsic(widen)
 
 
+def make_prefetch_for_writing():
+    """An intrinsic prefetch_for_writing(addr, nbytes), both intp: asks for the cache lines
+    of bytes addr .. addr + nbytes - 1 to be brought in, to be written (llvm.prefetch:
+    a hint, never a fault, no effect on any value). A ternary kernel asks for the
+    next panel's columns of its output while it sums this one: each output line is
+    written whole, but a line not in cache is read before it is written, and a window's
+    outputs were last used a step ago."""
+
+    def codegen(context, builder, signature, args):
+        addr, nbytes = args
+        i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+        prefetch = declare(builder, "llvm.prefetch.p0i8", ir.VoidType(),
+                           [i8.as_pointer(), i32, i32, i32])
+        first = builder.and_(addr, ir.Constant(i64, -64))  # the first byte's line
+        span = builder.sub(builder.add(addr, nbytes), first)
+        base = builder.inttoptr(first, i8.as_pointer())
+        with CountedLoop(builder, span, 64, "prefetch") as loop:
+            builder.call(prefetch, [builder.gep(base, [loop.i]), ir.Constant(i32, 1),
+                                    ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    def prefetch_for_writing(typingctx, addr, nbytes):
+        return types.void(types.intp, types.intp), codegen
+
+    return intrinsic(prefetch_for_writing)
+
+
 def make_transpose_bytes(width: int):
     """An intrinsic transpose(src_addr, src_stride, dst_addr), all intp: for c < width,
     j < 16, dst[j * width + c] = src[c * src_stride + j]. A 16 x 16 block of bytes is

@@ -70,12 +70,13 @@ chooses one of each for the machine).
 import numpy as np
 from numba import njit
 
-from .vector_tiles import make_tile, make_widen
+from .vector_tiles import make_prefetch_for_writing, make_tile, make_widen
 
 TERNARY_TILES = {tiles}
 WGRAD_TILES = {wtiles}
 WGRAD_WINDOWS = {wwindows}  # windows whose output gradients a thread holds in panels at once
 TERNARY_CHUNK = {chunk}  # input indices per widened chunk of a ternary panel
+PREFETCH_FOR_WRITING = make_prefetch_for_writing()
 '''
 
 
@@ -267,6 +268,10 @@ def ternary_panel_matmul_{rows}x{panel}(X, P, b, alpha, Y):
     x, xs = X.ctypes.data, X.strides[0] // 8
     for q in range(P.shape[0]):
         j = q * {panel}
+        if j + {panel} < b:  # the next panel's output columns, on their way meanwhile
+            for r in range(n):
+                PREFETCH_FOR_WRITING(Y[r].ctypes.data + 8 * (j + {panel}),
+                                     8 * min({panel}, b - j - {panel}))
         p = P.ctypes.data + q * P.strides[0]
         k0 = 0
         while True:  # chunks of the input index (at least one: a = 0 sums to 0.0)
