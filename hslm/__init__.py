@@ -25,7 +25,9 @@ def _early_signal(signum, frame):
     once with the CLI's one line and exit status, not a traceback from inside an import."""
     import signal
     interrupted = signum == signal.SIGINT
-    _os.write(2, b"error: interrupted\n" if interrupted else b"error: terminated\n")
+    rank = _os.environ.get("PMI_RANK") or _os.environ.get("OMPI_COMM_WORLD_RANK") or "0"
+    if rank == "0":  # under MPI (mpiexec forwards a signal to every rank) rank 0 says it
+        _os.write(2, b"error: interrupted\n" if interrupted else b"error: terminated\n")
     _os._exit(130 if interrupted else 128 + 15)
 
 
