@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from . import distributed, end_of_start_up
-from .errors import (HslmError, is_terminated, keep_dropped_interrupts,
+from .errors import (HslmError, is_terminated, keeping_dropped_interrupts,
                      raise_dropped_interrupt)
 from .speeds import DEFAULT_SPEED, SPEEDS, speed_help
 
@@ -417,7 +417,12 @@ def main(argv=None):
     """Entry point: every error is one line on stderr and a non-zero exit."""
     end_of_start_up()
     guard_streams()
-    sys.unraisablehook = keep_dropped_interrupts
+    with keeping_dropped_interrupts():
+        run_command(argv)
+
+
+def run_command(argv):
+    """The command itself, each way it can end: one line on stderr and an exit status."""
     try:
         if distributed.init() is not None:  # launched by MPI with P > 1 (hslm/distributed.py)
             distributed.run_main(cli, argv)

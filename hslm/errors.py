@@ -1,4 +1,5 @@
 """The one exception the CLI turns into a one-line error and a non-zero exit."""
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -22,15 +23,25 @@ def raise_terminated(signum, frame):
 _dropped = []
 
 
-def keep_dropped_interrupts(unraisable):
-    """sys.unraisablehook of the hslm command: an interrupt C code dropped is kept, to be
-    raised where it cannot be dropped (raise_dropped_interrupt); anything else is
-    reported as Python reports it."""
-    if isinstance(unraisable.exc_value, KeyboardInterrupt):
-        _dropped.append(unraisable.exc_value)
-        return
+@contextmanager
+def keeping_dropped_interrupts():
+    """The hslm command's sys.unraisablehook meanwhile: an interrupt C code dropped is
+    kept, to be raised where it cannot be dropped (raise_dropped_interrupt); anything
+    else goes to the hook before."""
     import sys
-    sys.__unraisablehook__(unraisable)
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            _dropped.append(unraisable.exc_value)
+        else:
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
 
 
 def raise_dropped_interrupt():

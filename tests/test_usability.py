@@ -189,18 +189,22 @@ def test_an_interrupt_dropped_by_a_c_callback_still_stops_the_runs_start(monkeyp
             raise exc
         ctypes.CFUNCTYPE(None)(callback)()  # returns: ctypes drops the exception
 
-    monkeypatch.setattr(sys, "unraisablehook", errors.keep_dropped_interrupts)
-    for exc in (KeyboardInterrupt(), errors.Terminated()):
-        with pytest.raises(type(exc)):
-            with releasing_on_error([Held()]):
-                interrupted_in_a_callback(exc)
+    others = []
+    monkeypatch.setattr(sys, "unraisablehook", others.append)
+    with errors.keeping_dropped_interrupts():
+        for exc in (KeyboardInterrupt(), errors.Terminated()):
+            with pytest.raises(type(exc)):
+                with releasing_on_error([Held()]):
+                    interrupted_in_a_callback(exc)
+        interrupted_in_a_callback(ValueError("not an interrupt"))  # goes to the hook before
+        errors.raise_dropped_interrupt()  # nothing is left to raise
     assert Held.removed == 2
-    errors.raise_dropped_interrupt()  # nothing is left to raise
+    assert [type(u.exc_value) for u in others] == [ValueError]
+    assert sys.unraisablehook == others.append  # the hook before, back
     # the control: with Python's own hook the interrupt is lost and the start goes on
-    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: None)
     with releasing_on_error([Held()]):
         interrupted_in_a_callback(KeyboardInterrupt())
-    assert Held.removed == 2
+    assert Held.removed == 2 and len(others) == 2
 
 
 @pytest.mark.parametrize("rank", [None, "0", "1"])
