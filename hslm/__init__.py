@@ -12,6 +12,8 @@ def _the_hslm_command() -> bool:
     argv0 = _sys.argv[0] if _sys.argv else ""
     if argv0 == "-m":  # runpy imports the package before the module it runs
         orig = list(getattr(_sys, "orig_argv", []))
+        if "-mhslm" in orig:
+            return True
         return "-m" in orig[:-1] and orig[orig.index("-m") + 1] == "hslm"
     checkout_cli = _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))),
                                  "cli.py")
