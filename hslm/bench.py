@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import platform
 import time
+from dataclasses import replace
 
 import numpy as np
 from numba import njit
@@ -18,7 +19,8 @@ from .bench_report import source_commit
 from .config import Config
 from .peak import measured_peaks
 from .rng import Stream
-from .speeds import DEFAULT_SPEED, SPEEDS
+from .layers import CYCLES
+from .speeds import DEFAULT_SPEED, KERNEL_PANELS_TIMED, SPEEDS
 from .step import StepRunner, warm_up
 from .train import Run
 
@@ -225,14 +227,22 @@ def profile_layerwise(cfg, hyper, corpus, steps=PROFILE_STEPS):
 
     run = Run.fresh(cfg, hyper, corpus, plain=False)
     runner = StepRunner(cfg, DEFAULT_SPEED, 1)
+    # the same kernels, each matrix product's cycles counted (Model.clock): the forward's
+    # and the backward's products apart from the rest of those phases
+    runner.speed = replace(runner.speed, kernel=KERNEL_PANELS_TIMED)
+    hz = cycles_per_second()
+    clock = run.state.clock
     try:
         run.train_step(runner)  # warm
         per_step = []
         for _ in range(steps):
             runner.timings = {}
+            clock[:] = 0.0
             t0 = time.perf_counter()
             run.train_step(runner)
             x = {"step": time.perf_counter() - t0, **runner.timings}
+            if hz:
+                x["forward products"], x["backward products"] = clock[0] / hz, clock[1] / hz
             # what this step spent outside its timed phases (the medians of the phases
             # need not add up to the median step: that difference could read negative)
             x["other"] = x["step"] - sum(x[key] for key in (
@@ -267,7 +277,25 @@ def profile_layerwise(cfg, hyper, corpus, steps=PROFILE_STEPS):
         active = float(np.count_nonzero(relu > 0.0) / relu.size)
     finally:
         runner.close()
-    return [(name, 1e3 * t) for name, t in rows], active
+    products = ({"forward": 1e3 * med["forward products"],
+                 "backward through the layers' inputs": 1e3 * med["backward products"]}
+                if hz else {})
+    return [(name, 1e3 * t) for name, t in rows], active, products
+
+
+@njit(cache=True, nogil=True)
+def _cycles():
+    return CYCLES()
+
+
+def cycles_per_second() -> float:
+    """The rate of the cycle counter the profile reads (CYCLES), against perf_counter over
+    0.1 s; 0.0 where the machine has no such counter (the profile then has no split)."""
+    c0, t0 = _cycles(), time.perf_counter()
+    while time.perf_counter() - t0 < 0.1:
+        pass
+    c1, t1 = _cycles(), time.perf_counter()
+    return (c1 - c0) / (t1 - t0) if c1 > c0 else 0.0
 
 
 WEIGHT_GRADIENTS = "weight gradients (all windows; zeroing G)"
@@ -407,7 +435,8 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
                 entry["torch"] = versus_torch(cfg, hyper, corpus, max(steps, TORCH_ROUNDS))
         if profile and name == models[0]:
             hyper = Hyper(batch=batches[0], loss_positions=k, seed=1729)
-            entry["profile_ms"], entry["relu_active"] = profile_layerwise(cfg, hyper, corpus)
+            entry["profile_ms"], entry["relu_active"], entry["products_ms"] = \
+                profile_layerwise(cfg, hyper, corpus)
             entry["phase_work"] = phase_work(cfg, hyper)
             report["optimiser_stream_gbs"] = optimiser_stream_gbs(cfg.n_params)
         report["models"].append(entry)

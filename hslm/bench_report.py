@@ -84,6 +84,14 @@ def format_report(report):
                     label = "GB/s" if unit == "B" else "GFLOP/s"
                     line += f"  {rate:6.1f} {label:7s} {100 * rate / ceiling:5.1f}% of its ceiling"
                 out.append(line)
+                products = (e.get("products_ms") or {}).get(name)
+                if products is not None and work and products > 0:  # (reports since 0.2.0+)
+                    rate = work[0] / (products / 1e3) / 1e9
+                    out.append(f"    {'of which its ternary matrix products':44s} {products:8.1f} ms"
+                               f"{'':7s}  {rate:6.1f} GFLOP/s {100 * rate / peak:5.1f}% of the "
+                               "FMA peak")
+                    out.append(f"    {'the rest (attention, norms, rotary, others)':44s} "
+                               f"{max(ms - products, 0.0):8.1f} ms")
             if e.get("relu_active") is not None:
                 out.append(f"  (the MLP's ReLU units were active at {100 * e['relu_active']:.1f}% "
                            "of the scored positions; the weight gradients of Wdown and Wup skip "

@@ -40,8 +40,8 @@ from .kernels import ternary_matmul_rows, ternary_panels
 from .mathfn import exp, log
 from .micro import ACTIVE_LANES, WGRAD_PANEL, wide_vectors
 from .panel_kernels import WGRAD_WINDOWS
-from .vector_tiles import make_tile
-from .speeds import KERNEL_PANELS, KERNEL_ROWS
+from .vector_tiles import make_cycle_counter, make_tile
+from .speeds import KERNEL_PANELS, KERNEL_PANELS_TIMED, KERNEL_ROWS
 
 RMS_EPS = 1e-6
 LABEL_SMOOTH = 0.1  # epsilon of the K-position objective
@@ -49,6 +49,8 @@ LABEL_SMOOTH = 0.1  # epsilon of the K-position objective
 # Attention's rows: one row (a query, or a row of probabilities) times a panel of
 # ATTN_PANEL columns (keys, or value components), summed in order in vector registers
 # (hslm/vector_tiles.py, products rounded then added, as the plain loops).
+CYCLES = make_cycle_counter()  # (KERNEL_PANELS_TIMED: hslm bench's profile)
+
 ATTN_LANES = 8 if wide_vectors() else 4
 ATTN_PANEL = 3 * ATTN_LANES
 ATTN_ROW = make_tile(1, 3, ATTN_LANES, ternary=False)
@@ -218,6 +220,10 @@ def ternary_forward(model, t, m, n, X, Y, kernel):
     """Y [rows, n] = X [rows, m] . (alpha_t T_t), T_t [m, n] ternary."""
     if kernel == KERNEL_PANELS:
         ternary_panels(model.Pf, model.pf_offs, model.alpha, t, m, n, X, Y)
+    elif kernel == KERNEL_PANELS_TIMED:
+        c0 = CYCLES()
+        ternary_panels(model.Pf, model.pf_offs, model.alpha, t, m, n, X, Y)
+        model.clock[0] += CYCLES() - c0
     elif kernel == KERNEL_ROWS:
         ternary_matmul_rows(X, view2(model.Tf, model.offs, t, m, n), model.alpha[t], Y)
     else:
@@ -231,6 +237,10 @@ def ternary_input_grad(model, t, m, n, DY, DX, kernel):
     """DX [rows, m] = DY [rows, n] . (alpha_t T_t)^T."""
     if kernel == KERNEL_PANELS:
         ternary_panels(model.Pb, model.pb_offs, model.alpha, t, n, m, DY, DX)
+    elif kernel == KERNEL_PANELS_TIMED:
+        c0 = CYCLES()
+        ternary_panels(model.Pb, model.pb_offs, model.alpha, t, n, m, DY, DX)
+        model.clock[1] += CYCLES() - c0
     elif kernel == KERNEL_ROWS:
         ternary_matmul_rows(DY, view2(model.Tb, model.offs, t, n, m), model.alpha[t], DX)
     else:

@@ -16,9 +16,10 @@ from .vector_tiles import make_copy_bytes, make_transpose_bytes, make_trits
 # The model as the kernels see it: flat parameters, their offsets, the ternary
 # matrices in both layouts (input-major Tf, output-major Tb) with one scale per
 # tensor, the fixed tables, the named dimensions, and Tf and Tb again in column
-# panels (Pf, Pb, at their own offsets) for the register-tiled kernels.
+# panels (Pf, Pb, at their own offsets) for the register-tiled kernels; and clock, cycles
+# spent in the forward's and the backward's matrix products (KERNEL_PANELS_TIMED only).
 Model = namedtuple("Model", "theta offs Tf Tb alpha pos cos sin attn_scale head_scale dims "
-                            "Pf pf_offs Pb pb_offs")
+                            "Pf pf_offs Pb pb_offs clock")
 # What requantisation writes, and the shapes it needs (ModelState.trits): per tensor
 # rows, cols, whether ternary, alpha and the count of zero trits; the trits in the
 # panels (Pf, Pb) and, with plain, as float64 (Tf, Tb).
@@ -166,6 +167,7 @@ class ModelState:
         # int8 holds -1, 0, +1 exactly, in a quarter of float32's bytes: the kernels
         # stream the panels of every layer each window, and requantisation writes them
         self.Pf = np.zeros(self.pf_offs[-1], np.int8)
+        self.clock = np.zeros(2)  # (Model.clock)
         self.Pb = np.zeros(self.pb_offs[-1], np.int8)
         self.requantize()
 
@@ -185,4 +187,4 @@ class ModelState:
         c, tb = self.cfg, self.tables
         return Model(self.theta, self.offs, self.Tf, self.Tb, self.alpha, tb.pos, tb.cos,
                      tb.sin, c.attn_scale, c.head_scale, c.dims(), self.Pf, self.pf_offs,
-                     self.Pb, self.pb_offs)
+                     self.Pb, self.pb_offs, self.clock)

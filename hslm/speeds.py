@@ -14,6 +14,8 @@ from dataclasses import dataclass
 KERNEL_DOT = 0     # plain dot products per row over T input-major (the definition)
 KERNEL_ROWS = 1    # hslm.kernels.ternary_matmul_rows over T input-major / output-major
 KERNEL_PANELS = 2  # the register-tiled micro-kernels over column panels (hslm.panel_kernels)
+KERNEL_PANELS_TIMED = 3  # KERNEL_PANELS, each product's cycles added to model.clock
+                         # (hslm bench's profile: the products' share of a step)
 
 PER_POSITION = "per-position"
 LAYERWISE = "layerwise"

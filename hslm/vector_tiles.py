@@ -300,6 +300,22 @@ def make_prefetch_for_writing():
     return intrinsic(prefetch_for_writing)
 
 
+def make_cycle_counter():
+    """An intrinsic cycles() -> int64: the core's cycle counter (llvm.readcyclecounter:
+    the time-stamp counter on x86, which runs at a constant rate; 0 where a machine has
+    none). hslm bench's profile reads it around each matrix product inside the step, as
+    no clock is callable from Numba's compiled code; it never touches a value."""
+
+    def codegen(context, builder, signature, args):
+        counter = declare(builder, "llvm.readcyclecounter", ir.IntType(64), [])
+        return builder.call(counter, [])
+
+    def cycles(typingctx):
+        return types.int64(), codegen
+
+    return intrinsic(cycles)
+
+
 def make_transpose_bytes(width: int):
     """An intrinsic transpose(src_addr, src_stride, dst_addr), all intp: for c < width,
     j < 16, dst[j * width + c] = src[c * src_stride + j]. A 16 x 16 block of bytes is

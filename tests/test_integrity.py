@@ -36,6 +36,36 @@ def files(tmp_path_factory):
     return b.read_bytes(), s.read_bytes(), run
 
 
+def test_the_profiles_timed_products_change_no_bit_and_count_cycles():
+    """hslm bench's profile runs speed 3 with KERNEL_PANELS_TIMED (each matrix product's
+    cycles added to Model.clock): the same step bytes as KERNEL_PANELS, and cycles
+    counted only there (the control: the step's bytes do change from the start's)."""
+    from dataclasses import replace
+
+    from hslm.speeds import KERNEL_PANELS_TIMED
+    cfg = PRESETS["hslm-tiny"]
+    corpus = Corpus(TEXT, cfg.vocab, cfg.window, "test text")
+    out = []
+    for timed in (False, True):
+        run = Run.fresh(cfg, Hyper(batch=2, loss_positions=cfg.window, seed=3), corpus)
+        start = run.state.theta.tobytes()
+        runner = StepRunner(cfg, 3, 1)
+        if timed:
+            runner.speed = replace(runner.speed, kernel=KERNEL_PANELS_TIMED)
+        try:
+            run.train_step(runner)
+        finally:
+            runner.close()
+        out.append((run.state.theta.tobytes() + run.m.tobytes() + run.v.tobytes(),
+                    run.state.clock.copy()))
+    assert out[0][0] == out[1][0]
+    assert out[0][0][:len(start)] != start  # (the step moved theta: a comparison that can fail)
+    assert (out[0][1] == 0.0).all(), out[0][1]
+    from hslm.bench import cycles_per_second
+    if cycles_per_second():  # (0 on a machine with no cycle counter: no split, nothing counted)
+        assert (out[1][1] > 0.0).all(), out[1][1]
+
+
 def split(raw):
     (n,) = struct.unpack("<Q", raw[:8])
     return json.loads(raw[8:8 + n]), raw[8 + n:]

@@ -129,6 +129,22 @@ def test_signal_finishes_the_step_saves_and_says_how_to_resume(tmp_path, sig):
     assert code == 0, err
 
 
+def early_start_up(err):
+    """Whether a KeyboardInterrupt traceback comes from before hslm's first line could
+    take the signal: Python's start, the command's launcher (the console script, runpy,
+    cli.py) and hslm/__init__.py itself (compiled and run up to its first call), and no
+    module besides (numpy, Numba, click, hslm's other files: the imports it now covers)."""
+    frames = [(line.split('"')[1], int(line.split(", line ")[1].split(",")[0]))
+              for line in err.splitlines() if line.startswith('  File "') and ", line " in line]
+    init = os.path.join("hslm", "__init__.py")
+    source = (ROOT / "hslm" / "__init__.py").read_text().splitlines()
+    takes_over = source.index("_stop_quietly_while_starting()") + 1  # its line number
+    launchers = (str(ROOT / "cli.py"), os.path.join("bin", "hslm"))
+    return bool(err.rstrip().endswith("KeyboardInterrupt") and frames) and all(
+        f.startswith("<frozen ") or f.endswith(launchers)
+        or (f.endswith(init) and n <= takes_over) for f, n in frames)
+
+
 @pytest.mark.parametrize("how", ["console script", "python -m hslm", "cli.py"])
 def test_a_signal_while_the_command_starts_gives_one_line_not_a_traceback(tmp_path, how):
     """Ctrl-C or SIGTERM in the command's first moments, while Python imports numpy and
@@ -137,7 +153,10 @@ def test_a_signal_while_the_command_starts_gives_one_line_not_a_traceback(tmp_pa
     before Python's own handler is in, the signal's default end (no output). Signalled
     at increasing delays across the start-up; with Python's handlers left in place
     (hslm before this test), the delays inside the imports gave tracebacks (the control,
-    checked by hand: 5 of 12 delays here, each ended by the signal after its traceback)."""
+    checked by hand: 5 of 12 delays here, each ended by the signal after its traceback,
+    from inside Numba's import). A signal before hslm's first line runs (Python starting,
+    the launcher, hslm/__init__.py being compiled: a few milliseconds, hit once here on a
+    loaded machine) can still give Python's own traceback: allowed, from those alone."""
     command = {"console script": [os.path.join(os.path.dirname(sys.executable), "hslm")],
                "python -m hslm": [sys.executable, "-m", "hslm"],
                "cli.py": [sys.executable, str(ROOT / "cli.py")]}[how]
@@ -152,7 +171,10 @@ def test_a_signal_while_the_command_starts_gives_one_line_not_a_traceback(tmp_pa
             time.sleep(delay)
             proc.send_signal(sig)
             out, err = proc.communicate(timeout=120)
-        assert "Traceback" not in err + out, (delay, err)
+        assert "Traceback" not in out
+        if "Traceback" in err:  # only if it landed before hslm's first line could take it
+            assert early_start_up(err), (delay, err)
+            continue
         word = "interrupted" if sig == signal.SIGINT else "terminated"
         # ended by the signal itself: before Python installed its handler (no output),
         # while kernels compile (the README: SIGTERM then ends the run of the signal), or
@@ -307,6 +329,14 @@ def test_bench_compares_speeds_threads_batches_and_torch_on_small_models(tmp_pat
         assert sum(phase in l for l in rated) == 1, (phase, out)
     import json
     report = json.loads(report_path.read_text())
+    # the forward and the backward split: their matrix products, timed inside the step
+    # (cycles), and the rest; the products within their phase
+    profile, products = dict(report["models"][0]["profile_ms"]), report["models"][0]["products_ms"]
+    assert sorted(products) == ["backward through the layers' inputs", "forward"]
+    for phase, ms in products.items():
+        assert 0.0 < ms <= profile[phase] * 1.05 + 0.05, (phase, ms, profile[phase])
+    assert out.count("of which its ternary matrix products") == 2
+    assert out.count("the rest (attention, norms, rotary, others)") == 2
     assert [m["model"] for m in report["models"]] == ["hslm-tiny", str(narrow)]
     assert report["machine"] and report["numpy"] and len(report["models"][0]["rows"]) == 8
     assert report["peak_measured"] and "f64 peak of one core, measured" in out
