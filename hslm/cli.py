@@ -9,8 +9,8 @@ from pathlib import Path
 
 import click
 
-from . import distributed, end_of_start_up
-from .errors import (HslmError, is_terminated, keeping_dropped_interrupts,
+from . import _the_hslm_command, distributed, end_of_start_up
+from .errors import (HslmError, is_terminated, keeping_dropped_interrupts, quiet_after_interrupt,
                      raise_dropped_interrupt)
 from .speeds import DEFAULT_SPEED, SPEEDS, speed_help
 
@@ -439,6 +439,8 @@ def run_command(argv):
         click.echo(f"error: {e.format_message()}", err=True)
         sys.exit(e.exit_code)
     except (click.Abort, KeyboardInterrupt) as e:  # click makes an Abort of either
+        if _the_hslm_command():  # (not a program calling main())
+            quiet_after_interrupt()
         if is_terminated(e):
             click.echo("error: terminated", err=True)
             sys.exit(128 + 15)

@@ -41,7 +41,17 @@ def keeping_dropped_interrupts():
     try:
         yield
     finally:
-        sys.unraisablehook = previous
+        if sys.unraisablehook is hook:  # (else quiet_after_interrupt took over)
+            sys.unraisablehook = previous
+
+
+def quiet_after_interrupt():
+    """The hslm command, ending for an interrupt (its one line said): what the interrupt
+    left half-built (an LLVM object of Numba's, when it landed inside a compile or a
+    cache load) is not reported as the process ends, as Python would ("Exception ignored
+    in: ... __del__", with a traceback)."""
+    import sys
+    sys.unraisablehook = lambda unraisable: None
 
 
 def raise_dropped_interrupt():
