@@ -46,11 +46,11 @@ from .speeds import KERNEL_PANELS, KERNEL_PANELS_TIMED, KERNEL_ROWS
 RMS_EPS = 1e-6
 LABEL_SMOOTH = 0.1  # epsilon of the K-position objective
 
+CYCLES = make_cycle_counter()  # (KERNEL_PANELS_TIMED: hslm bench's profile)
+
 # Attention's rows: one row (a query, or a row of probabilities) times a panel of
 # ATTN_PANEL columns (keys, or value components), summed in order in vector registers
 # (hslm/vector_tiles.py, products rounded then added, as the plain loops).
-CYCLES = make_cycle_counter()  # (KERNEL_PANELS_TIMED: hslm bench's profile)
-
 ATTN_LANES = 8 if wide_vectors() else 4
 ATTN_PANEL = 3 * ATTN_LANES
 ATTN_ROW = make_tile(1, 3, ATTN_LANES, ternary=False)
