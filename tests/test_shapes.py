@@ -482,3 +482,19 @@ def test_the_relu_weight_gradient_over_active_positions_is_the_dense_sum(k, F, n
     for t2 in range(k):
         dense += relu[t2, j] * D[t2, :n]
     assert O[j].tobytes() != dense.tobytes()
+
+
+@pytest.mark.parametrize("F, w", [(729, 128), (729, 115), (8, 8), (13, 7), (5, 21), (1, 1), (0, 9)])
+def test_wup_transposes_copy_every_element_and_nothing_else(F, w):
+    """transpose_rows (W_up's sums between G and its scratch, in 8 x 8 blocks) is the
+    transpose, on shapes with and without whole blocks, into the rows of a wider G that
+    it must leave alone past column F."""
+    from hslm.kernels import transpose_rows
+    T = np.random.default_rng(F * 31 + w).standard_normal((F, w))
+    G = np.full((w, F + 3), np.nan)
+    transpose_rows(T, G[:, :F])
+    assert G[:, :F].tobytes() == np.ascontiguousarray(T.T).tobytes()
+    assert np.isnan(G[:, F:]).all()
+    back = np.full((F, w), np.nan)
+    transpose_rows(G[:, :F], back)
+    assert back.tobytes() == T.tobytes()
