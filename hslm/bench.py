@@ -221,17 +221,21 @@ def versus_torch(cfg, hyper, corpus, steps, rounds=TORCH_ROUNDS):
 def profile_layerwise(cfg, hyper, corpus, steps=PROFILE_STEPS):
     """Per-phase milliseconds of a speed-3 step on one thread: [(phase, ms)], each the
     median over `steps` steps (or calls), which a slow spell of a shared machine moves
-    less than a mean; and the share of the MLP's ReLU units active at the last step's
-    scored positions (the products at the others, 0.0, are skipped)."""
+    less than a mean; the share of the MLP's ReLU units active at the last step's
+    scored positions (the products at the others, 0.0, are skipped); and, timed inside
+    the step by the cycle counter ({} where the machine has none), the forward's and the
+    backward's matrix products and the weight gradients' W_up and W_down and dense
+    operands, in ms."""
     from .vsa import vsa_window
 
     run = Run.fresh(cfg, hyper, corpus, plain=False)
     runner = StepRunner(cfg, DEFAULT_SPEED, 1)
     # the same kernels, each matrix product's cycles counted (Model.clock): the forward's
-    # and the backward's products apart from the rest of those phases
+    # and the backward's products apart from the rest of those phases; and with a clock of
+    # 4, the weight gradients' W_up and W_down and the dense matrices' operands
     runner.speed = replace(runner.speed, kernel=KERNEL_PANELS_TIMED)
     hz = cycles_per_second()
-    clock = run.state.clock
+    clock = run.state.clock = np.zeros(4)
     try:
         run.train_step(runner)  # warm
         per_step = []
@@ -243,6 +247,7 @@ def profile_layerwise(cfg, hyper, corpus, steps=PROFILE_STEPS):
             x = {"step": time.perf_counter() - t0, **runner.timings}
             if hz:
                 x["forward products"], x["backward products"] = clock[0] / hz, clock[1] / hz
+                x["relu matrices"], x["operands"] = clock[2] / hz, clock[3] / hz
             # what this step spent outside its timed phases (the medians of the phases
             # need not add up to the median step: that difference could read negative)
             x["other"] = x["step"] - sum(x[key] for key in (
@@ -280,7 +285,9 @@ def profile_layerwise(cfg, hyper, corpus, steps=PROFILE_STEPS):
     products = ({"forward": 1e3 * med["forward products"],
                  "backward through the layers' inputs": 1e3 * med["backward products"]}
                 if hz else {})
-    return [(name, 1e3 * t) for name, t in rows], active, products
+    weight_grads = ({RELU_MATRICES: 1e3 * med["relu matrices"],
+                     DENSE_OPERANDS: 1e3 * med["operands"]} if hz else {})
+    return [(name, 1e3 * t) for name, t in rows], active, products, weight_grads
 
 
 @njit(cache=True, nogil=True)
@@ -299,6 +306,20 @@ def cycles_per_second() -> float:
 
 
 WEIGHT_GRADIENTS = "weight gradients (all windows; zeroing G)"
+# the weight gradients' parts the profile times (weight_grads_ms in a report)
+RELU_MATRICES = "W_up and W_down"
+DENSE_OPERANDS = "the dense matrices' operands"
+
+
+def relu_matrix_flops(cfg, hyper) -> float:
+    """FLOPs of the weight gradients of the matrices beside the ReLU (W_up, W_down) per
+    step, every product counted (2 per multiply-add, at the scored positions), as the
+    phase's own rate counts them; they sum only the active positions' products."""
+    from .layers import relu_side
+    dims = cfg.dims()
+    macs = sum(int(np.prod(shape)) for t, (_, shape, _) in enumerate(cfg.tensors())
+               if relu_side(dims, t) != 0)
+    return 2.0 * macs * hyper.batch * hyper.loss_positions
 
 
 def phase_work(cfg, hyper):
@@ -435,9 +456,10 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
                 entry["torch"] = versus_torch(cfg, hyper, corpus, max(steps, TORCH_ROUNDS))
         if profile and name == models[0]:
             hyper = Hyper(batch=batches[0], loss_positions=k, seed=1729)
-            entry["profile_ms"], entry["relu_active"], entry["products_ms"] = \
-                profile_layerwise(cfg, hyper, corpus)
+            (entry["profile_ms"], entry["relu_active"], entry["products_ms"],
+             entry["weight_grads_ms"]) = profile_layerwise(cfg, hyper, corpus)
             entry["phase_work"] = phase_work(cfg, hyper)
+            entry["relu_matrices_flop"] = relu_matrix_flops(cfg, hyper)
             report["optimiser_stream_gbs"] = optimiser_stream_gbs(cfg.n_params)
         report["models"].append(entry)
     return report

@@ -32,7 +32,7 @@ from .config import TENSORS_PER_BLOCK
 from .kernels import (active_masks, active_rows_grad, aligned_rows, column_sum_rows,
                       input_columns, output_grad_panels, transpose_rows)
 from .micro import WGRAD_PANEL, panel_matmul_add, panel_matmul_add2
-from .layers import (COLUMN_SUM, MATRIX, RELU_INPUT, block_backward, block_forward,
+from .layers import (CYCLES, COLUMN_SUM, MATRIX, RELU_INPUT, block_backward, block_forward,
                      block_keys_values, block_queries, blocks_backward, blocks_forward,
                      embed_forward, head_backward, head_forward, loss_rows, relu_side, view1,
                      view2, window_loss_rows, weight_grad_operands)
@@ -356,6 +356,7 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, f
     B = tokens.shape[0]
     M = np.empty((B, (k + 63) // 64, D.mlp), np.int64)  # relu_weight_grads' masks ...
     masks_of = np.full(3, -1, np.int64)  # ... of block [0], columns [1] .. [2] - 1
+    timed = model.clock.shape[0] > 2  # hslm bench's profile (Model.clock [2] and [3])
     u = u0
     while u < u1:
         t = units[u, 0]
@@ -363,8 +364,11 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, f
         while ue < u1 and units[ue, 0] == t:
             ue += 1
         if relu_side(D, t) != 0:
+            c0 = CYCLES() if timed else 0
             relu_weight_grads(model, A, R, B, t, s, k, units, u, ue, out, WG, fresh, M,
                               masks_of)
+            if timed:
+                model.clock[2] += CYCLES() - c0
             u = ue
             continue
         operands = weight_grad_operands(model, A, R, 0, t, s, k)
@@ -374,10 +378,13 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, f
             ra, rb = units[u, 1], units[ue - 1, 2]  # the rows of this tensor's units
             for w0 in range(0, B, WG.shape[0]):
                 w1 = min(w0 + WG.shape[0], B)
+                c0 = CYCLES() if timed else 0
                 for w in range(w0, w1):
                     _, X, DY, _, _ = weight_grad_operands(model, A, R, w, t, s, k)
                     output_grad_panels(DY, WG[w - w0])
                     input_columns(X, ra, rb, XT[w - w0])
+                if timed:
+                    model.clock[3] += CYCLES() - c0
                 npan = (n + WGRAD_PANEL - 1) // WGRAD_PANEL
                 for v in range(u, ue):
                     r0, r1 = units[v, 1], units[v, 2]

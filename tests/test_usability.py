@@ -356,6 +356,17 @@ def test_bench_compares_speeds_threads_batches_and_torch_on_small_models(tmp_pat
         assert 0.0 < ms <= profile[phase] * 1.05 + 0.05, (phase, ms, profile[phase])
     assert out.count("of which its ternary matrix products") == 2
     assert out.count("the rest (attention, norms, rotary, others)") == 2
+    # the weight gradients' W_up and W_down and the dense matrices' operands, timed in the
+    # step likewise, within their phase; both have every matrix kind here (hslm-tiny)
+    wg = report["models"][0]["weight_grads_ms"]
+    assert sorted(wg) == ["W_up and W_down", "the dense matrices' operands"], wg
+    phase = next(v for k, v in profile.items() if k.startswith("weight gradients"))
+    assert all(ms > 0.0 for ms in wg.values()) and sum(wg.values()) <= phase * 1.05 + 0.05, wg
+    # 2 per multiply-add; W_up and W_down (27 x 81) in each of 2 blocks; batch 2, 9 scored
+    assert report["models"][0]["relu_matrices_flop"] == 2.0 * (2 * 27 * 81) * 2 * 2 * 9
+    for line in ("of which W_up and W_down (active only)",
+                 "the dense matrices' operands (copies)", "the dense matrices' tiles, the rest"):
+        assert out.count(line) == 1, (line, out)
     assert [m["model"] for m in report["models"]] == ["hslm-tiny", str(narrow)]
     assert report["machine"] and report["numpy"] and len(report["models"][0]["rows"]) == 8
     assert report["peak_measured"] and "f64 peak of one core, measured" in out
