@@ -76,13 +76,11 @@ ACT_FIELDS = (
     ("q", lambda D: (D.blocks, D.window, D.width)),        # rotated queries
     ("k", lambda D: (D.blocks, D.window, D.width)),        # rotated keys (the KV cache)
     ("v", lambda D: (D.blocks, D.window, D.width)),        # values (the KV cache)
-    # the cache again, in the panels attention reads (cache_panels): by column, a panel
-    # holds P positions [b, h, q, e, c] = k[q P + c, h dh + e] (the scores, and da);
-    # by row, P components [b, h, q, j, c] = v[j, h dh + q P + c] (o, and dq)
+    # the cache again, in the panels the forward's attention reads (cache_panels): by
+    # column, a panel holds P positions [b, h, q, e, c] = k[q P + c, h dh + e] (the
+    # scores); by row, P components [b, h, q, j, c] = v[j, h dh + q P + c] (o)
     ("k_cols", lambda D: (D.blocks, D.heads, _panels(D.window), D.head_width, ATTN_PANEL)),
     ("v_rows", lambda D: (D.blocks, D.heads, _panels(D.head_width), D.window, ATTN_PANEL)),
-    ("v_cols", lambda D: (D.blocks, D.heads, _panels(D.window), D.head_width, ATTN_PANEL)),
-    ("k_rows", lambda D: (D.blocks, D.heads, _panels(D.head_width), D.window, ATTN_PANEL)),
     ("attn", lambda D: (D.blocks, D.window, D.heads, D.window)),  # probabilities [b, p, h, j]
     ("attn_out", lambda D: (D.blocks, D.window, D.width)),  # o = sum_j a_j v_j
     ("h", lambda D: (D.blocks, D.window, D.width)),        # x + o Wo
@@ -115,6 +113,10 @@ SCRATCH_FIELDS = (
     ("tmp1", lambda D: (D.window, D.width)),
     ("tmp2", lambda D: (D.window, D.width)),
     ("loss_grad", lambda D: (D.window, D.vocab)),          # dz of forward-only evaluation
+    # the backward's panels of a block's cache (backward_panels), as k_cols and v_rows
+    # are of k and v: v by column (da), k by row (dq)
+    ("v_cols", lambda D: (D.heads, _panels(D.window), D.head_width, ATTN_PANEL)),
+    ("k_rows", lambda D: (D.heads, _panels(D.head_width), D.window, ATTN_PANEL)),
     # weight-gradient scratch: a layer input transposed, output gradients in panels
     # (one row per window of a group, panel_kernels.WGRAD_WINDOWS)
     ("xt", lambda D: (WGRAD_WINDOWS, max(D.vocab, D.mlp, D.width) * D.window)),
@@ -404,24 +406,36 @@ def rotary_backward(dv, cos, sin, p, H, dh):
 # ------------------------------------------------------ causal attention
 @njit(cache=True, nogil=True, error_model="numpy")
 def cache_panels(A, w, b, p0, p1, H, dh):
-    """Rows p0..p1-1's keys and values into the cache's panels (A.k_cols ... A.k_rows):
-    positions as columns of each head's key and value panels, and as rows of its
-    component panels. By component, then position, so that each panel row is written
-    in one run (position by position, each wrote a column across all of a head's panel
-    rows: 0.46 ms a step here)."""
+    """Rows p0..p1-1's keys and values into the forward's panels of the cache (A.k_cols,
+    A.v_rows)."""
+    panels_of(A.k[w, b], A.v[w, b], p0, p1, H, dh, A.k_cols[w, b], A.v_rows[w, b])
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def backward_panels(A, w, b, n, H, dh, VC, KR):
+    """The backward's panels of rows 0..n-1 of the cache, into a thread's scratch: v by
+    column (VC), k by row (KR). Made from k and v where a block's backward starts, as the
+    forward's from its rows (kept for every window and block, these two had been half of
+    a step's panel writes and reads: 9 MB)."""
+    panels_of(A.v[w, b], A.k[w, b], 0, n, H, dh, VC, KR)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def panels_of(C, R, p0, p1, H, dh, CC, RR):
+    """Rows p0..p1-1 of C and R [L, d] into panels: positions as columns of each head's
+    panels of C (CC [H, q, e, c] = C[q P + c, h dh + e]), and as rows of its component
+    panels of R (RR [H, q, j, c] = R[j, h dh + q P + c]). By component, then position,
+    so that each panel row is written in one run (position by position, each wrote a
+    column across all of a head's panel rows: 0.46 ms a step here)."""
     P = ATTN_PANEL
-    K, V = A.k[w, b], A.v[w, b]
-    KC, VR, VC, KR = A.k_cols[w, b], A.v_rows[w, b], A.v_cols[w, b], A.k_rows[w, b]
     for h in range(H):
         c0 = h * dh
         for e in range(dh):
             for p in range(p0, p1):
-                KC[h, p // P, e, p % P] = K[p, c0 + e]
-                VC[h, p // P, e, p % P] = V[p, c0 + e]
+                CC[h, p // P, e, p % P] = C[p, c0 + e]
         for p in range(p0, p1):
             for e in range(dh):
-                VR[h, e // P, p, e % P] = V[p, c0 + e]
-                KR[h, e // P, p, e % P] = K[p, c0 + e]
+                RR[h, e // P, p, e % P] = R[p, c0 + e]
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -497,7 +511,7 @@ def attention_rows_backward(Q, VC, KR, AP, s, r0, r1, H, dh, scale, DO, DQ, DK, 
     each row's own q, k_p and v_p only: earlier keys and values are constants of
     position p's backward (docs/model.md, 7). Q [L, d] and AP [L, H, L] by position,
     DO (d_attn_out) -> DQ, DK, DV [k, d] by record row. The cache in panels
-    (cache_panels): da_j = do . v_j and dq_e = sum_j g_j k_je, each summed in order from
+    (backward_panels: VC, KR): da_j = do . v_j and dq_e = sum_j g_j k_je, each summed in order from
     0.0, a panel of them at once: da of ATTN_GROUP rows in one tile (ATTN_ROWS), as the
     forward's scores."""
     P = ATTN_PANEL
@@ -580,8 +594,9 @@ def qkv_attention_backward(model, A, R, S, w, b, s, r0, r1, kernel):
     dO = S.d_attn_out
     ternary_input_grad(model, tensor_index(D, b, WO), d, d, R.d_h[w, b, r0:r1], dO[r0:r1],
                        kernel)
-    attention_rows_backward(A.q[w, b], A.v_cols[w, b], A.k_rows[w, b], A.attn[w, b], s, r0, r1,
-                            H, dh, model.attn_scale, dO, R.d_q[w, b], R.d_k[w, b], R.d_v[w, b])
+    backward_panels(A, w, b, s + r1, H, dh, S.v_cols, S.k_rows)  # (rows up to the last's)
+    attention_rows_backward(A.q[w, b], S.v_cols, S.k_rows, A.attn[w, b], s, r0, r1, H, dh,
+                            model.attn_scale, dO, R.d_q[w, b], R.d_k[w, b], R.d_v[w, b])
     for r in range(r0, r1):
         p = s + r
         rotary_backward(R.d_q[w, b, r], model.cos, model.sin, p, H, dh)

@@ -193,14 +193,14 @@ def memory_estimate(cfg, batch=0, threads=1, speed=3, training=True) -> int:
     total = P * f64  # theta
     total += 2 * P  # the ternary panels (int8)
     total += V * cfg.vsa_dim * 2  # the VSA table (int8, drawn into in place) and a copy
-    # per block and position: 17 rows of d, the KV cache's four panel copies (about 4 d,
-    # hslm.layers.cache_panels), 2 of the MLP width, the attention row
-    per_window = L * (nb * (21 * d + 2 * F + H * L + 1) + 3 * V + 3 * d + 1) * f64
+    # per block and position: 17 rows of d, the KV cache's two panel copies for the
+    # forward (about 2 d, hslm.layers.cache_panels), 2 of the MLP width, the attention row
+    per_window = L * (nb * (19 * d + 2 * F + H * L + 1) + 3 * V + 3 * d + 1) * f64
     # per thread; the weight gradient's output-gradient panels and transposed inputs for
     # a group of windows
     from .micro import WGRAD_PANEL  # noqa: PLC0415 (numba, no compiling)
     from .panel_kernels import WGRAD_WINDOWS  # noqa: PLC0415
-    scratch = L * (12 * d + 3 * V + 3 * F
+    scratch = L * (14 * d + 3 * V + 3 * F  # (with a block's panels for the backward)
                    + WGRAD_WINDOWS * (2 * max(V, F, d) + WGRAD_PANEL)) * f64
     total += threads * (per_window + scratch)
     if training:

@@ -211,7 +211,8 @@ def test_attention_in_panels_gives_the_plain_sums_bit_for_bit(heads, head_width,
     below, at and past a panel (ATTN_PANEL columns) and past two; the rows in ranges
     that start and end inside a group of ATTN_GROUP, the backward's from a record row
     s > 0 as well. The control: the scores summed over e in reverse give other bits."""
-    from hslm.layers import alloc_acts, attention_rows, attention_rows_backward, cache_panels
+    from hslm.layers import (alloc_acts, alloc_scratch, attention_rows, attention_rows_backward,
+                             backward_panels, cache_panels)
     d = heads * head_width
     cfg = Config(vocab=31, width=d, heads=heads, head_width=head_width, mlp=9, blocks=1,
                  window=window, vsa_dim=4 * d)
@@ -228,13 +229,16 @@ def test_attention_in_panels_gives_the_plain_sums_bit_for_bit(heads, head_width,
                        scale, A.attn[0, 0], A.attn_out[0, 0])
     DO = np.tile(do, (window, 1))
     DQ, DK, DV = (np.zeros((window, d)) for _ in range(3))
+    S = alloc_scratch(cfg.dims())  # the backward's panels, of the rows each range needs
     for r0, r1 in ranges:
-        attention_rows_backward(A.q[0, 0], A.v_cols[0, 0], A.k_rows[0, 0], A.attn[0, 0], 0,
+        backward_panels(A, 0, 0, r1, heads, head_width, S.v_cols, S.k_rows)
+        attention_rows_backward(A.q[0, 0], S.v_cols, S.k_rows, A.attn[0, 0], 0,
                                 r0, r1, heads, head_width, scale, DO, DQ, DK, DV)
     s0 = window // 3  # record rows from position s0 on, as with k < window
     late = [np.zeros((window - s0, d)) for _ in range(3)]
     for r0, r1 in ((0, 2), (2, window - s0)):
-        attention_rows_backward(A.q[0, 0], A.v_cols[0, 0], A.k_rows[0, 0], A.attn[0, 0], s0,
+        backward_panels(A, 0, 0, s0 + r1, heads, head_width, S.v_cols, S.k_rows)
+        attention_rows_backward(A.q[0, 0], S.v_cols, S.k_rows, A.attn[0, 0], s0,
                                 r0, r1, heads, head_width, scale, DO, *late)
     for grads, late_grads in zip((DQ, DK, DV), late):
         assert late_grads.tobytes() == grads[s0:].tobytes()
