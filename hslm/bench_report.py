@@ -97,21 +97,25 @@ def format_report(report):
                     (relu_name, relu_ms), (ops_name, ops_ms) = split.items()
                     relu_flop = e.get("relu_matrices_flop", 0.0)
                     rest = max(ms - relu_ms - ops_ms, 0.0)
-                    for label, part_ms, flop in (
-                            (f"of which {relu_name} (active only)", relu_ms, relu_flop),
-                            (f"{ops_name} (copies)", ops_ms, 0.0),
-                            ("the dense matrices' tiles, the rest", rest, work[0] - relu_flop)):
+                    # W_up and W_down's rate of the products they sum (the active ones)
+                    summed = relu_flop * e.get("relu_active", 1.0)
+                    for label, part_ms, flop, of in (
+                            (f"of which {relu_name}", relu_ms, summed, " (their active products)"),
+                            (f"{ops_name} (copies)", ops_ms, 0.0, ""),
+                            ("the dense matrices' tiles, the rest", rest, work[0] - relu_flop,
+                             "")):
                         line = f"    {label:44s} {part_ms:8.1f} ms"
                         if flop > 0 and part_ms > 0:
                             rate = flop / (part_ms / 1e3) / 1e9
                             line += (f"{'':7s}  {rate:6.1f} GFLOP/s {100 * rate / unfused:5.1f}% "
-                                     "of the unfused peak")
+                                     f"of the unfused peak{of}")
                         out.append(line)
             if e.get("relu_active") is not None:
                 out.append(f"  (the MLP's ReLU units were active at {100 * e['relu_active']:.1f}% "
                            "of the scored positions; the weight gradients of Wdown and Wup skip "
                            "the products with the zeros, with the same bits; the rates count "
-                           "every product)")
+                           "every product" + (", but for the line of W_up and W_down alone"
+                                              if e.get("weight_grads_ms") else "") + ")")
     return out
 
 
