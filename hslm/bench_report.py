@@ -65,15 +65,20 @@ def format_report(report):
         if e.get("profile_ms"):
             total = sum(ms for _, ms in e["profile_ms"])
             bw = report.get("optimiser_stream_gbs")
+            # the optimiser's arithmetic bound, ns a parameter (reports since 6bcace7+)
+            ns = report.get("optimiser_arithmetic_ns")
             unfused = report.get("unfused_peak_gflops_per_core", peak / 2)
+            stream = (f"one pass over the optimiser's arrays ({bw:.1f} GB/s: read g, "
+                      "theta, m, v, write theta, m, v)")
             out.append(f"speed-3 step profile, one thread ({total:.1f} ms per step of "
                        f"{rows[0]['batch']} windows, the phases' medians summed); each phase "
                        "against what it can reach: "
                        f"the f64 FMA peak ({peak:.1f} GFLOP/s) for the ternary matrix phases, "
                        f"the multiply + add peak ({unfused:.1f} GFLOP/s) for the weight "
                        f"gradients (their products are not exact, so they are not fused), "
-                       f"one pass over the optimiser's arrays ({bw:.1f} GB/s: read g, "
-                       f"theta, m, v, write theta, m, v) for the optimiser:")
+                       + (f"the longer of {stream} and its arithmetic (AdamW's loop on arrays "
+                          f"in cache: {ns:.2f} ns a parameter, two divisions and a square root "
+                          "each)" if ns else stream) + " for the optimiser:")
             for name, ms in e["profile_ms"]:
                 line = f"  {name:46s} {ms:8.1f} ms {100 * ms / total:5.1f}%"
                 work = e.get("phase_work", {}).get(name)
@@ -82,7 +87,10 @@ def format_report(report):
                     rate = amount / (ms / 1e3) / 1e9
                     ceiling = {"FLOP": peak, "unfused FLOP": unfused}.get(unit, bw)
                     label = "GB/s" if unit == "B" else "GFLOP/s"
-                    line += f"  {rate:6.1f} {label:7s} {100 * rate / ceiling:5.1f}% of its ceiling"
+                    share = rate / ceiling
+                    if unit == "B" and ns:  # the longer of the pass and the arithmetic
+                        share = max(amount / bw / 1e6, e["params"] * ns / 1e6) / ms
+                    line += f"  {rate:6.1f} {label:7s} {100 * share:5.1f}% of its ceiling"
                 out.append(line)
                 products = (e.get("products_ms") or {}).get(name)
                 if products is not None and work and products > 0:  # (reports since 0.2.0+)

@@ -358,6 +358,10 @@ def test_bench_compares_speeds_threads_batches_and_torch_on_small_models(tmp_pat
     assert out.count("the rest (attention, norms, rotary, others)") == 2
     # the weight gradients' W_up and W_down and the dense matrices' operands, timed in the
     # step likewise, within their phase; both have every matrix kind here (hslm-tiny)
+    # the optimiser's ceiling: the longer of one pass over its arrays and its arithmetic
+    # (AdamW's loop on arrays in cache), both measured
+    assert report["optimiser_stream_gbs"] > 0 and report["optimiser_arithmetic_ns"] > 0
+    assert "and its arithmetic (AdamW's loop on arrays in cache" in out
     wg = report["models"][0]["weight_grads_ms"]
     assert sorted(wg) == ["W_up and W_down", "the dense matrices' operands"], wg
     phase = next(v for k, v in profile.items() if k.startswith("weight gradients"))
