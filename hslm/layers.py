@@ -113,10 +113,10 @@ SCRATCH_FIELDS = (
     ("tmp1", lambda D: (D.window, D.width)),
     ("tmp2", lambda D: (D.window, D.width)),
     ("loss_grad", lambda D: (D.window, D.vocab)),          # dz of forward-only evaluation
-    # the backward's panels of a block's cache (backward_panels), as k_cols and v_rows
+    # the backward's panels of each block's cache (backward_panels), as k_cols and v_rows
     # are of k and v: v by column (da), k by row (dq)
-    ("v_cols", lambda D: (D.heads, _panels(D.window), D.head_width, ATTN_PANEL)),
-    ("k_rows", lambda D: (D.heads, _panels(D.head_width), D.window, ATTN_PANEL)),
+    ("v_cols", lambda D: (D.blocks, D.heads, _panels(D.window), D.head_width, ATTN_PANEL)),
+    ("k_rows", lambda D: (D.blocks, D.heads, _panels(D.head_width), D.window, ATTN_PANEL)),
     # weight-gradient scratch: a layer input transposed, output gradients in panels
     # (one row per window of a group, panel_kernels.WGRAD_WINDOWS)
     ("xt", lambda D: (WGRAD_WINDOWS, max(D.vocab, D.mlp, D.width) * D.window)),
@@ -412,12 +412,12 @@ def cache_panels(A, w, b, p0, p1, H, dh):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def backward_panels(A, w, b, n, H, dh, VC, KR):
-    """The backward's panels of rows 0..n-1 of the cache, into a thread's scratch: v by
+def backward_panels(A, w, b, p0, p1, H, dh, VC, KR):
+    """The backward's panels of rows p0..p1-1 of the cache, into a thread's scratch: v by
     column (VC), k by row (KR). Made from k and v where a block's backward starts, as the
     forward's from its rows (kept for every window and block, these two had been half of
     a step's panel writes and reads: 9 MB)."""
-    panels_of(A.v[w, b], A.k[w, b], 0, n, H, dh, VC, KR)
+    panels_of(A.v[w, b], A.k[w, b], p0, p1, H, dh, VC, KR)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -586,16 +586,19 @@ def queries_attention_forward(model, A, w, b, q0, p1, kernel):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def qkv_attention_backward(model, A, R, S, w, b, s, r0, r1, kernel):
+def qkv_attention_backward(model, A, R, S, w, b, s, r0, r1, cached, kernel):
     """d_h [rows, d] -> do = d_h Wo^T -> dq, dk, dv (recorded, rotary undone) ->
-    dn's three parts in S.tmp1, S.tmp2 and S.d_n (rows r0..r1-1)."""
+    dn's three parts in S.tmp1, S.tmp2 and S.d_n (rows r0..r1-1). The cache's rows
+    0..cached-1 are in S's backward panels of block b already (the per-position speeds
+    go back through a window's rows in order, one a call); the rest up to the last row's
+    position are added."""
     D = model.dims
     d, H, dh = D.width, D.heads, D.head_width
     dO = S.d_attn_out
     ternary_input_grad(model, tensor_index(D, b, WO), d, d, R.d_h[w, b, r0:r1], dO[r0:r1],
                        kernel)
-    backward_panels(A, w, b, s + r1, H, dh, S.v_cols, S.k_rows)  # (rows up to the last's)
-    attention_rows_backward(A.q[w, b], S.v_cols, S.k_rows, A.attn[w, b], s, r0, r1, H, dh,
+    backward_panels(A, w, b, cached, s + r1, H, dh, S.v_cols[b], S.k_rows[b])
+    attention_rows_backward(A.q[w, b], S.v_cols[b], S.k_rows[b], A.attn[w, b], s, r0, r1, H, dh,
                             model.attn_scale, dO, R.d_q[w, b], R.d_k[w, b], R.d_v[w, b])
     for r in range(r0, r1):
         p = s + r
@@ -719,11 +722,12 @@ def blocks_forward(model, A, vsa, b, first, step, B, p0, p1, s, kernel):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def block_backward(model, A, R, S, w, b, s, r0, r1, kernel):
+def block_backward(model, A, R, S, w, b, s, r0, r1, cached, kernel):
     """Block b's backward for record rows r0..r1-1: d_block_out[b] -> d_block_out[b - 1]
-    (or d_x0 for block 0), recording each layer's output gradient on the way."""
+    (or d_x0 for block 0), recording each layer's output gradient on the way (cached:
+    qkv_attention_backward's)."""
     mlp_backward(model, A, R, S, w, b, s, r0, r1, kernel)
-    attention_norm_backward(model, A, R, S, w, b, s, r0, r1, kernel)
+    attention_norm_backward(model, A, R, S, w, b, s, r0, r1, cached, kernel)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -734,14 +738,15 @@ def blocks_backward(model, A, R, S, b, first, step, B, s, r0, r1, kernel):
     for w in range(first, B, step):
         mlp_backward(model, A, R, S, w, b, s, r0, r1, kernel)
     for w in range(first, B, step):
-        attention_norm_backward(model, A, R, S, w, b, s, r0, r1, kernel)
+        attention_norm_backward(model, A, R, S, w, b, s, r0, r1, 0, kernel)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def attention_norm_backward(model, A, R, S, w, b, s, r0, r1, kernel):
+def attention_norm_backward(model, A, R, S, w, b, s, r0, r1, cached, kernel):
     """Block b's backward below the MLP (rows r0..r1-1): d_h -> attention, the norm and
-    the residual -> d_block_out[b - 1] (or d_x0 for block 0)."""
-    qkv_attention_backward(model, A, R, S, w, b, s, r0, r1, kernel)
+    the residual -> d_block_out[b - 1] (or d_x0 for block 0) (cached:
+    qkv_attention_backward's)."""
+    qkv_attention_backward(model, A, R, S, w, b, s, r0, r1, cached, kernel)
     # through the norm into tmp2 (its dk Wk^T part is read before it is overwritten)
     norm_gain_backward(model, A, R, w, b, s, r0, r1, S.tmp1, S.tmp2, S.d_n, S.tmp2)
     # x_b feeds the block twice: the norm, and the residual h = x + o Wo

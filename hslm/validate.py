@@ -200,7 +200,7 @@ def memory_estimate(cfg, batch=0, threads=1, speed=3, training=True) -> int:
     # a group of windows
     from .micro import WGRAD_PANEL  # noqa: PLC0415 (numba, no compiling)
     from .panel_kernels import WGRAD_WINDOWS  # noqa: PLC0415
-    scratch = L * (14 * d + 3 * V + 3 * F  # (with a block's panels for the backward)
+    scratch = L * ((12 + 2 * nb) * d + 3 * V + 3 * F  # (each block's backward panels)
                    + WGRAD_WINDOWS * (2 * max(V, F, d) + WGRAD_PANEL)) * f64
     total += threads * (per_window + scratch)
     if training:

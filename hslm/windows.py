@@ -108,8 +108,10 @@ def window_per_position(model, tokens, vsa, k, scale, A, R, S, acc, out, recompu
             window_loss_rows(A, R, 0, tokens, s, r, r + 1, scale, row_loss)
             loss_sum += row_loss[r]
             head_backward(model, A, R, S, 0, s, r, r + 1, kernel)
-            for b in range(D.blocks - 1, -1, -1):
-                block_backward(model, A, R, S, 0, b, s, r, r + 1, kernel)
+            for b in range(D.blocks - 1, -1, -1):  # (S holds the backward's panels of
+                # each block's cache up to the row before: only this row's are added)
+                block_backward(model, A, R, S, 0, b, s, r, r + 1, s + r if r > 0 else 0,
+                               kernel)
             stream_weight_grads(model, A, R, 0, tokens, s, k, r, acc)
     for i in range(acc.shape[0]):
         out[i] += acc[i]

@@ -231,14 +231,14 @@ def test_attention_in_panels_gives_the_plain_sums_bit_for_bit(heads, head_width,
     DQ, DK, DV = (np.zeros((window, d)) for _ in range(3))
     S = alloc_scratch(cfg.dims())  # the backward's panels, of the rows each range needs
     for r0, r1 in ranges:
-        backward_panels(A, 0, 0, r1, heads, head_width, S.v_cols, S.k_rows)
-        attention_rows_backward(A.q[0, 0], S.v_cols, S.k_rows, A.attn[0, 0], 0,
+        backward_panels(A, 0, 0, r0, r1, heads, head_width, S.v_cols[0], S.k_rows[0])
+        attention_rows_backward(A.q[0, 0], S.v_cols[0], S.k_rows[0], A.attn[0, 0], 0,
                                 r0, r1, heads, head_width, scale, DO, DQ, DK, DV)
     s0 = window // 3  # record rows from position s0 on, as with k < window
     late = [np.zeros((window - s0, d)) for _ in range(3)]
     for r0, r1 in ((0, 2), (2, window - s0)):
-        backward_panels(A, 0, 0, s0 + r1, heads, head_width, S.v_cols, S.k_rows)
-        attention_rows_backward(A.q[0, 0], S.v_cols, S.k_rows, A.attn[0, 0], s0,
+        backward_panels(A, 0, 0, 0, s0 + r1, heads, head_width, S.v_cols[0], S.k_rows[0])
+        attention_rows_backward(A.q[0, 0], S.v_cols[0], S.k_rows[0], A.attn[0, 0], s0,
                                 r0, r1, heads, head_width, scale, DO, *late)
     for grads, late_grads in zip((DQ, DK, DV), late):
         assert late_grads.tobytes() == grads[s0:].tobytes()
