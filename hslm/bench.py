@@ -15,7 +15,7 @@ from numba import njit
 
 from . import __version__
 from . import checkpoint as ckpt
-from .bench_report import source_commit
+from .bench_report import DENSE_OPERANDS, RELU_MATRICES, source_commit
 from .config import Config
 from .peak import measured_peaks
 from .rng import Stream
@@ -306,9 +306,6 @@ def cycles_per_second() -> float:
 
 
 WEIGHT_GRADIENTS = "weight gradients (all windows; zeroing G)"
-# the weight gradients' parts the profile times (weight_grads_ms in a report)
-RELU_MATRICES = "W_up and W_down"
-DENSE_OPERANDS = "the dense matrices' operands"
 
 
 def relu_matrix_flops(cfg, hyper) -> float:

@@ -5,6 +5,11 @@ from __future__ import annotations
 from .errors import HslmError
 
 
+# The weight gradients' parts hslm bench's profile times (a report's weight_grads_ms)
+RELU_MATRICES = "W_up and W_down"
+DENSE_OPERANDS = "the dense matrices' operands"
+
+
 def format_report(report):
     """The report as the lines `hslm bench` prints."""
     from .speeds import SPEED_NAMES
@@ -102,14 +107,15 @@ def format_report(report):
                                f"{max(ms - products, 0.0):8.1f} ms")
                 split = e.get("weight_grads_ms") or {}
                 if name.startswith("weight gradients") and len(split) == 2 and work:
-                    (relu_name, relu_ms), (ops_name, ops_ms) = split.items()
+                    relu_ms, ops_ms = split[RELU_MATRICES], split[DENSE_OPERANDS]
                     relu_flop = e.get("relu_matrices_flop", 0.0)
                     rest = max(ms - relu_ms - ops_ms, 0.0)
                     # W_up and W_down's rate of the products they sum (the active ones)
                     summed = relu_flop * e.get("relu_active", 1.0)
                     for label, part_ms, flop, of in (
-                            (f"of which {relu_name}", relu_ms, summed, " (their active products)"),
-                            (f"{ops_name} (copies)", ops_ms, 0.0, ""),
+                            (f"of which {RELU_MATRICES}", relu_ms, summed,
+                             " (their active products)"),
+                            (f"{DENSE_OPERANDS} (copies)", ops_ms, 0.0, ""),
                             ("the dense matrices' tiles, the rest", rest, work[0] - relu_flop,
                              "")):
                         line = f"    {label:44s} {part_ms:8.1f} ms"

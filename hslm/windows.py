@@ -289,10 +289,10 @@ def relu_weight_grads(model, A, R, B, t, s, k, units, u0, u1, out, WG, fresh, M,
     factor's rows go through aligned scratch (kernels.aligned_rows). Each element gets
     the windows in window order, as in the dense tiles.
 
-    M [B, words, F] holds the windows' masks of active positions (active_masks) for
-    block masks_of[0], columns masks_of[1]..masks_of[2]-1: W_up makes them for every
-    column and W_down, the block's next matrix, uses them again (making its own, of its
-    units' rows, had cost 0.95 ms a step here)."""
+    M [B, words, F] holds the windows' masks of active positions (active_masks), every
+    column's, for block masks_of[0]: W_up makes them and W_down, the block's next
+    matrix, uses them again (making its own, of its units' rows, had cost 0.95 ms a step
+    here); a W_down with no W_up before it in the call makes its units' own."""
     D = model.dims
     d, F = D.width, D.mlp
     b = (t - 1) // TENSORS_PER_BLOCK
@@ -301,7 +301,7 @@ def relu_weight_grads(model, A, R, B, t, s, k, units, u0, u1, out, WG, fresh, M,
     ra, rb = units[u0, 1], units[u1 - 1, 2]
     if relu_side(D, t) == RELU_INPUT:  # Wdown, G [F, d]: the units are its rows j
         G = view2(out, model.offs, t, F, d)
-        known = masks_of[0] == b and masks_of[1] <= ra and rb <= masks_of[2]
+        known = masks_of[0] == b
         for w in range(B):
             relu = A.relu[w, b, s:]
             if not known:
@@ -310,10 +310,10 @@ def relu_weight_grads(model, A, R, B, t, s, k, units, u0, u1, out, WG, fresh, M,
             active_rows_grad(M[w], relu, dy, 0, d, ra, rb, G, fresh and w == 0)
         return
     G = view2(out, model.offs, t, d, F)  # Wup, G [d, F]: the units are its rows i
-    if not (masks_of[0] == b and masks_of[1] == 0 and masks_of[2] == F):
+    if masks_of[0] != b:
         for w in range(B):
             active_masks(A.relu[w, b, s:], 0, F, M[w])
-        masks_of[0], masks_of[1], masks_of[2] = b, 0, F
+        masks_of[0] = b
     for v in range(u0, u1):
         i0, i1 = units[v, 1], units[v, 2]
         if room + F * (i1 - i0) <= flat.size:
@@ -357,7 +357,7 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, f
     s = D.window - k
     B = tokens.shape[0]
     M = np.empty((B, (k + 63) // 64, D.mlp), np.int64)  # relu_weight_grads' masks ...
-    masks_of = np.full(3, -1, np.int64)  # ... of block [0], columns [1] .. [2] - 1
+    masks_of = np.full(1, -1, np.int64)  # ... of block [0], every column
     timed = model.clock.shape[0] > 2  # hslm bench's profile (Model.clock [2] and [3])
     u = u0
     while u < u1:
