@@ -47,9 +47,9 @@ def cpu_info() -> dict:
 
 
 def machine_peak_gflops_per_core():
-    """Nominal f64 peak of one core: GHz x flops/cycle (2 FMA pipes x vector width),
-    from the clock /proc/cpuinfo states, which cores rarely run at (hslm.peak measures
-    the real peak; this is the fallback and the figure quoted beside it).
+    """Nominal f64 peak of one core: GHz x flops/cycle (2 FMA pipes x the lanes they
+    hold), from the clock /proc/cpuinfo states, which cores rarely run at (hslm.peak
+    measures the real peak; this is the fallback and the figure quoted beside it).
 
     Returns (gflops, description)."""
     info = cpu_info()
@@ -59,12 +59,30 @@ def machine_peak_gflops_per_core():
     lanes = 8 if " avx512f " in flags else (4 if " avx2 " in flags else 2)
     if lanes == 8 and not wide_vectors():  # built for 256-bit vectors (an AVX2 target)
         lanes = 4
+    pipe_lanes = lanes
+    halves = lanes == 8 and half_width_avx512(info)
+    if halves:
+        pipe_lanes = 4
     fma = 2 if (" fma " in flags or " avx512f " in flags) else 1
-    flops_per_cycle = 2 * lanes * fma
+    flops_per_cycle = 2 * pipe_lanes * fma
     ghz = float(info.get("cpu MHz", 2000.0)) / 1000.0
     pipes = "2 FMA pipes" if fma > 1 else "no FMA"
+    if halves:
+        pipes += " of 4 lanes, a 512-bit operation in two halves"
     return ghz * flops_per_cycle, (f"{model or 'cpu'}, {ghz:.2f} GHz x {flops_per_cycle} f64 "
                                    f"flops/cycle ({lanes}-wide as built, {pipes})")
+
+
+def half_width_avx512(info=None) -> bool:
+    """Whether the core runs AVX-512 on 256-bit pipes, a 512-bit operation as two halves
+    (AMD Zen 4, family 19h): 512-bit vectors there hold twice the lanes but give no more
+    flops a cycle than 256-bit ones (hslm.peak measures the same peak at either width)."""
+    info = cpu_info() if info is None else info
+    try:
+        family = int(info.get("cpu family", 0))
+    except ValueError:
+        return False
+    return info.get("vendor_id") == "AuthenticAMD" and family == 0x19
 
 
 def separate_add_pipes() -> bool:
@@ -367,29 +385,36 @@ def optimiser_stream_gbs(n: int) -> float:
     return 7 * 8 * n / best / 1e9
 
 
-def optimiser_arithmetic_ns(sizes=(8192, 32768), reps: int = 200) -> float:
+def optimiser_arithmetic_ns(n: int = 4096, reps: int = 200) -> float:
     """The optimiser's other bound on this core: nanoseconds per parameter of AdamW's own
-    loop (hslm.optim.adamw_step) over arrays that stay in L2 (4 x 32768 doubles at most),
-    so that it waits on no memory: two divisions and a square root a parameter, which a
-    core's divider runs at a few cycles each. The difference of two sizes' medians, over
-    the difference of their sizes, leaves out the call's fixed cost. (On the README's
-    Xeon the loop took 2.3 ns a parameter on 4096 hot ones and on the model's 2.1 M
-    alike: that bound, not memory, is the one it meets.)"""
+    loop (hslm/adam_loop.py, through hslm.optim.adamw_step) over arrays in L2 (8,192
+    parameters: 4 arrays of 64 KB), so that it waits on no memory. It is AdamW's time on
+    two tensors of n parameters less its time on one, over n: what the second tensor's
+    update adds, the loop alone. (The first tensor's norm is summed alone before its
+    update, a serial chain of additions the model's other tensors hide in the loop:
+    timing a single tensor counted it, about 1 ns a parameter more on AMD Zen 4.) The
+    two are timed alternately and their medians taken."""
     from .optim import adamw_step
     rng = np.random.default_rng(0)
-    medians = []
-    for n in sizes:
-        theta, grad = rng.standard_normal(n) * 0.1, rng.standard_normal(n) * 1e-3
-        m, v = np.zeros(n), np.full(n, 1e-6)
-        offs, decay = np.array([0, n], np.int64), np.array([True])
-        sums = [np.zeros(1) for _ in range(3)]
-        times = []
-        for _ in range(reps + 1):
+
+    def arrays(sizes):
+        total = sum(sizes)
+        offs = np.array([0, *np.cumsum(sizes)], np.int64)
+        return (rng.standard_normal(total) * 0.1, rng.standard_normal(total) * 1e-3,
+                np.zeros(total), np.full(total, 1e-6), offs, np.ones(len(sizes), np.bool_),
+                *[np.zeros(len(sizes)) for _ in range(3)])
+
+    one, two = arrays([n]), arrays([n, n])
+    times = ([], [])
+    for i in range(reps + 1):
+        for a, out in ((one, times[0]), (two, times[1])):
+            theta, grad, m, v, offs, decay, s0, s1, s2 = a
             t = time.perf_counter()
-            adamw_step(theta, grad, m, v, offs, decay, 0.1, 0.001, 1e-3, 0.1, *sums, 0, 1)
-            times.append(time.perf_counter() - t)
-        medians.append(float(np.median(times[1:])))
-    return max(medians[1] - medians[0], 0.0) / (sizes[1] - sizes[0]) * 1e9
+            adamw_step(theta, grad, m, v, offs, decay, 0.1, 0.001, 1e-3, 0.1, s0, s1, s2,
+                       0, len(decay))
+            if i:  # (the first call of each: loading, first touches)
+                out.append(time.perf_counter() - t)
+    return max(float(np.median(times[1]) - np.median(times[0])), 0.0) / n * 1e9
 
 
 def flops_per_token(cfg: Config, k: int) -> float:

@@ -469,6 +469,60 @@ def test_measured_peaks_are_physical():
         == ACCUMULATORS
 
 
+def test_nominal_peak_counts_the_lanes_the_pipes_hold(monkeypatch):
+    """AMD Zen 4 (family 19h with AVX-512) runs a 512-bit operation as two halves on its
+    256-bit pipes: 16 f64 flops a cycle, as Zen 3 (family 19h, AVX2) and an AVX2 build;
+    an Intel core with AVX-512 holds 8 lanes a pipe: 32."""
+    from hslm import bench, micro
+    avx512 = "fpu fma avx2 avx512f avx512vl"
+    cores = {  # (vendor, family, flags, built 512 bits wide) -> flops a cycle
+        ("AuthenticAMD", "25", avx512, True): 16,
+        ("AuthenticAMD", "25", "fpu fma avx2", False): 16,
+        ("GenuineIntel", "6", avx512, True): 32,
+        ("GenuineIntel", "6", avx512, False): 16,
+        ("AuthenticAMD", "26", avx512, True): 32,  # Zen 5: full-width pipes
+    }
+    for (vendor, family, flags, wide), flops in cores.items():
+        info = {"vendor_id": vendor, "cpu family": family, "flags": flags,
+                "model name": "test core", "cpu MHz": "2000.000"}
+        monkeypatch.setattr(bench, "cpu_info", lambda info=info: info)
+        monkeypatch.setattr(micro, "wide_vectors", lambda wide=wide: wide)
+        gflops, desc = bench.machine_peak_gflops_per_core()
+        assert gflops == 2.0 * flops and f"x {flops} f64 flops/cycle" in desc, (vendor, desc)
+        assert ("two halves" in desc) == (flops == 16 and wide), desc
+
+
+def test_optimiser_arithmetic_is_the_loop_without_the_first_norm(monkeypatch):
+    """bench.optimiser_arithmetic_ns is AdamW on two tensors less AdamW on one, over the
+    second's size: the first tensor's norm, summed alone before its update (a serial
+    chain the model's later tensors hide in the loop), cancels. A stand-in AdamW taking
+    1 ns a parameter of its first tensor and 2 ns a parameter of the loop reads 2;
+    timing single tensors, as the measure did before, reads 3 (the negative control)."""
+    import time as _time
+
+    from hslm import bench, optim
+    calls = []
+
+    def fake_adamw_step(theta, grad, m, v, offs, *rest):
+        calls.append(len(offs) - 1)
+        until = _time.perf_counter() + 1e-9 * (offs[1] - offs[0]) + 2e-9 * theta.size
+        while _time.perf_counter() < until:
+            pass
+
+    monkeypatch.setattr(optim, "adamw_step", fake_adamw_step)
+    ns = bench.optimiser_arithmetic_ns(n=8192, reps=40)
+    assert set(calls) == {1, 2} and 1.6 < ns < 2.5, ns
+
+    def single(n):
+        t = _time.perf_counter()
+        fake_adamw_step(np.zeros(n), None, None, None, np.array([0, n]))
+        return _time.perf_counter() - t
+
+    old = (min(single(32768) for _ in range(5)) - min(single(8192) for _ in range(5))) \
+        / 24576 * 1e9
+    assert old > 2.6, old
+
+
 def test_plot_reads_a_resumed_runs_repeated_steps_once(tmp_path):
     """A run killed after its last checkpoint and resumed writes the steps since again."""
     from hslm.plot import read_metrics
