@@ -272,14 +272,9 @@ def make_widen(panel: int):
     return intrinsic(widen)
 
 
-def make_prefetch_for_writing():
-    """An intrinsic prefetch_for_writing(addr, nbytes), both intp: asks for the cache lines
-    of bytes addr .. addr + nbytes - 1 to be brought in, to be written (llvm.prefetch:
-    a hint, never a fault, no effect on any value). A ternary kernel asks for the
-    next panel's columns of its output while it sums this one: each output line is
-    written whole, but a line not in cache is read before it is written, and a window's
-    outputs were last used a step ago. prefetchw where the core has it, else prefetcht0
-    (AVX2 as Haswell); checked in the code with numba 0.61 (LLVM 15) and 0.68."""
+def _prefetch_lines(rw: int):
+    """The codegen of prefetch(addr, nbytes): llvm.prefetch of every cache line of bytes
+    addr .. addr + nbytes - 1, to be written (rw 1) or read (rw 0)."""
 
     def codegen(context, builder, signature, args):
         addr, nbytes = args
@@ -290,14 +285,36 @@ def make_prefetch_for_writing():
         span = builder.sub(builder.add(addr, nbytes), first)
         base = builder.inttoptr(first, i8.as_pointer())
         with CountedLoop(builder, span, 64, "prefetch") as loop:
-            builder.call(prefetch, [builder.gep(base, [loop.i]), ir.Constant(i32, 1),
+            builder.call(prefetch, [builder.gep(base, [loop.i]), ir.Constant(i32, rw),
                                     ir.Constant(i32, 3), ir.Constant(i32, 1)])
         return context.get_dummy_value()
 
+    return codegen
+
+
+def make_prefetch_for_writing():
+    """An intrinsic prefetch_for_writing(addr, nbytes), both intp: asks for the cache lines
+    of bytes addr .. addr + nbytes - 1 to be brought in, to be written (llvm.prefetch:
+    a hint, never a fault, no effect on any value). A ternary kernel asks for the
+    next panel's columns of its output while it sums this one: each output line is
+    written whole, but a line not in cache is read before it is written, and a window's
+    outputs were last used a step ago. prefetchw where the core has it, else prefetcht0
+    (AVX2 as Haswell); checked in the code with numba 0.61 (LLVM 15) and 0.68."""
+
     def prefetch_for_writing(typingctx, addr, nbytes):
-        return types.void(types.intp, types.intp), codegen
+        return types.void(types.intp, types.intp), _prefetch_lines(1)
 
     return intrinsic(prefetch_for_writing)
+
+
+def make_prefetch_for_reading():
+    """An intrinsic prefetch_for_reading(addr, nbytes), both intp: as prefetch_for_writing,
+    for lines that will only be read (prefetcht0)."""
+
+    def prefetch_for_reading(typingctx, addr, nbytes):
+        return types.void(types.intp, types.intp), _prefetch_lines(0)
+
+    return intrinsic(prefetch_for_reading)
 
 
 def make_cycle_counter():
