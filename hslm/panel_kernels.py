@@ -201,6 +201,9 @@ def panel_matmul_add_3x24(X, P, b, G, fresh):
             continue
         while r + 3 <= n:
             if cols == 24:
+                if r + 9 <= n:  # (a hint: no value changes)
+                    for rr in range(r + 6, r + 9):
+                        PREFETCH_FOR_WRITING(g + (rr * gs + j) * 8, 192)
                 WGRAD_3x24(x + r * xb, xs, p, a, g + (r * gs + j) * 8, gs, from_zero)
             else:
                 for rr in range(3):
@@ -245,6 +248,9 @@ def panel_matmul_add2_3x24(X, X2, P, P2, b, G, fresh):
     for q in range(q_full):  # a panel pair is reused by every row while it is in cache
         p = P.ctypes.data + q * P.strides[0]
         for r in range(0, n_full, 3):
+            if r + 9 <= n_full:  # (a hint: no value changes)
+                for rr in range(r + 6, r + 9):
+                    PREFETCH_FOR_WRITING(g + (rr * gs + q * 24) * 8, 192)
             WGRAD_3x24_PAIR(x + r * xb, xs, x_off, p, p_off, a, g + (r * gs + q * 24) * 8,
                 gs, from_zero)
     if q_full < P.shape[0]:  # the last panel, partly past column b: window by window
@@ -322,6 +328,9 @@ def panel_matmul_add_3x12(X, P, b, G, fresh):
             continue
         while r + 3 <= n:
             if cols == 12:
+                if r + 9 <= n:  # (a hint: no value changes)
+                    for rr in range(r + 6, r + 9):
+                        PREFETCH_FOR_WRITING(g + (rr * gs + j) * 8, 96)
                 WGRAD_3x12(x + r * xb, xs, p, a, g + (r * gs + j) * 8, gs, from_zero)
             else:
                 for rr in range(3):

@@ -100,6 +100,22 @@ def through_out(name, m, width, pad, x="x", p="p", fresh="fresh"):
                       f"{inner}    G[r + {rr}, j + c] = out[{at}]"])
 
 
+# The weight-gradient drivers ask for G's tile TILES_AHEAD tiles down the panel while
+# they sum this one (prefetch for writing: G's lines were last touched by the optimiser
+# or by the window before, and a tile's loop is too short to wait for them). On AMD Zen
+# 4 the dense matrices' tiles took 0.7-0.9 ms a step less (docs/performance-history.md).
+TILES_AHEAD = 2
+
+
+def prefetch_tiles_ahead(rows, panel, n, j, indent):
+    """Lines that prefetch (for writing) the rows of the tile TILES_AHEAD tiles below
+    row r, columns j .. j + panel - 1, where it lies above row n."""
+    first, last = TILES_AHEAD * rows, (TILES_AHEAD + 1) * rows
+    return [f"{indent}if r + {last} <= {n}:  # (a hint: no value changes)",
+            f"{indent}    for rr in range(r + {first}, r + {last}):",
+            f"{indent}        PREFETCH_FOR_WRITING(g + (rr * gs + {j}) * 8, {panel * 8})"]
+
+
 def wgrad_kernel(rows, panel):
     """The driver of one weight-gradient tile: the IR loop (hslm/vector_tiles.py, no
     contraction) adds a tile's sums straight into G, or, on a last panel that ends past
@@ -137,6 +153,7 @@ def wgrad_kernel(rows, panel):
                                                              "            continue",
                                                              f"        while r + {rows} <= n:",
                                                              f"            if cols == {panel}:"]
+    L += prefetch_tiles_ahead(rows, panel, "n", "j", " " * 16)
     L += [f"                {names['tile']}(x + r * xb, xs, p, a, g + (r * gs + j) * 8, gs, "
           "from_zero)", "            else:"]
     L += through_out(names["tile"], rows, panel, " " * 16) + [f"            r += {rows}",
@@ -165,6 +182,7 @@ def panel_matmul_add2_{rows}x{panel}(X, X2, P, P2, b, G, fresh):
     panel_matmul_add_{rows}x{panel}(X2, P2, b, G, False)
 """
     name = f"WGRAD_{rows}x{panel}_PAIR"
+    ahead = "\n".join(prefetch_tiles_ahead(rows, panel, "n_full", f"q * {panel}", " " * 12))
     edge_lines = "\n".join(through_out(names["edge"], rows, edge, " " * 20, "xw", "p", "first"))
     full_lines = "\n".join(through_out(names["tile"], rows, panel, " " * 20, "xw", "p", "first"))
     return f"""
@@ -191,6 +209,7 @@ def panel_matmul_add2_{rows}x{panel}(X, X2, P, P2, b, G, fresh):
     for q in range(q_full):  # a panel pair is reused by every row while it is in cache
         p = P.ctypes.data + q * P.strides[0]
         for r in range(0, n_full, {rows}):
+{ahead}
             {name}(x + r * xb, xs, x_off, p, p_off, a, g + (r * gs + q * {panel}) * 8,
                 gs, from_zero)
     if q_full < P.shape[0]:  # the last panel, partly past column b: window by window
