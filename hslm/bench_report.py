@@ -82,7 +82,8 @@ def format_report(report):
                        f"the multiply + add peak ({unfused:.1f} GFLOP/s) for the weight "
                        f"gradients (their products are not exact, so they are not fused), "
                        + (f"the longer of {stream} and its arithmetic (AdamW's loop on arrays "
-                          f"in cache: {ns:.2f} ns a parameter)" if ns else stream) + " for the optimiser:")
+                          f"in cache: {ns:.2f} ns a parameter)" if ns else stream)
+                       + " for the optimiser:")
             for name, ms in e["profile_ms"]:
                 line = f"  {name:46s} {ms:8.1f} ms {100 * ms / total:5.1f}%"
                 work = e.get("phase_work", {}).get(name)

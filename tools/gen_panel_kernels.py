@@ -103,7 +103,7 @@ def through_out(name, m, width, pad, x="x", p="p", fresh="fresh"):
 # The weight-gradient drivers ask for G's tile TILES_AHEAD tiles down the panel while
 # they sum this one (prefetch for writing: G's lines were last touched by the optimiser
 # or by the window before, and a tile's loop is too short to wait for them). On AMD Zen
-# 4 the dense matrices' tiles took 0.7-0.9 ms a step less (docs/performance-history.md).
+# 4 the dense matrices' tiles took 0.7-1.3 ms a step less (docs/performance-history.md).
 TILES_AHEAD = 2
 
 
