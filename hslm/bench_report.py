@@ -173,6 +173,16 @@ def load_report(path) -> dict:
     return report
 
 
+def machine_of(report):
+    """What says which machine and build a report is of: its machine line up to the
+    flops a cycle ("AMD EPYC, 2.60 GHz": the CPU's name and stated clock), and the
+    vector width it was built for. (How a version counts the flops a cycle is not the
+    machine: 0.2.0 before ea5a639 counted 32 on AMD Zen 4, since then 16.)"""
+    line = report.get("machine")
+    return (line.split(" x ")[0] if isinstance(line, str) else line,
+            report.get("vector_lanes"))
+
+
 def compare_reports(named) -> list:
     """(lines, differ) comparing bench reports [(name, report)], each against the first:
     tok/s of every row they share, the PyTorch ratios, the profile's phases, and whether
@@ -190,7 +200,7 @@ def compare_reports(named) -> list:
 
     out = [f"comparing {len(named)} bench reports, each against the first ({base_name}):",
            "  " + describe(base_name, base)] + ["  " + describe(n, r) for n, r in rest]
-    if any(r.get("machine") != base.get("machine") for _, r in rest):
+    if any(machine_of(r) != machine_of(base) for _, r in rest):
         out.append("  (the machines differ: the ratios below compare machines, not versions)")
     for name, r in rest:
         out.append(f"{name} against {base_name}:")

@@ -492,6 +492,27 @@ def test_nominal_peak_counts_the_lanes_the_pipes_hold(monkeypatch):
         assert ("two halves" in desc) == (flops == 16 and wide), desc
 
 
+def test_bench_compare_tells_machines_apart_not_versions_of_the_machine_line():
+    """Two reports of one core whose machine lines differ only in how the version counted
+    the flops a cycle (as before and after ea5a639 on AMD Zen 4) are of the same
+    machine; another CPU, clock or build width is another machine."""
+    from hslm.bench_report import compare_reports, machine_of
+
+    def report(machine, lanes=8):
+        return {"machine": machine, "vector_lanes": lanes, "steps": 3, "models": []}
+
+    zen4 = "AMD EPYC, 2.60 GHz x {} f64 flops/cycle (8-wide as built, 2 FMA pipes{})"
+    old, new = report(zen4.format(32, "")), report(zen4.format(16, " of 4 lanes, ..."))
+    assert machine_of(old) == machine_of(new)
+    warning = "(the machines differ: the ratios below compare machines, not versions)"
+    assert not any(warning in line for line in compare_reports([("a", old), ("b", new)])[0])
+    for other in (report("Intel(R) Xeon(R) Processor, 2.60 GHz x 32 f64 flops/cycle"),
+                  report(zen4.format(32, "").replace("2.60", "2.45")),
+                  report(zen4.format(16, ""), lanes=4)):
+        assert machine_of(other) != machine_of(old)
+        assert any(warning in line for line in compare_reports([("a", old), ("c", other)])[0])
+
+
 def test_optimiser_arithmetic_is_the_loop_without_the_first_norm(monkeypatch):
     """bench.optimiser_arithmetic_ns is AdamW on two tensors less AdamW on one, over the
     second's size: the first tensor's norm, summed alone before its update (a serial
