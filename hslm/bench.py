@@ -59,10 +59,8 @@ def machine_peak_gflops_per_core():
     lanes = 8 if " avx512f " in flags else (4 if " avx2 " in flags else 2)
     if lanes == 8 and not wide_vectors():  # built for 256-bit vectors (an AVX2 target)
         lanes = 4
-    pipe_lanes = lanes
     halves = lanes == 8 and half_width_avx512(info)
-    if halves:
-        pipe_lanes = 4
+    pipe_lanes = 4 if halves else lanes
     fma = 2 if (" fma " in flags or " avx512f " in flags) else 1
     flops_per_cycle = 2 * pipe_lanes * fma
     ghz = float(info.get("cpu MHz", 2000.0)) / 1000.0
@@ -73,11 +71,11 @@ def machine_peak_gflops_per_core():
                                    f"flops/cycle ({lanes}-wide as built, {pipes})")
 
 
-def half_width_avx512(info=None) -> bool:
-    """Whether the core runs AVX-512 on 256-bit pipes, a 512-bit operation as two halves
-    (AMD Zen 4, family 19h): 512-bit vectors there hold twice the lanes but give no more
-    flops a cycle than 256-bit ones (hslm.peak measures the same peak at either width)."""
-    info = cpu_info() if info is None else info
+def half_width_avx512(info) -> bool:
+    """Whether the core (its cpu_info) runs AVX-512 on 256-bit pipes, a 512-bit operation
+    as two halves (AMD Zen 4, family 19h): 512-bit vectors there hold twice the lanes but
+    give no more flops a cycle than 256-bit ones (hslm.peak measures the same peak at
+    either width)."""
     try:
         family = int(info.get("cpu family", 0))
     except ValueError:
