@@ -385,7 +385,8 @@ def bpe_kernel(tok, V, merges, n_merges, learn, counts, seg_len, pool, ctl):
             if end + total > cap - cap // 16:   # still (almost) full: grow by a quarter
                 ncap = max(cap + cap // 4, end + total + cap // 8)
                 bigger = np.empty(ncap, np.uint8)
-                bigger[:end] = pool[:end]
+                for i in range(end):  # (a slice assignment compiles Numba's shape-error
+                    bigger[i] = pool[i]  # message: 2 s of a first run)
                 pool = bigger
                 cap = ncap
                 peak = max(peak, cap)

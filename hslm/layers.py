@@ -48,6 +48,17 @@ LABEL_SMOOTH = 0.1  # epsilon of the K-position objective
 
 CYCLES = make_cycle_counter()  # (KERNEL_PANELS_TIMED: hslm bench's profile)
 
+# The parts of a block and of the head (and of the weight gradients, hslm/windows.py),
+# each called from one place in each kernel that uses it (the forward or backward over
+# a thread's windows, a position's column, a team member's rows): Numba inlines them
+# into that caller instead of compiling each as a function of its own. Compiled apart,
+# each part is optimised and made into machine code alone, and again inside every
+# function above it, as Numba links a callee's code into its caller's: a first run's
+# jobs took 78 s on a 2-core Zen 5 apart, 50 s inlined (docs/performance-history.md).
+# The kernels called from many places (the matrix products, attention's rows) stay
+# functions: inlined, each call would be typed again.
+kernel_part = njit(cache=True, nogil=True, error_model="numpy", inline="always")
+
 # Attention's rows: one row (a query, or a row of probabilities) times a panel of
 # ATTN_PANEL columns (keys, or value components), summed in order in vector registers
 # (hslm/vector_tiles.py, products rounded then added, as the plain loops).
@@ -339,7 +350,7 @@ def rms_backward_rows(X, rms, DXR, DX):
         rms_backward(X[r], rms[r], DXR[r], DX[r], dot)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_part
 def norm_gain_forward(model, A, w, b, p0, p1):
     """n = rms(x_b) * gamma_b for rows p0..p1-1.   x [L, d] -> rms [L], x_normed, n [L, d]."""
     D = model.dims
@@ -352,7 +363,7 @@ def norm_gain_forward(model, A, w, b, p0, p1):
             n[i] = xr[i] * gamma[i]
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_part
 def norm_gain_backward(model, A, R, w, b, s, r0, r1, DQ, DK, DV, DX):
     """dn = ((dq Wq^T) + dk Wk^T) + dv Wv^T [rows, d] (given as DQ, DK, DV) -> the gain's
     rows d_gain = dn * x_normed, and DX = dloss/dx_b through the norm (rows r0..r1-1).
@@ -558,7 +569,7 @@ def attention_grad_tail(a, g, KRh, p, c0, dh, scale, q, do, dq, dk, dv, sums):
 # The attention forward in two parts, keys and values (they join the cache) then queries
 # and attention, since a row's attention needs the cache of every row before it.
 # n [L, d] -> q, k, v, attn_out [L, d], attn [L, H, L].
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_part
 def keys_values_forward(model, A, w, b, p0, p1, kernel):
     """k = rot(n Wk), v = n Wv for rows p0..p1-1, into the cache and its panels."""
     D = model.dims
@@ -571,7 +582,7 @@ def keys_values_forward(model, A, w, b, p0, p1, kernel):
     cache_panels(A, w, b, p0, p1, H, dh)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_part
 def queries_attention_forward(model, A, w, b, q0, p1, kernel):
     """q = rot(n Wq) and o = attention over the cache, for rows q0..p1-1 (every row up to
     p1 - 1 has its key and value in the cache)."""
@@ -585,7 +596,7 @@ def queries_attention_forward(model, A, w, b, q0, p1, kernel):
                    A.attn[w, b], A.attn_out[w, b])
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_part
 def qkv_attention_backward(model, A, R, S, w, b, s, r0, r1, cached, kernel):
     """d_h [rows, d] -> do = d_h Wo^T -> dq, dk, dv (recorded, rotary undone) ->
     dn's three parts in S.tmp1, S.tmp2 and S.d_n (rows r0..r1-1). The cache's rows
@@ -613,7 +624,7 @@ def qkv_attention_backward(model, A, R, S, w, b, s, r0, r1, cached, kernel):
 
 
 # ------------------------------------------ output projection and residual
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_part
 def attn_residual_forward(model, A, w, b, p0, p1, kernel):
     """h = x + o Wo for rows p0..p1-1.   attn_out [L, d] -> h [L, d]."""
     D = model.dims
@@ -629,7 +640,7 @@ def attn_residual_forward(model, A, w, b, p0, p1, kernel):
 
 
 # ------------------------------------------------------------------- MLP
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_part
 def mlp_forward(model, A, w, b, vsa, p0, p1, kernel):
     """u = h Wup + bup, relu = max(u, 0), x' = (h + (relu Wdown + bdown)) + vsa_b
     for rows p0..p1-1.   h [L, d] -> relu [L, F] (u made in place) -> x_{b+1} (or
@@ -655,7 +666,7 @@ def mlp_forward(model, A, w, b, vsa, p0, p1, kernel):
             xo[i] = (h[i] + (xo[i] + bdown[i])) + vsa[b, p, i]
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_part
 def mlp_backward(model, A, R, S, w, b, s, r0, r1, kernel):
     """d_block_out [rows, d] -> d_u = (dx' Wdown^T) * (u > 0) [rows, F] ->
     d_h = dx' + d_u Wup^T [rows, d] (rows r0..r1-1)."""
@@ -677,7 +688,7 @@ def mlp_backward(model, A, R, S, w, b, s, r0, r1, kernel):
 
 
 # ------------------------------------------------------------------ blocks
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_part
 def block_forward(model, A, w, vsa, b, p0, p1, s, kernel):
     """Block b for rows p0..p1-1: x_b [L, d] -> x_{b+1} (or x_final) [L, d].
     Rows below s make only their keys and values (later rows attend to them)."""
@@ -685,7 +696,7 @@ def block_forward(model, A, w, vsa, b, p0, p1, s, kernel):
     block_queries(model, A, w, vsa, b, max(p0, s), p1, kernel)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_part
 def block_keys_values(model, A, w, b, p0, p1, kernel):
     """Block b's first part for rows p0..p1-1: the norm, then the keys and values (into
     the cache). A team of threads waits between the two parts (windows.py)."""
@@ -693,7 +704,7 @@ def block_keys_values(model, A, w, b, p0, p1, kernel):
     keys_values_forward(model, A, w, b, p0, p1, kernel)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_part
 def block_queries(model, A, w, vsa, b, q0, p1, kernel):
     """Block b's second part for rows q0..p1-1 (every row before p1 in the cache): the
     queries and attention, the residual and the MLP."""
@@ -703,7 +714,7 @@ def block_queries(model, A, w, vsa, b, q0, p1, kernel):
         mlp_forward(model, A, w, b, vsa, q0, p1, kernel)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_part
 def blocks_forward(model, A, vsa, b, first, step, B, p0, p1, s, kernel):
     """block_forward of windows first, first + step, ... < B (vsa [B, nb, L, d]), each layer
     for all of them before the next, so that a layer's matrix and code stay in cache
@@ -721,7 +732,7 @@ def blocks_forward(model, A, vsa, b, first, step, B, p0, p1, s, kernel):
             mlp_forward(model, A, w, b, vsa[w], q0, p1, kernel)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_part
 def block_backward(model, A, R, S, w, b, s, r0, r1, cached, kernel):
     """Block b's backward for record rows r0..r1-1: d_block_out[b] -> d_block_out[b - 1]
     (or d_x0 for block 0), recording each layer's output gradient on the way (cached:
@@ -730,7 +741,7 @@ def block_backward(model, A, R, S, w, b, s, r0, r1, cached, kernel):
     attention_norm_backward(model, A, R, S, w, b, s, r0, r1, cached, kernel)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_part
 def blocks_backward(model, A, R, S, b, first, step, B, s, r0, r1, kernel):
     """block_backward of windows first, first + step, ... < B: the MLP's for all of them,
     then the rest of the block's for each (its parts pass through the thread's scratch S,
@@ -741,7 +752,7 @@ def blocks_backward(model, A, R, S, b, first, step, B, s, r0, r1, kernel):
         attention_norm_backward(model, A, R, S, w, b, s, r0, r1, 0, kernel)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_part
 def attention_norm_backward(model, A, R, S, w, b, s, r0, r1, cached, kernel):
     """Block b's backward below the MLP (rows r0..r1-1): d_h -> attention, the norm and
     the residual -> d_block_out[b - 1] (or d_x0 for block 0) (cached:
@@ -757,7 +768,7 @@ def attention_norm_backward(model, A, R, S, w, b, s, r0, r1, cached, kernel):
 
 
 # -------------------------------------------------------------------- head
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_part
 def head_forward(model, A, w, p0, p1, kernel):
     """z = c (rms(x_final) Wout) + bout for rows p0..p1-1.   x_final [L, d] -> logits [L, V]."""
     D = model.dims
@@ -773,7 +784,7 @@ def head_forward(model, A, w, p0, p1, kernel):
             z[j] = c * z[j] + bout[j]
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_part
 def head_backward(model, A, R, S, w, s, r0, r1, kernel):
     """d_logits [rows, V] -> d_head = c dz -> dloss/dx_final = rms'(d_head Wout^T)
     into d_block_out[nb - 1] [rows, d] (rows r0..r1-1)."""

@@ -1,7 +1,8 @@
 """A machine's first run: compile the kernels in several processes at once.
 
 Numba compiles one function at a time, under one lock per process, and a first
-run has about 50 s of compiling to do (2-core Xeon, AVX-512). The kernels fall
+run has about 50 s of compiling to do (2-core Zen 5; it was 78 s before the blocks'
+parts were inlined into their callers, hslm/layers.py's block_part). The kernels fall
 into jobs with few dependencies (JOBS): a job may start once the kernels it
 calls are in Numba's cache, or it would compile them again. Up to cores - 1
 helpers (`python -m hslm.precompile DIR`) start while `hslm train` reads and
@@ -44,8 +45,7 @@ import numpy as np
 # longest chain (tile -> forward or backward), the tokenizer fills a core meanwhile.
 # The forward's blocks (about 70% of its compile) are a job of their own, so that with
 # two processes the three long jobs (forward blocks, backward, weight gradients, each
-# 12-18 s) and the forward's short rest share the two evenly: with the forward one job
-# (21 s) a first run compiled in 35 and 34 s in a slow hour, now in 32 and 29.
+# 9-11 s on a 2-core Zen 5) and the forward's short rest share the two evenly.
 JOBS = {
     "ternary tile": (),
     "weight-gradient tile": (),

@@ -43,9 +43,9 @@ from .kernels import WGRAD_ROW_BLOCK, active_span, active_tiles
 from .layers import RELU_OUTPUT, alloc_acts, alloc_record, alloc_scratch, relu_side
 from .speeds import KERNEL_PANELS, PER_POSITION, SPEEDS
 from .vsa import vsa_window
-from .windows import (gradients_from_records, mean_losses, team_counters, team_slot,
-                      window_per_position, windows_backward, windows_forward, windows_layerwise,
-                      windows_loss)
+from .windows import (every_block_forward, gradients_from_records, mean_losses, team_counters,
+                      team_slot, window_per_position, windows_backward, windows_embed,
+                      windows_forward, windows_head, windows_layerwise, windows_loss)
 
 # The share of the MLP's weight-gradient products that are summed: the ReLU's active
 # positions, about half of them (measured over 300 steps of hslm-3: 0.42-0.64 a block).
@@ -425,7 +425,8 @@ def kernels_cached(speed: int, teams: bool = False) -> bool:
     from .optim import adamw_step, adamw_tensors
     from .precompile import in_cache
     sp = SPEEDS[speed]
-    kernels = [adamw_step, adamw_tensors, windows_forward, windows_loss]
+    kernels = [adamw_step, adamw_tensors, windows_embed, every_block_forward, windows_head,
+               windows_loss]
     kernels += ([window_per_position] if sp.loop == PER_POSITION
                 else [windows_backward, mean_losses, gradients_from_records]
                 + ([team_slot] if teams else []))

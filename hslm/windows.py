@@ -34,10 +34,15 @@ from .kernels import (active_masks, active_rows_grad, aligned_rows, column_sum_r
 from .micro import WGRAD_PANEL, panel_matmul_add, panel_matmul_add2
 from .layers import (CYCLES, COLUMN_SUM, MATRIX, RELU_INPUT, block_backward, block_forward,
                      block_keys_values, block_queries, blocks_backward, blocks_forward,
-                     embed_forward, head_backward, head_forward, loss_rows, relu_side, view1,
-                     view2, window_loss_rows, weight_grad_operands)
+                     embed_forward, head_backward, head_forward, kernel_part, loss_rows,
+                     relu_side, view1, view2, window_loss_rows, weight_grad_operands)
 from .spin import add, publish, wait_for
 from .vsa import vsa_window
+
+# A constant 0 passed where the same kernel elsewhere gets a variable: Numba compiles a
+# kernel again for each literal argument it is called with (a 1-1.3 s compile each,
+# weight_grad_operands' included), not for an int64 made at run time.
+NO_LITERAL_0 = np.int64(0)
 
 
 # ------------------------------------------------------------ per position
@@ -141,31 +146,41 @@ def windows_layerwise(model, vsa_table, windows, vsa, k, scale, A, R, S, first, 
     mean_losses(row_losses, k, first, step, losses)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
 def windows_forward(model, vsa_table, windows, vsa, k, A, first, step, kernel):
     """Forward of windows first, first + step, ...: VSA stream, embedding, blocks and
-    the head at the last k positions, into A."""
-    D = model.dims
-    L = D.window
-    s = L - k
+    the head at the last k positions, into A. Three kernels called from here rather than
+    one that calls them: one would hold, and compile again, all of the blocks' code."""
+    L = model.dims.window
     B = windows.shape[0]
-    for w in range(first, B, step):
+    windows_embed(model, vsa_table, windows, vsa, A, first, step)
+    every_block_forward(model, A, vsa, first, step, B, L, L - k, kernel)
+    windows_head(model, A, first, step, B, L - k, L, kernel)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def windows_embed(model, vsa_table, windows, vsa, A, first, step):
+    """windows_forward's first part: each window's VSA stream and embedding."""
+    D = model.dims
+    for w in range(first, windows.shape[0], step):
         vsa_window(vsa_table, windows[w], D.blocks, D.width, vsa[w])
-        embed_forward(model, A, w, windows[w], 0, L)
-    every_block_forward(model, A, vsa, first, step, B, L, s, kernel)
-    for w in range(first, B, step):
-        head_forward(model, A, w, s, L, kernel)
+        embed_forward(model, A, w, windows[w], 0, D.window)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def every_block_forward(model, A, vsa, first, step, B, L, s, kernel):
-    """The blocks of windows_forward, block by block. A kernel of its own so that a first
-    run compiles it beside the backward (hslm.precompile's "forward blocks"): called from
-    Python with these types, it is the very kernel windows_forward calls."""
+    """windows_forward's blocks, block by block (in the last block only the scored rows
+    go past their keys and values)."""
     D = model.dims
-    for b in range(D.blocks):  # in the last block only the scored rows go past their keys
+    for b in range(D.blocks):
         blocks_forward(model, A, vsa, b, first, step, B, 0, L,
                        s if b == D.blocks - 1 else 0, kernel)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def windows_head(model, A, first, step, B, s, L, kernel):
+    """windows_forward's last part: the head at rows s..L-1 of each window."""
+    for w in range(first, B, step):
+        head_forward(model, A, w, s, L, kernel)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -278,7 +293,7 @@ def mean_losses(row_losses, k, first, step, losses):
         losses[w] = total / k
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_part
 def relu_weight_grads(model, A, R, B, t, s, k, units, u0, u1, out, WG, fresh, M, masks_of):
     """gradients_from_records' units u0..u1-1 of tensor t, the Wup or Wdown of a block,
     over the positions where each ReLU unit j is active (active_rows_grad): the other
@@ -312,7 +327,7 @@ def relu_weight_grads(model, A, R, B, t, s, k, units, u0, u1, out, WG, fresh, M,
     G = view2(out, model.offs, t, d, F)  # Wup, G [d, F]: the units are its rows i
     if masks_of[0] != b:
         for w in range(B):
-            active_masks(A.relu[w, b, s:], 0, F, M[w])
+            active_masks(A.relu[w, b, s:], NO_LITERAL_0, F, M[w])
         masks_of[0] = b
     for v in range(u0, u1):
         i0, i1 = units[v, 1], units[v, 2]
@@ -373,7 +388,7 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, f
                 model.clock[2] += CYCLES() - c0
             u = ue
             continue
-        operands = weight_grad_operands(model, A, R, 0, t, s, k)
+        operands = weight_grad_operands(model, A, R, NO_LITERAL_0, t, s, k)
         if operands[0] == MATRIX:
             m, n = operands[3], operands[4]
             G = view2(out, offs, t, m, n)
