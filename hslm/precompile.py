@@ -43,17 +43,20 @@ import numpy as np
 
 # name: the jobs it needs done first. Order is priority: the ternary tile starts the
 # longest chain (tile -> forward or backward), the tokenizer fills a core meanwhile.
-# The forward's blocks (about 70% of its compile) are a job of their own, so that with
-# two processes the three long jobs (forward blocks, backward, weight gradients, each
-# 9-11 s on a 2-core Zen 5) and the forward's short rest share the two evenly.
+# "model" is the kernels that make a model's state (every other job makes a tiny one
+# first); the optimiser is a job apart, after the long ones, so that they need not
+# wait for it. The forward's blocks (about 70% of its compile) are a job of their own,
+# so that with two processes the three long jobs (forward blocks, backward, weight
+# gradients, each 8-11 s on a 2-core Zen 5) and the short rest share the two evenly.
 JOBS = {
     "ternary tile": (),
     "weight-gradient tile": (),
-    "optimiser": (),
-    "forward blocks": ("ternary tile", "weight-gradient tile", "optimiser"),
-    "backward": ("ternary tile", "weight-gradient tile", "optimiser"),
-    "per position": ("ternary tile", "weight-gradient tile", "optimiser"),
-    "weight gradients": ("ternary tile", "weight-gradient tile", "optimiser"),
+    "model": (),
+    "forward blocks": ("ternary tile", "weight-gradient tile", "model"),
+    "backward": ("ternary tile", "weight-gradient tile", "model"),
+    "per position": ("ternary tile", "weight-gradient tile", "model"),
+    "weight gradients": ("ternary tile", "weight-gradient tile", "model"),
+    "optimiser": ("model",),
     "forward": ("forward blocks",),
     "tokenizer": (),
     "team": ("backward", "weight gradients"),
@@ -122,9 +125,11 @@ def _run_job(name: str, vocab: int) -> None:
     if name == "tokenizer":
         _tokenizer_job(vocab)
         return
-    if name == "optimiser":  # requantisation (ModelState) and AdamW, as warm_up calls it
-        from .optim import warm_up_optimiser
+    if name == "model":  # a model's state: its ternary matrices, scales and panels
         _tiny()
+        return
+    if name == "optimiser":  # AdamW, alone and requantising as it goes, as warm_up calls it
+        from .optim import warm_up_optimiser
         warm_up_optimiser()
         return
     from .speeds import KERNEL_PANELS, PER_POSITION, SPEEDS

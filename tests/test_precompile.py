@@ -84,21 +84,21 @@ def test_a_job_whose_owner_died_does_not_hold_up_the_others(tmp_path, monkeypatc
     ran = []
     monkeypatch.setattr(precompile, "_run_job", lambda name, vocab: ran.append(name))
     monkeypatch.setattr(precompile, "_locked_cache_saves", lambda path: _no_lock())
-    board = _board(tmp_path, ["ternary tile", "weight-gradient tile", "optimiser",
+    board = _board(tmp_path, ["ternary tile", "weight-gradient tile", "model",
                               "forward blocks"])
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     (tmp_path / "ternary tile.claim").write_text(str(dead.pid))  # its owner is gone
-    (tmp_path / "optimiser.claim").write_text(str(os.getpid()))  # alive: this process
+    (tmp_path / "model.claim").write_text(str(os.getpid()))  # alive: this process
     worker = threading.Thread(target=board.work)  # (no give_up: the helpers are alive)
     worker.start()
     deadline = time.monotonic() + 30  # (polled: a loaded machine may take a while)
     while ran != ["weight-gradient tile"] and time.monotonic() < deadline:
         time.sleep(0.01)
-    time.sleep(0.2)  # forward blocks must go on waiting for the optimiser, not run
-    assert board.settled("ternary tile") and not board.settled("optimiser")
-    assert ran == ["weight-gradient tile"] and worker.is_alive()  # waits on the optimiser
-    board.finish("optimiser", True, time.time())
+    time.sleep(0.2)  # forward blocks must go on waiting for the model, not run
+    assert board.settled("ternary tile") and not board.settled("model")
+    assert ran == ["weight-gradient tile"] and worker.is_alive()  # waits on the model
+    board.finish("model", True, time.time())
     worker.join(10)
     assert not worker.is_alive() and ran == ["weight-gradient tile", "forward blocks"]
 
