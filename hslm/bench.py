@@ -20,6 +20,7 @@ from .config import Config
 from .peak import measured_peaks
 from .rng import Stream
 from .layers import CYCLES
+from .micro import cpu_info, half_width_avx512
 from .speeds import DEFAULT_SPEED, KERNEL_PANELS_TIMED, SPEEDS
 from .step import StepRunner, warm_up
 from .train import Run
@@ -27,23 +28,6 @@ from .train import Run
 TABLE_ROUNDS = 3  # interleaved rounds of the table's runs (time_in_rounds)
 TORCH_ROUNDS = 5  # interleaved rounds of speed 3 against PyTorch (versus_torch)
 PROFILE_STEPS = 7  # steps of the speed-3 profile, each phase their median
-
-
-def cpu_info() -> dict:
-    """The first core's /proc/cpuinfo fields (empty where there is none)."""
-    info = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, sep, value = line.partition(":")
-                if not sep:
-                    if info:
-                        break  # the first core's block ends at its blank line
-                    continue
-                info.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    return info
 
 
 def machine_peak_gflops_per_core():
@@ -69,18 +53,6 @@ def machine_peak_gflops_per_core():
         pipes += " of 4 lanes, a 512-bit operation in two halves"
     return ghz * flops_per_cycle, (f"{model or 'cpu'}, {ghz:.2f} GHz x {flops_per_cycle} f64 "
                                    f"flops/cycle ({lanes}-wide as built, {pipes})")
-
-
-def half_width_avx512(info) -> bool:
-    """Whether the core (its cpu_info) runs AVX-512 on 256-bit pipes, a 512-bit operation
-    as two halves (AMD Zen 4, family 19h): 512-bit vectors there hold twice the lanes but
-    give no more flops a cycle than 256-bit ones (hslm.peak measures the same peak at
-    either width)."""
-    try:
-        family = int(info.get("cpu family", 0))
-    except ValueError:
-        return False
-    return info.get("vendor_id") == "AuthenticAMD" and family == 0x19
 
 
 def separate_add_pipes() -> bool:

@@ -1,4 +1,5 @@
-"""This machine's matrix micro-kernels (hslm/panel_kernels.py), chosen and compiled.
+"""This machine's matrix micro-kernels (hslm/panel_kernels.py), chosen and compiled, and
+the facts about its core they are chosen by (cpu_info).
 
 Importing this module compiles nothing; hslm.kernels compiles both micro-kernels
 when it loads (compile_micro), and a first run's compile jobs (hslm/precompile.py)
@@ -16,6 +17,52 @@ def wide_vectors(features=None) -> bool:
     as hslm/__init__.py sets up): 32 registers of 8 doubles."""
     f = os.environ.get("NUMBA_CPU_FEATURES", "") if features is None else features
     return "+avx512f" in f.split(",") and "-prefer-256-bit" in f.split(",")
+
+
+def cpu_info() -> dict:
+    """The first core's /proc/cpuinfo fields (empty where there is none)."""
+    info = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, sep, value = line.partition(":")
+                if not sep:
+                    if info:
+                        break  # the first core's block ends at its blank line
+                    continue
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return info
+
+
+def half_width_avx512(info) -> bool:
+    """Whether the core (its cpu_info) runs AVX-512 on 256-bit pipes, a 512-bit operation
+    as two halves (AMD Zen 4, family 19h): 512-bit vectors there hold twice the lanes but
+    give no more flops a cycle than 256-bit ones (hslm.peak measures the same peak at
+    either width)."""
+    try:
+        family = int(info.get("cpu family", 0))
+    except ValueError:
+        return False
+    return info.get("vendor_id") == "AuthenticAMD" and family == 0x19
+
+
+def adam_lanes(info=None, wide=None) -> int:
+    """Doubles a vector in AdamW's loop (hslm/adam_loop.py), for this core (its cpu_info,
+    and whether Numba builds 512-bit vectors): 8 where 512-bit operations run on
+    full-width pipes on AMD (Zen 5, family 1Ah: the optimiser 3.7-4.0 ms a step at 4,
+    3.1-3.3 at 8, four alternations); 4 elsewhere (on the AVX-512 Xeon of the README 8
+    ran 15% slower, 6.9 against 6.0 ms; Zen 4 runs a 512-bit operation as two halves).
+    The bits do not depend on it: each element is updated on its own and the sums take
+    the elements one at a time, in order (tests/test_optim.py)."""
+    info = cpu_info() if info is None else info
+    wide = wide_vectors() if wide is None else wide
+    try:
+        family = int(info.get("cpu family", 0))
+    except ValueError:
+        return 4
+    return 8 if wide and info.get("vendor_id") == "AuthenticAMD" and family >= 0x1A else 4
 
 
 # The ternary kernels' tile, for this machine's registers (tools/gen_panel_kernels.py);

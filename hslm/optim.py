@@ -12,13 +12,12 @@ from numba import njit
 from . import precise
 from .adam_loop import (B1, B2, CLIP, DECAY, EPS, N_PARAMS, ONE_MINUS_B1, ONE_MINUS_B2, SQRT_BC2,
                         STEP_SIZE, make_adam_loop)
+from .micro import adam_lanes
 from .params import Trits, quantize_into
 
 BETA1, BETA2, ADAM_EPS = 0.9, 0.999, 1e-8
 CLIP_NORM = 1.0
-# 4 doubles a vector on every core: on the AVX-512 Xeon of the README, 8 ran 15% slower
-# (6.9 against 6.0 ms a step: docs/performance-history.md)
-ADAM_LOOP = make_adam_loop(4)
+ADAM_LOOP = make_adam_loop(adam_lanes())  # 4 or 8 doubles a vector, for this core
 
 
 def learning_rate(step: int, peak: float, warmup: int, decay_steps: int) -> float:
