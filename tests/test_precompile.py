@@ -21,9 +21,13 @@ def test_jobs_for_each_loop_order():
     assert "team" not in precompile.jobs_for([3])  # threads beyond the batch only
     assert "team" not in precompile.jobs_for([0, 2], teams=True)  # no layerwise speed
     both = precompile.jobs_for([2, 3], teams=True)
-    assert set(both) == set(JOBS) and both == [j for j in JOBS if j in both]  # priority order
-    for job, deps in JOBS.items():  # dependencies come earlier in the priority order
-        assert all(list(JOBS).index(d) < list(JOBS).index(job) for d in deps), job
+    assert set(both) == set(JOBS)
+    assert precompile.jobs_for([3]) == [j for j in JOBS if j in precompile.jobs_for([3])]
+    # with teams, what the teams' kernel waits for goes before the forward's blocks
+    assert both.index("weight gradients") < both.index("backward") < both.index("forward blocks")
+    for order in (list(JOBS), both):  # dependencies come earlier in the priority order
+        for job, deps in JOBS.items():
+            assert all(order.index(d) < order.index(job) for d in deps), job
 
 
 def _board(tmp_path, jobs):
