@@ -131,7 +131,7 @@ def windows_layerwise(model, vsa_table, windows, vsa, k, scale, A, R, S, first, 
     are read once from memory and then from cache. Forward and the backward
     through every layer's input; the weight gradients come later, from the
     records (gradients_from_records). losses[w] gets window w's mean loss.
-    (Two kernels, so that a first run can compile them in two processes.)
+    (Kernels apart, so that a first run can compile them in several processes.)
     timings (a dict, hslm bench's profile): the forward's and the backward's seconds
     are added to its "forward" and "backward"."""
     row_losses = np.empty((windows.shape[0], k))
