@@ -2,7 +2,7 @@
 
 Numba compiles one function at a time, under one lock per process, and a first
 run has about 50 s of compiling to do (2-core Zen 5; it was 78 s before the blocks'
-parts were inlined into their callers, hslm/layers.py's block_part). The kernels fall
+parts were inlined into their callers, hslm/layers.py's kernel_part). The kernels fall
 into jobs with few dependencies (JOBS): a job may start once the kernels it
 calls are in Numba's cache, or it would compile them again. Up to cores - 1
 helpers (`python -m hslm.precompile DIR`) start while `hslm train` reads and
@@ -84,7 +84,7 @@ def jobs_for(speeds, teams: bool = False) -> list[str]:
     the batch; their kernel is long to compile, 16-22 s on a 2-core Zen 5, and most runs
     never use it). With teams, the backward and the weight gradients, which the teams'
     kernel waits for, go before the forward's blocks: on that machine a first run then
-    compiled in 41 s, not 49 (the teams' job had started last, after both)."""
+    compiled in 42 s, not 49 (the teams' job had started last, after both)."""
     from .speeds import PER_POSITION, SPEEDS
     loops = {SPEEDS[s].loop for s in speeds}
     skip = set()
