@@ -20,7 +20,7 @@ from .config import Config
 from .peak import measured_peaks
 from .rng import Stream
 from .layers import CYCLES
-from .micro import cpu_info, half_width_avx512
+from .micro import amd_family, cpu_info, half_width_avx512
 from .speeds import DEFAULT_SPEED, KERNEL_PANELS_TIMED, SPEEDS
 from .step import StepRunner, warm_up
 from .train import Run
@@ -60,8 +60,7 @@ def separate_add_pipes() -> bool:
     pipes of their own (AMD Zen: two FMA/multiply and two add pipes), so that an
     unfused multiply-add costs no more than an FMA. Intel cores run both on the
     FMA pipes: there it takes two of them."""
-    info = cpu_info()
-    return info.get("vendor_id") == "AuthenticAMD" and int(info.get("cpu family", 0)) >= 0x17
+    return amd_family(cpu_info()) >= 0x17
 
 
 def checkpoint_digest(run: Run):

@@ -36,16 +36,21 @@ def cpu_info() -> dict:
     return info
 
 
+def amd_family(info) -> int:
+    """The core's family if it is AMD's (0x19 Zen 3 and 4, 0x1A Zen 5), else 0."""
+    try:
+        family = int(info.get("cpu family", 0))
+    except ValueError:
+        return 0
+    return family if info.get("vendor_id") == "AuthenticAMD" else 0
+
+
 def half_width_avx512(info) -> bool:
     """Whether the core (its cpu_info) runs AVX-512 on 256-bit pipes, a 512-bit operation
     as two halves (AMD Zen 4, family 19h): 512-bit vectors there hold twice the lanes but
     give no more flops a cycle than 256-bit ones (hslm.peak measures the same peak at
     either width)."""
-    try:
-        family = int(info.get("cpu family", 0))
-    except ValueError:
-        return False
-    return info.get("vendor_id") == "AuthenticAMD" and family == 0x19
+    return amd_family(info) == 0x19
 
 
 def adam_lanes(info=None, wide=None) -> int:
@@ -58,11 +63,7 @@ def adam_lanes(info=None, wide=None) -> int:
     the elements one at a time, in order (tests/test_optim.py)."""
     info = cpu_info() if info is None else info
     wide = wide_vectors() if wide is None else wide
-    try:
-        family = int(info.get("cpu family", 0))
-    except ValueError:
-        return 4
-    return 8 if wide and info.get("vendor_id") == "AuthenticAMD" and family >= 0x1A else 4
+    return 8 if wide and amd_family(info) >= 0x1A else 4
 
 
 # The ternary kernels' tile, for this machine's registers (tools/gen_panel_kernels.py);
