@@ -151,15 +151,20 @@ PREFETCH_FOR_READING = make_prefetch_for_reading()
 @njit(cache=True, nogil=True, error_model="numpy")
 def active_masks(X, j0, j1, M):
     """M[w, j] for j0 <= j < j1: bit t % 64 of word w = t // 64 set where X[t, j] > 0.0
-    (X [k, F]: the ReLU's outputs at the scored positions; a NaN is not active)."""
+    (X [k, F]: the ReLU's outputs at the scored positions; a NaN is not active).
+    Indexed from 0 within slices: with j from j0 Numba cannot rule out a negative index,
+    and the check on each one kept LLVM from vectorising the loop (13.0 against 1.9 us a
+    call of 27 x 729 here, on Zen 5)."""
+    n = j1 - j0
     for w in range(M.shape[0]):
-        for j in range(j0, j1):
-            M[w, j] = 0
+        m = M[w, j0:j1]
+        for j in range(n):
+            m[j] = 0
     for t in range(X.shape[0]):
-        w, bit = t >> 6, t & 63
-        x = X[t]
-        m = M[w]
-        for j in range(j0, j1):
+        bit = t & 63
+        x = X[t, j0:j1]
+        m = M[t >> 6, j0:j1]
+        for j in range(n):
             m[j] |= np.int64(x[j] > 0.0) << bit
 
 

@@ -488,6 +488,37 @@ def test_the_relu_weight_gradient_over_active_positions_is_the_dense_sum(k, F, n
     assert O[j].tobytes() != dense.tobytes()
 
 
+@pytest.mark.parametrize("k,F,j0,j1", [(27, 729, 0, 729), (27, 729, 243, 486), (65, 13, 3, 11),
+                                      (128, 9, 0, 9), (1, 5, 4, 5), (27, 8, 5, 5)])
+def test_active_masks_set_the_bits_of_positive_entries_in_their_columns_only(k, F, j0, j1):
+    """active_masks: bit t % 64 of word t // 64 of column j is set exactly where X[t, j]
+    > 0.0 (NaN, -0.0, +0.0 and negatives are not), for j0 <= j < j1, over masks that held
+    other bits; the columns outside are left as they were (a team's W_down makes its own
+    units' masks). Control: a mask with one bit flipped differs."""
+    from hslm.kernels import active_masks
+    rng = np.random.default_rng(k * 7 + F + j0)
+    X = rng.standard_normal((k, F))
+    X[rng.random((k, F)) < 0.1] = np.nan
+    X[rng.random((k, F)) < 0.1] = -0.0
+    X[rng.random((k, F)) < 0.1] = 0.0
+    words = (k + 63) // 64
+    M0 = rng.integers(-2**62, 2**62, (words, F), dtype=np.int64)
+    M = M0.copy()
+    active_masks(X, j0, j1, M)
+    want = M0.copy()
+    for j in range(j0, j1):
+        for w in range(words):
+            bits = 0
+            for t in range(64 * w, min(k, 64 * w + 64)):
+                if X[t, j] > 0.0:
+                    bits |= 1 << (t % 64)
+            want[w, j] = np.array(bits, np.uint64).astype(np.int64)
+    assert M.tobytes() == want.tobytes()
+    if j1 > j0:
+        want[0, j0] ^= 1
+        assert M.tobytes() != want.tobytes()
+
+
 @pytest.mark.parametrize("F, w", [(729, 128), (729, 115), (8, 8), (13, 7), (5, 21), (1, 1), (0, 9)])
 def test_wup_transposes_copy_every_element_and_nothing_else(F, w):
     """transpose_rows (W_up's sums between G and its scratch, in 8 x 8 blocks) is the
