@@ -384,34 +384,33 @@ def norm_gain_backward(model, A, R, w, b, s, r0, r1, DQ, DK, DV, DX):
 # ------------------------------------------------------------------ rotary
 @njit(cache=True, nogil=True, error_model="numpy")
 def rotary_forward(v, cos, sin, p, H, dh):
-    """Rotate pairs (c, c + dh//2) of each head by p * phi^(-2c/dh), in place. [d]"""
+    """Rotate pairs (c, c + dh//2) of each head by p * phi^(-2c/dh), in place. [d]
+    (Each loop indexes slices from 0, as the two rotary loops here: an index Numba
+    cannot prove non-negative, h * dh + c, is checked each time and the loop then does
+    not vectorise: 0.152 against 0.069 ms for a step's 1,296 rows here, on Zen 5.)"""
     half = dh // 2
+    cs, sn = cos[p, :half], sin[p, :half]
     for h in range(H):
+        lo, hi = v[h * dh:h * dh + half], v[h * dh + half:h * dh + 2 * half]
         for c in range(half):
-            i0 = h * dh + c
-            i1 = i0 + half
-            a = v[i0]
-            b = v[i1]
-            cs = cos[p, c]
-            sn = sin[p, c]
-            v[i0] = a * cs - b * sn
-            v[i1] = a * sn + b * cs
+            a = lo[c]
+            b = hi[c]
+            lo[c] = a * cs[c] - b * sn[c]
+            hi[c] = a * sn[c] + b * cs[c]
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def rotary_backward(dv, cos, sin, p, H, dh):
     """Gradient through rotary_forward, in place. [d]"""
     half = dh // 2
+    cs, sn = cos[p, :half], sin[p, :half]
     for h in range(H):
+        lo, hi = dv[h * dh:h * dh + half], dv[h * dh + half:h * dh + 2 * half]
         for c in range(half):
-            i0 = h * dh + c
-            i1 = i0 + half
-            da = dv[i0]
-            db = dv[i1]
-            cs = cos[p, c]
-            sn = sin[p, c]
-            dv[i0] = da * cs + db * sn
-            dv[i1] = db * cs - da * sn
+            da = lo[c]
+            db = hi[c]
+            lo[c] = da * cs[c] + db * sn[c]
+            hi[c] = db * cs[c] - da * sn[c]
 
 
 # ------------------------------------------------------ causal attention
@@ -437,16 +436,26 @@ def panels_of(C, R, p0, p1, H, dh, CC, RR):
     panels of C (CC [H, q, e, c] = C[q P + c, h dh + e]), and as rows of its component
     panels of R (RR [H, q, j, c] = R[j, h dh + q P + c]). By component, then position,
     so that each panel row is written in one run (position by position, each wrote a
-    column across all of a head's panel rows: 0.46 ms a step here)."""
+    column across all of a head's panel rows: 0.46 ms a step here). Slices indexed from
+    0 (rotary_forward): the step's 48 calls took 0.67 ms on Zen 5, since 0.18."""
     P = ATTN_PANEL
     for h in range(H):
         c0 = h * dh
-        for e in range(dh):
-            for p in range(p0, p1):
-                CC[h, p // P, e, p % P] = C[p, c0 + e]
-        for p in range(p0, p1):
+        Ch = C[:, c0:c0 + dh]
+        for q in range(p0 // P, (p1 - 1) // P + 1):  # the panels rows p0..p1-1 fall in
+            a, z = max(p0, q * P), min(p1, q * P + P)
+            panel = CC[h, q]
             for e in range(dh):
-                RR[h, e // P, p, e % P] = R[p, c0 + e]
+                dst, src = panel[e, a - q * P:z - q * P], Ch[a:z, e]
+                for c in range(z - a):
+                    dst[c] = src[c]
+        for p in range(p0, p1):
+            row = R[p, c0:c0 + dh]
+            for q in range((dh + P - 1) // P):
+                n = min(P, dh - q * P)
+                dst, src = RR[h, q, p, :n], row[q * P:q * P + n]
+                for c in range(n):
+                    dst[c] = src[c]
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -472,8 +481,11 @@ def attention_rows(Q, KC, VR, p0, p1, H, dh, scale, AP, O):
             for qq in range((p + g - 1) // P + 1):  # scores of keys qq P .. qq P + P - 1
                 group_against_panel(Q, p, g, c0, KC[h, qq], dh, S)
                 for i in range(g):
-                    for c in range(min(P, p + i + 1 - qq * P)):
-                        AP[p + i, h, qq * P + c] = sums[i * P + c] * scale
+                    n = min(P, p + i + 1 - qq * P)
+                    if n > 0:
+                        dst, src = AP[p + i, h, qq * P:qq * P + n], sums[i * P:i * P + n]
+                        for c in range(n):
+                            dst[c] = src[c] * scale
             for i in range(g):
                 attention_softmax_output(AP[p + i, h], VR[h], p + i, dh, O[p + i, c0:c0 + dh],
                                          sums)
@@ -512,8 +524,10 @@ def attention_softmax_output(a, VRh, p, dh, o, sums):
         a[j] = a[j] / z
     for qq in range(VRh.shape[0]):  # o's components qq P .. qq P + P - 1
         ATTN_ROW(a.ctypes.data, 0, VRh[qq].ctypes.data, p + 1, sums.ctypes.data)
-        for c in range(min(P, dh - qq * P)):
-            o[qq * P + c] = sums[c]
+        n = min(P, dh - qq * P)
+        dst = o[qq * P:qq * P + n]
+        for c in range(n):
+            dst[c] = sums[c]
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -537,8 +551,11 @@ def attention_rows_backward(Q, VC, KR, AP, s, r0, r1, H, dh, scale, DO, DQ, DK, 
             for qq in range((s + r + n - 1) // P + 1):
                 group_against_panel(DO, r, n, c0, VC[h, qq], dh, S)
                 for i in range(n):
-                    for c in range(min(P, s + r + i + 1 - qq * P)):
-                        g[i, qq * P + c] = sums[i * P + c]
+                    m = min(P, s + r + i + 1 - qq * P)
+                    if m > 0:
+                        dst, src = g[i, qq * P:qq * P + m], sums[i * P:i * P + m]
+                        for c in range(m):
+                            dst[c] = src[c]
             for i in range(n):
                 p = s + r + i
                 attention_grad_tail(AP[p, h], g[i], KR[h], p, c0, dh, scale, Q[p], DO[r + i],
@@ -559,11 +576,15 @@ def attention_grad_tail(a, g, KRh, p, c0, dh, scale, q, do, dq, dk, dv, sums):
         g[j] = (a[j] * (g[j] - sum_ad)) * scale
     for qq in range(KRh.shape[0]):
         ATTN_ROW(g.ctypes.data, 0, KRh[qq].ctypes.data, p + 1, sums.ctypes.data)
-        for c in range(min(P, dh - qq * P)):
-            dq[c0 + qq * P + c] = sums[c]
-    for e in range(dh):
-        dk[c0 + e] = g[p] * q[c0 + e]
-        dv[c0 + e] = a[p] * do[c0 + e]
+        n = min(P, dh - qq * P)
+        dst = dq[c0 + qq * P:c0 + qq * P + n]
+        for c in range(n):
+            dst[c] = sums[c]
+    gp, ap = g[p], a[p]
+    qh, doh, dkh, dvh = q[c0:c0 + dh], do[c0:c0 + dh], dk[c0:c0 + dh], dv[c0:c0 + dh]
+    for e in range(dh):  # (slices from 0: rotary_forward; 0.25 -> 0.07 ms a step here)
+        dkh[e] = gp * qh[e]
+        dvh[e] = ap * doh[e]
 
 
 # The attention forward in two parts, keys and values (they join the cache) then queries
