@@ -465,11 +465,13 @@ def attention_rows(Q, KC, VR, p0, p1, H, dh, scale, AP, O):
     (probabilities), O [L, d].
 
     Each score s_j = (sum_e q_e k_je) * scale and each o_e = sum_j a_j v_je, summed in
-    order from 0.0, a panel of them at once in vector registers: the scores of
-    ATTN_GROUP rows in one tile (ATTN_ROWS; fewer rows at the end, ATTN_ROW each), the
-    outputs row by row (ATTN_ROW). A panel's columns past p (keys not yet causal) are
-    summed too, and never read. The forward's attention took 0.85 ms a step here with
-    each row's scores alone, 0.49 of them waiting on the scores' chains."""
+    order from 0.0, a panel of them at once in vector registers, ATTN_GROUP rows in one
+    tile (ATTN_ROWS; fewer rows at the end, ATTN_ROW each): the scores (a panel's
+    columns past p, keys not yet causal, are summed too and never read), and the
+    outputs over the group's keys (group_over_keys). The forward's attention took 0.85
+    ms a step here with each row's scores alone, 0.49 of them waiting on the scores'
+    chains; with each row's outputs alone 17.9 us a window and block on Zen 5, 16.0
+    in groups (the backward's dq likewise: 26.4 -> 19.6 us)."""
     P = ATTN_PANEL
     sums = np.empty(ATTN_GROUP * P)
     S = sums.ctypes.data
@@ -487,8 +489,17 @@ def attention_rows(Q, KC, VR, p0, p1, H, dh, scale, AP, O):
                         for c in range(n):
                             dst[c] = src[c] * scale
             for i in range(g):
-                attention_softmax_output(AP[p + i, h], VR[h], p + i, dh, O[p + i, c0:c0 + dh],
-                                         sums)
+                attention_softmax(AP[p + i, h], p + i)
+                for j in range(p + i + 1, p + g):  # (group_over_keys)
+                    AP[p + i, h, j] = 0.0
+            for qq in range(VR.shape[1]):  # o = sum_j a_j v_j, components qq P ..
+                group_over_keys(AP, p, g, h, p, VR[h, qq], S)
+                n = min(P, dh - qq * P)
+                for i in range(g):
+                    dst = O[p + i, c0 + qq * P:c0 + qq * P + n]
+                    src = sums[i * P:i * P + n]
+                    for c in range(n):
+                        dst[c] = src[c]
         p += g
 
 
@@ -506,11 +517,26 @@ def group_against_panel(X, r, n, c0, panel, dh, S):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def attention_softmax_output(a, VRh, p, dh, o, sums):
-    """One head of row p: its scores a[0..p] -> probabilities (in place), and its output
-    o [dh] = sum_j a_j v_j over the head's value panels VRh, a panel of components at a
-    time (sums: scratch of >= ATTN_PANEL)."""
-    P = ATTN_PANEL
+def group_over_keys(X, r, n, h, p, panel, S):
+    """Rows r..r+n-1 of head h of X [rows, H, >= p + n] (probabilities of positions
+    p, p + 1, ..., or the scores' gradients with H = 1) times a panel [>= p + n,
+    ATTN_PANEL] (keys as rows: a head's value or key panel), into sums [n, ATTN_PANEL]
+    at address S, row i's over the keys j = 0 .. p + i in order from 0.0: ATTN_GROUP
+    rows in one tile over keys 0 .. p + n - 1 (a row's entries past its own position
+    must be 0.0 there: products +-0.0, which change no bit of a sum from 0.0), fewer
+    one by one. One row's panel of sums waits on its chains' latency (3 vectors);
+    three rows' fill the pipes."""
+    if n == ATTN_GROUP:
+        ATTN_ROWS(X[r, h].ctypes.data, X.strides[0] // 8, panel.ctypes.data, p + n, S)
+    else:
+        for i in range(n):
+            ATTN_ROW(X[r + i, h].ctypes.data, 0, panel.ctypes.data, p + i + 1,
+                     S + 8 * ATTN_PANEL * i)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def attention_softmax(a, p):
+    """One head of row p: its scores a[0..p] -> probabilities, in place."""
     m = -np.inf
     for j in range(p + 1):
         if a[j] > m:
@@ -522,12 +548,6 @@ def attention_softmax_output(a, VRh, p, dh, o, sums):
         z += a[j]
     for j in range(p + 1):
         a[j] = a[j] / z
-    for qq in range(VRh.shape[0]):  # o's components qq P .. qq P + P - 1
-        ATTN_ROW(a.ctypes.data, 0, VRh[qq].ctypes.data, p + 1, sums.ctypes.data)
-        n = min(P, dh - qq * P)
-        dst = o[qq * P:qq * P + n]
-        for c in range(n):
-            dst[c] = sums[c]
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -537,12 +557,13 @@ def attention_rows_backward(Q, VC, KR, AP, s, r0, r1, H, dh, scale, DO, DQ, DK, 
     position p's backward (docs/model.md, 7). Q [L, d] and AP [L, H, L] by position,
     DO (d_attn_out) -> DQ, DK, DV [k, d] by record row. The cache in panels
     (backward_panels: VC, KR): da_j = do . v_j and dq_e = sum_j g_j k_je, each summed in order from
-    0.0, a panel of them at once: da of ATTN_GROUP rows in one tile (ATTN_ROWS), as the
-    forward's scores."""
+    0.0, a panel of them at once, ATTN_GROUP rows in one tile (ATTN_ROWS), as the
+    forward's scores and outputs."""
     P = ATTN_PANEL
     sums = np.empty(ATTN_GROUP * P)
     S = sums.ctypes.data
     g = np.empty((ATTN_GROUP, AP.shape[2]))  # per row: da_j, then the scores' gradients g_j
+    g3 = g.reshape((ATTN_GROUP, 1, AP.shape[2]))
     r = r0
     while r < r1:
         n = min(ATTN_GROUP, r1 - r)  # this group's rows: r .. r + n - 1
@@ -558,28 +579,31 @@ def attention_rows_backward(Q, VC, KR, AP, s, r0, r1, H, dh, scale, DO, DQ, DK, 
                             dst[c] = src[c]
             for i in range(n):
                 p = s + r + i
-                attention_grad_tail(AP[p, h], g[i], KR[h], p, c0, dh, scale, Q[p], DO[r + i],
-                                    DQ[r + i], DK[r + i], DV[r + i], sums)
+                attention_grad_tail(AP[p, h], g[i], p, c0, dh, scale, Q[p], DO[r + i],
+                                    DK[r + i], DV[r + i])
+                for j in range(p + 1, s + r + n):  # (group_over_keys)
+                    g[i, j] = 0.0
+            for qq in range(KR.shape[1]):  # dq_e = sum_j g_j k_je, components qq P ..
+                group_over_keys(g3, 0, n, 0, s + r, KR[h, qq], S)
+                m = min(P, dh - qq * P)
+                for i in range(n):
+                    dst = DQ[r + i, c0 + qq * P:c0 + qq * P + m]
+                    src = sums[i * P:i * P + m]
+                    for c in range(m):
+                        dst[c] = src[c]
         r += n
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def attention_grad_tail(a, g, KRh, p, c0, dh, scale, q, do, dq, dk, dv, sums):
+def attention_grad_tail(a, g, p, c0, dh, scale, q, do, dk, dv):
     """One head (components c0..c0+dh-1) of row p's attention gradient, given its
-    probabilities a[0..p] and da in g[0..p]: the scores' gradients g (in place), then
-    dq over the head's key panels KRh, dk and dv."""
-    P = ATTN_PANEL
+    probabilities a[0..p] and da in g[0..p]: the scores' gradients g (in place), dk and
+    dv (dq, over the key panels, is the caller's: a group of rows at once)."""
     sum_ad = 0.0  # sum_j a_j da_j
     for j in range(p + 1):
         sum_ad += a[j] * g[j]
     for j in range(p + 1):
         g[j] = (a[j] * (g[j] - sum_ad)) * scale
-    for qq in range(KRh.shape[0]):
-        ATTN_ROW(g.ctypes.data, 0, KRh[qq].ctypes.data, p + 1, sums.ctypes.data)
-        n = min(P, dh - qq * P)
-        dst = dq[c0 + qq * P:c0 + qq * P + n]
-        for c in range(n):
-            dst[c] = sums[c]
     gp, ap = g[p], a[p]
     qh, doh, dkh, dvh = q[c0:c0 + dh], do[c0:c0 + dh], dk[c0:c0 + dh], dv[c0:c0 + dh]
     for e in range(dh):  # (slices from 0: rotary_forward; 0.25 -> 0.07 ms a step here)
