@@ -84,12 +84,14 @@ def vsa_window(table, tokens, n_blocks, width, out):
     tau = np.zeros((L, Dp), np.int16)
     nxt = np.zeros((L, Dp), np.int16)
     for p in range(L):  # tau^0_p: table row of t_p rotated right by p (two plain copies:
-        row = table[tokens[p]]  # an integer division per element cost 40 us a window)
-        r = p % D
+        row = table[tokens[p]]  # an integer division per element cost 40 us a window;
+        r = p % D  # slices indexed from 0 vectorise, layers.rotary_forward)
+        head, tail = tau[p, r:D], tau[p, 0:r]
+        src_head, src_tail = row[0:D - r], row[D - r:D]
         for i in range(D - r):
-            tau[p, i + r] = row[i]
-        for i in range(D - r, D):
-            tau[p, i + r - D] = row[i]
+            head[i] = src_head[i]
+        for i in range(r):
+            tail[i] = src_tail[i]
     g = np.zeros(L, np.int64)
     nrm = np.zeros(L, np.int64)
     acc = np.zeros(Dp, np.int16)  # |acc| <= 10 L <= 810
