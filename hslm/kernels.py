@@ -22,7 +22,7 @@ from numba import njit
 
 from .micro import (ACTIVE_LANES, ACTIVE_VECS, MICRO_KERNELS, TERNARY_PANEL, WGRAD_PANEL,
                     compile_micro, panel_matmul_add, ternary_panel_matmul)
-from .vector_tiles import make_active_rows_tile, make_prefetch_for_reading
+from .vector_tiles import make_active_rows_tile, make_prefetch_for_reading, make_prefetch_to_l2
 
 COL_TILE = 256  # columns per tile: a pass's 4 matrix-row slices (8 KB) stay in L1
 
@@ -146,6 +146,7 @@ ACTIVE_ROW = make_active_rows_tile(ACTIVE_VECS, ACTIVE_LANES)
 ACTIVE_ROW_LESS = make_active_rows_tile(ACTIVE_VECS - 1, ACTIVE_LANES)
 ACTIVE_ROW_ANY = make_active_rows_tile(ACTIVE_VECS, ACTIVE_LANES, exact=False)
 PREFETCH_FOR_READING = make_prefetch_for_reading()
+PREFETCH_TO_L2 = make_prefetch_to_l2()
 
 
 @njit(cache=True, nogil=True, error_model="numpy")

@@ -272,9 +272,10 @@ def make_widen(panel: int):
     return intrinsic(widen)
 
 
-def _prefetch_lines(rw: int):
+def _prefetch_lines(rw: int, locality: int = 3):
     """The codegen of prefetch(addr, nbytes): llvm.prefetch of every cache line of bytes
-    addr .. addr + nbytes - 1, to be written (rw 1) or read (rw 0)."""
+    addr .. addr + nbytes - 1, to be written (rw 1) or read (rw 0), into every cache level
+    (locality 3: prefetcht0 or prefetchw) or only as near as L2 (1: prefetcht2)."""
 
     def codegen(context, builder, signature, args):
         addr, nbytes = args
@@ -286,7 +287,7 @@ def _prefetch_lines(rw: int):
         base = builder.inttoptr(first, i8.as_pointer())
         with CountedLoop(builder, span, 64, "prefetch") as loop:
             builder.call(prefetch, [builder.gep(base, [loop.i]), ir.Constant(i32, rw),
-                                    ir.Constant(i32, 3), ir.Constant(i32, 1)])
+                                    ir.Constant(i32, locality), ir.Constant(i32, 1)])
         return context.get_dummy_value()
 
     return codegen
@@ -305,6 +306,17 @@ def make_prefetch_for_writing():
         return types.void(types.intp, types.intp), _prefetch_lines(1)
 
     return intrinsic(prefetch_for_writing)
+
+
+def make_prefetch_to_l2():
+    """An intrinsic prefetch_to_l2(addr, nbytes), both intp: as prefetch_for_reading, into
+    L2 only (prefetcht2), for a layer's records a few products ahead: brought into L1
+    they had pushed out the lines of the products in between."""
+
+    def prefetch_to_l2(typingctx, addr, nbytes):
+        return types.void(types.intp, types.intp), _prefetch_lines(0, 1)
+
+    return intrinsic(prefetch_to_l2)
 
 
 def make_prefetch_for_reading():
