@@ -492,14 +492,7 @@ def attention_rows(Q, KC, VR, p0, p1, H, dh, scale, AP, O):
                 attention_softmax(AP[p + i, h], p + i)
                 for j in range(p + i + 1, p + g):  # (group_over_keys)
                     AP[p + i, h, j] = 0.0
-            for qq in range(VR.shape[1]):  # o = sum_j a_j v_j, components qq P ..
-                group_over_keys(AP, p, g, h, p, VR[h, qq], S)
-                n = min(P, dh - qq * P)
-                for i in range(g):
-                    dst = O[p + i, c0 + qq * P:c0 + qq * P + n]
-                    src = sums[i * P:i * P + n]
-                    for c in range(n):
-                        dst[c] = src[c]
+            group_over_keys(AP, p, g, h, p, VR[h], sums, O, p, c0, dh)  # o = sum_j a_j v_j
         p += g
 
 
@@ -517,21 +510,29 @@ def group_against_panel(X, r, n, c0, panel, dh, S):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def group_over_keys(X, r, n, h, p, panel, S):
+def group_over_keys(X, r, n, h, p, panels, sums, Y, y0, c0, dh):
     """Rows r..r+n-1 of head h of X [rows, H, >= p + n] (probabilities of positions
-    p, p + 1, ..., or the scores' gradients with H = 1) times a panel [>= p + n,
-    ATTN_PANEL] (keys as rows: a head's value or key panel), into sums [n, ATTN_PANEL]
-    at address S, row i's over the keys j = 0 .. p + i in order from 0.0: ATTN_GROUP
-    rows in one tile over keys 0 .. p + n - 1 (a row's entries past its own position
-    must be 0.0 there: products +-0.0, which change no bit of a sum from 0.0), fewer
-    one by one. One row's panel of sums waits on its chains' latency (3 vectors);
-    three rows' fill the pipes."""
-    if n == ATTN_GROUP:
-        ATTN_ROWS(X[r, h].ctypes.data, X.strides[0] // 8, panel.ctypes.data, p + n, S)
-    else:
+    p, p + 1, ..., or the scores' gradients with H = 1) times a head's panels [q,
+    >= p + n, ATTN_PANEL] (keys as rows: its value or key panels) into Y[y0 + i, c0 ..
+    c0 + dh - 1] (sums: scratch [ATTN_GROUP * ATTN_PANEL]), row i's each over the keys
+    j = 0 .. p + i in order from 0.0: ATTN_GROUP rows in one tile over keys 0 .. p + n
+    - 1 (a row's entries past its own position must be 0.0 there: products +-0.0,
+    which change no bit of a sum from 0.0), fewer one by one. One row's panel of sums
+    waits on its chains' latency (3 vectors); three rows' fill the pipes."""
+    P = ATTN_PANEL
+    S = sums.ctypes.data
+    for qq in range(panels.shape[0]):  # components qq P .. qq P + P - 1
+        panel = panels[qq].ctypes.data
+        if n == ATTN_GROUP:
+            ATTN_ROWS(X[r, h].ctypes.data, X.strides[0] // 8, panel, p + n, S)
+        else:
+            for i in range(n):
+                ATTN_ROW(X[r + i, h].ctypes.data, 0, panel, p + i + 1, S + 8 * P * i)
+        m = min(P, dh - qq * P)
         for i in range(n):
-            ATTN_ROW(X[r + i, h].ctypes.data, 0, panel.ctypes.data, p + i + 1,
-                     S + 8 * ATTN_PANEL * i)
+            dst, src = Y[y0 + i, c0 + qq * P:c0 + qq * P + m], sums[i * P:i * P + m]
+            for c in range(m):
+                dst[c] = src[c]
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -583,14 +584,7 @@ def attention_rows_backward(Q, VC, KR, AP, s, r0, r1, H, dh, scale, DO, DQ, DK, 
                                     DK[r + i], DV[r + i])
                 for j in range(p + 1, s + r + n):  # (group_over_keys)
                     g[i, j] = 0.0
-            for qq in range(KR.shape[1]):  # dq_e = sum_j g_j k_je, components qq P ..
-                group_over_keys(g3, 0, n, 0, s + r, KR[h, qq], S)
-                m = min(P, dh - qq * P)
-                for i in range(n):
-                    dst = DQ[r + i, c0 + qq * P:c0 + qq * P + m]
-                    src = sums[i * P:i * P + m]
-                    for c in range(m):
-                        dst[c] = src[c]
+            group_over_keys(g3, 0, n, 0, s + r, KR[h], sums, DQ, r, c0, dh)  # dq = sum_j g_j k_j
         r += n
 
 
