@@ -490,8 +490,6 @@ def attention_rows(Q, KC, VR, p0, p1, H, dh, scale, AP, O):
                             dst[c] = src[c] * scale
             for i in range(g):
                 attention_softmax(AP[p + i, h], p + i)
-                for j in range(p + i + 1, p + g):  # (group_over_keys)
-                    AP[p + i, h, j] = 0.0
             group_over_keys(AP, p, g, h, p, VR[h], sums, O, p, c0, dh)  # o = sum_j a_j v_j
         p += g
 
@@ -516,11 +514,15 @@ def group_over_keys(X, r, n, h, p, panels, sums, Y, y0, c0, dh):
     >= p + n, ATTN_PANEL] (keys as rows: its value or key panels) into Y[y0 + i, c0 ..
     c0 + dh - 1] (sums: scratch [ATTN_GROUP * ATTN_PANEL]), row i's each over the keys
     j = 0 .. p + i in order from 0.0: ATTN_GROUP rows in one tile over keys 0 .. p + n
-    - 1 (a row's entries past its own position must be 0.0 there: products +-0.0,
-    which change no bit of a sum from 0.0), fewer one by one. One row's panel of sums
-    waits on its chains' latency (3 vectors); three rows' fill the pipes."""
+    - 1, a row's entries of X past its own position set to 0.0 first (products +-0.0,
+    which change no bit of a sum from 0.0), fewer rows one by one. One row's panel of
+    sums waits on its chains' latency (3 vectors); three rows' fill the pipes."""
     P = ATTN_PANEL
     S = sums.ctypes.data
+    if n == ATTN_GROUP:
+        for i in range(n):
+            for j in range(p + i + 1, p + n):
+                X[r + i, h, j] = 0.0
     for qq in range(panels.shape[0]):  # components qq P .. qq P + P - 1
         panel = panels[qq].ctypes.data
         if n == ATTN_GROUP:
@@ -582,8 +584,6 @@ def attention_rows_backward(Q, VC, KR, AP, s, r0, r1, H, dh, scale, DO, DQ, DK, 
                 p = s + r + i
                 attention_grad_tail(AP[p, h], g[i], p, c0, dh, scale, Q[p], DO[r + i],
                                     DK[r + i], DV[r + i])
-                for j in range(p + 1, s + r + n):  # (group_over_keys)
-                    g[i, j] = 0.0
             group_over_keys(g3, 0, n, 0, s + r, KR[h], sums, DQ, r, c0, dh)  # dq = sum_j g_j k_j
         r += n
 

@@ -272,7 +272,17 @@ def make_widen(panel: int):
     return intrinsic(widen)
 
 
-def _prefetch_lines(rw: int, locality: int = 3):
+def _prefetch_intrinsic(name: str, rw: int, locality: int):
+    """An intrinsic name(addr, nbytes), both intp, of _prefetch_lines(rw, locality)."""
+
+    def prefetch(typingctx, addr, nbytes):
+        return types.void(types.intp, types.intp), _prefetch_lines(rw, locality)
+
+    prefetch.__name__ = name
+    return intrinsic(prefetch)
+
+
+def _prefetch_lines(rw: int, locality: int):
     """The codegen of prefetch(addr, nbytes): llvm.prefetch of every cache line of bytes
     addr .. addr + nbytes - 1, to be written (rw 1) or read (rw 0), into every cache level
     (locality 3: prefetcht0 or prefetchw) or only as near as L2 (1: prefetcht2)."""
@@ -302,10 +312,7 @@ def make_prefetch_for_writing():
     outputs were last used a step ago. prefetchw where the core has it, else prefetcht0
     (AVX2 as Haswell); checked in the code with numba 0.61 (LLVM 15) and 0.68."""
 
-    def prefetch_for_writing(typingctx, addr, nbytes):
-        return types.void(types.intp, types.intp), _prefetch_lines(1)
-
-    return intrinsic(prefetch_for_writing)
+    return _prefetch_intrinsic("prefetch_for_writing", 1, 3)
 
 
 def make_prefetch_to_l2():
@@ -313,20 +320,14 @@ def make_prefetch_to_l2():
     L2 only (prefetcht2), for a layer's records a few products ahead: brought into L1
     they had pushed out the lines of the products in between."""
 
-    def prefetch_to_l2(typingctx, addr, nbytes):
-        return types.void(types.intp, types.intp), _prefetch_lines(0, 1)
-
-    return intrinsic(prefetch_to_l2)
+    return _prefetch_intrinsic("prefetch_to_l2", 0, 1)
 
 
 def make_prefetch_for_reading():
     """An intrinsic prefetch_for_reading(addr, nbytes), both intp: as prefetch_for_writing,
     for lines that will only be read (prefetcht0)."""
 
-    def prefetch_for_reading(typingctx, addr, nbytes):
-        return types.void(types.intp, types.intp), _prefetch_lines(0)
-
-    return intrinsic(prefetch_for_reading)
+    return _prefetch_intrinsic("prefetch_for_reading", 0, 3)
 
 
 def make_cycle_counter():
