@@ -133,9 +133,17 @@ def early_start_up(err):
     """Whether a KeyboardInterrupt traceback comes from before hslm's first line could
     take the signal: Python's start, the command's launcher (the console script, runpy,
     cli.py) and hslm/__init__.py itself (compiled and run up to its first call), and no
-    module besides (numpy, Numba, click, hslm's other files: the imports it now covers)."""
+    module besides (numpy, Numba, click, hslm's other files: the imports it now covers).
+    Python's start includes its site module, which runs the site-packages' .pth files
+    (an editable install's finder, certifi's hook ...): a signal there ends Python with
+    "Fatal Python error: init_import_site" and the imports' traceback (50-60 ms into the
+    start on a 2-core first-generation AMD Zen), none of it hslm's."""
     frames = [(line.split('"')[1], int(line.split(", line ")[1].split(",")[0]))
               for line in err.splitlines() if line.startswith('  File "') and ", line " in line]
+    if err.startswith("Fatal Python error: init_import_site"):
+        package = str(ROOT / "hslm") + os.sep
+        return bool(err.rstrip().endswith("KeyboardInterrupt") and frames) and not any(
+            f.startswith(package) for f, _ in frames)
     init = os.path.join("hslm", "__init__.py")
     source = (ROOT / "hslm" / "__init__.py").read_text().splitlines()
     takes_over = source.index("_stop_quietly_while_starting()") + 1  # its line number
