@@ -20,7 +20,7 @@ from .config import Config
 from .peak import measured_peaks
 from .rng import Stream
 from .layers import CYCLES
-from .micro import amd_family, cpu_info, half_width_avx512
+from .micro import amd_family, cpu_info, half_width_avx2, half_width_avx512
 from .speeds import DEFAULT_SPEED, KERNEL_PANELS_TIMED, SPEEDS
 from .step import StepRunner, warm_up
 from .train import Run
@@ -32,7 +32,7 @@ PROFILE_STEPS = 7  # steps of the speed-3 profile, each phase their median
 
 def machine_peak_gflops_per_core():
     """Nominal f64 peak of one core: GHz x flops/cycle (2 FMA pipes x the lanes they
-    hold), from the clock /proc/cpuinfo states, which cores rarely run at (hslm.peak
+    hold: half a vector's on AMD Zen 4 for 512 bits and on Zen and Zen+ for 256), from the clock /proc/cpuinfo states, which cores rarely run at (hslm.peak
     measures the real peak; this is the fallback and the figure quoted beside it).
 
     Returns (gflops, description)."""
@@ -43,14 +43,14 @@ def machine_peak_gflops_per_core():
     lanes = 8 if " avx512f " in flags else (4 if " avx2 " in flags else 2)
     if lanes == 8 and not wide_vectors():  # built for 256-bit vectors (an AVX2 target)
         lanes = 4
-    halves = lanes == 8 and half_width_avx512(info)
-    pipe_lanes = 4 if halves else lanes
+    halves = (lanes == 8 and half_width_avx512(info)) or (lanes == 4 and half_width_avx2(info))
+    pipe_lanes = lanes // 2 if halves else lanes
     fma = 2 if (" fma " in flags or " avx512f " in flags) else 1
     flops_per_cycle = 2 * pipe_lanes * fma
     ghz = float(info.get("cpu MHz", 2000.0)) / 1000.0
     pipes = "2 FMA pipes" if fma > 1 else "no FMA"
     if halves:
-        pipes += " of 4 lanes, a 512-bit operation in two halves"
+        pipes += f" of {pipe_lanes} lanes, a {64 * lanes}-bit operation in two halves"
     return ghz * flops_per_cycle, (f"{model or 'cpu'}, {ghz:.2f} GHz x {flops_per_cycle} f64 "
                                    f"flops/cycle ({lanes}-wide as built, {pipes})")
 

@@ -53,6 +53,19 @@ def half_width_avx512(info) -> bool:
     return amd_family(info) == 0x19
 
 
+def half_width_avx2(info) -> bool:
+    """Whether the core (its cpu_info) runs AVX2 on 128-bit pipes, a 256-bit operation as
+    two halves: AMD's first Zen cores (family 17h below model 30h: Zen and Zen+; Zen 2,
+    from model 30h, has 256-bit pipes). 4-lane vectors there give 8 f64 flops a cycle
+    from the two FMA pipes, not 16 (hslm.peak measured 20-22 GFLOP/s on a 2.0 GHz Zen
+    core that boosts to about 2.7-3.0)."""
+    try:
+        model = int(info.get("model", 0))
+    except ValueError:
+        return False
+    return amd_family(info) == 0x17 and model < 0x30
+
+
 def adam_lanes(info=None, wide=None) -> int:
     """Doubles a vector in AdamW's loop (hslm/adam_loop.py), for this core (its cpu_info,
     and whether Numba builds 512-bit vectors): 8 where 512-bit operations run on

@@ -502,24 +502,30 @@ def test_measured_peaks_are_physical():
 def test_nominal_peak_counts_the_lanes_the_pipes_hold(monkeypatch):
     """AMD Zen 4 (family 19h with AVX-512) runs a 512-bit operation as two halves on its
     256-bit pipes: 16 f64 flops a cycle, as Zen 3 (family 19h, AVX2) and an AVX2 build;
-    an Intel core with AVX-512 holds 8 lanes a pipe: 32."""
+    an Intel core with AVX-512 holds 8 lanes a pipe: 32. AMD's first Zen cores (family
+    17h below model 30h) run a 256-bit operation as two halves on 128-bit pipes: 8; Zen 2
+    (family 17h from model 30h) holds 4 lanes a pipe: 16."""
     from hslm import bench, micro
     avx512 = "fpu fma avx2 avx512f avx512vl"
-    cores = {  # (vendor, family, flags, built 512 bits wide) -> flops a cycle
-        ("AuthenticAMD", "25", avx512, True): 16,
-        ("AuthenticAMD", "25", "fpu fma avx2", False): 16,
-        ("GenuineIntel", "6", avx512, True): 32,
-        ("GenuineIntel", "6", avx512, False): 16,
-        ("AuthenticAMD", "26", avx512, True): 32,  # Zen 5: full-width pipes
+    avx2 = "fpu fma avx2"
+    cores = {  # (vendor, family, model, flags, built 512 bits wide) -> (flops a cycle, halves)
+        ("AuthenticAMD", "25", "17", avx512, True): (16, True),
+        ("AuthenticAMD", "25", "1", avx2, False): (16, False),
+        ("GenuineIntel", "6", "143", avx512, True): (32, False),
+        ("GenuineIntel", "6", "143", avx512, False): (16, False),
+        ("AuthenticAMD", "26", "2", avx512, True): (32, False),  # Zen 5: full-width pipes
+        ("AuthenticAMD", "23", "1", avx2, False): (8, True),  # Zen: 128-bit pipes
+        ("AuthenticAMD", "23", "8", avx2, False): (8, True),  # Zen+
+        ("AuthenticAMD", "23", "49", avx2, False): (16, False),  # Zen 2: 256-bit pipes
     }
-    for (vendor, family, flags, wide), flops in cores.items():
-        info = {"vendor_id": vendor, "cpu family": family, "flags": flags,
+    for (vendor, family, model, flags, wide), (flops, halves) in cores.items():
+        info = {"vendor_id": vendor, "cpu family": family, "model": model, "flags": flags,
                 "model name": "test core", "cpu MHz": "2000.000"}
         monkeypatch.setattr(bench, "cpu_info", lambda info=info: info)
         monkeypatch.setattr(micro, "wide_vectors", lambda wide=wide: wide)
         gflops, desc = bench.machine_peak_gflops_per_core()
         assert gflops == 2.0 * flops and f"x {flops} f64 flops/cycle" in desc, (vendor, desc)
-        assert ("two halves" in desc) == (flops == 16 and wide), desc
+        assert ("two halves" in desc) == halves, desc
 
 
 def test_bench_compare_tells_machines_apart_not_versions_of_the_machine_line():
