@@ -23,11 +23,10 @@ def _positional(d: int, L: int) -> np.ndarray:
     ctx = precise.CTX
     out = np.empty((L, d), np.float64)
     three_over_pi = ctx.divide(precise.D(3), precise.PI)
-    for i in range(0, d, 2):  # columns i and i + 1 share a frequency: one sin_cos for both
+    for i in range(0, d, 2):  # columns i and i + 1 share a frequency: one sin and cos for both
         f = ctx.multiply(precise.power(precise.PHI, ctx.divide(precise.D(-i), precise.D(d))),
                          three_over_pi)
-        for p in range(L):
-            s, c = precise.sin_cos(ctx.multiply(precise.D(p), f))
+        for p, (s, c) in enumerate(precise.sin_cos_multiples(f, L)):
             out[p, i] = precise.to_f64(s)
             if i + 1 < d:
                 out[p, i + 1] = precise.to_f64(c)
@@ -43,8 +42,7 @@ def _rotary(dh: int, L: int):
     sin = np.empty((L, half), np.float64)
     for c in range(half):
         rate = precise.power(precise.PHI, ctx.divide(precise.D(-2 * c), precise.D(dh)))
-        for p in range(L):
-            s, co = precise.sin_cos(ctx.multiply(precise.D(p), rate))
+        for p, (s, co) in enumerate(precise.sin_cos_multiples(rate, L)):
             cos[p, c], sin[p, c] = precise.to_f64(co), precise.to_f64(s)
     cos.setflags(write=False)
     sin.setflags(write=False)

@@ -164,3 +164,50 @@ def test_values_rounded_once_are_the_nearest_doubles():
     rough = sin_cos_reference(x, ctx, Decimal(math.pi))[0]
     assert float(rough) != float(sin_cos_reference(x, ctx, pi)[0]) == precise.to_f64(
         precise.sin_cos(x)[0])
+
+
+def test_tables_by_rotation_hold_the_doubles_of_each_angles_series():
+    """The positional and rotary tables are made by rotation (precise.sin_cos_multiples:
+    sin_cos(f) once, then p f as f added p times, at 60 digits), a twentieth of the cost
+    of sin_cos(p f) for every angle. Every preset's tables hold the doubles of sin_cos(p f)
+    at 50 digits, the way they were made before, bit for bit. The control: rotations
+    from f's sine and cosine rounded to doubles give other bits."""
+    from hslm.config import PRESETS
+    from hslm.tables import positional_table, rotary_tables
+    ctx = precise.CTX
+
+    def by_series(f, L):
+        return [tuple(map(precise.to_f64, precise.sin_cos(ctx.multiply(Decimal(p), f))))
+                for p in range(L)]
+
+    def frequency(i, d):
+        return ctx.multiply(precise.power(precise.PHI, ctx.divide(Decimal(-i), Decimal(d))),
+                            ctx.divide(Decimal(3), precise.PI))
+
+    seen = set()
+    for name, cfg in PRESETS.items():
+        d, L, dh = cfg.width, cfg.window, cfg.head_width
+        if (d, L, dh) in seen:
+            continue
+        seen.add((d, L, dh))
+        P = positional_table(cfg)
+        for i in range(0, d, 2):
+            for p, (s, c) in enumerate(by_series(frequency(i, d), L)):
+                assert P[p, i] == s and (i + 1 >= d or P[p, i + 1] == c), (name, p, i)
+        cos, sin = rotary_tables(cfg)
+        for c in range(dh // 2):
+            rate = precise.power(precise.PHI, ctx.divide(Decimal(-2 * c), Decimal(dh)))
+            assert [(sin[p, c], cos[p, c]) for p in range(L)] == by_series(rate, L), (name, c)
+    # the control: hslm-3's positional table from rotations by doubles
+    cfg = PRESETS["hslm-3"]
+    P = positional_table(cfg)
+    rough = 0
+    for i in range(0, cfg.width, 2):
+        f = float(frequency(i, cfg.width))
+        s1, c1 = Decimal(math.sin(f)), Decimal(math.cos(f))
+        s, c = Decimal(0), Decimal(1)
+        for p in range(cfg.window):
+            rough += precise.to_f64(s) != P[p, i]
+            s, c = (ctx.add(ctx.multiply(s, c1), ctx.multiply(c, s1)),
+                    ctx.subtract(ctx.multiply(c, c1), ctx.multiply(s, s1)))
+    assert rough > 0
