@@ -32,8 +32,9 @@ PROFILE_STEPS = 7  # steps of the speed-3 profile, each phase their median
 
 def machine_peak_gflops_per_core():
     """Nominal f64 peak of one core: GHz x flops/cycle (2 FMA pipes x the lanes they
-    hold: half a vector's on AMD Zen 4 for 512 bits and on Zen and Zen+ for 256), from the clock /proc/cpuinfo states, which cores rarely run at (hslm.peak
-    measures the real peak; this is the fallback and the figure quoted beside it).
+    hold: half a vector's on AMD Zen 4 for 512 bits and on Zen and Zen+ for 256), from
+    the clock /proc/cpuinfo states, which cores rarely run at (hslm.peak measures the
+    real peak; this is the fallback and the figure quoted beside it).
 
     Returns (gflops, description)."""
     info = cpu_info()

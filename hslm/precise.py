@@ -6,9 +6,10 @@ sin, cos and non-integer powers. The C library and numpy compute those with
 CPU-dependent code paths (glibc picks FMA or non-FMA variants; numpy has
 AVX-512 SIMD paths that round differently), so here they are computed with
 Python's `decimal` module (software arithmetic, the same on every machine) at
-50 significant digits and converted to the nearest f64 once. The conversion
-`float(Decimal)` is correctly rounded, so each value is the f64 nearest to a
-50-digit approximation of the exact value: the same bits everywhere.
+50 significant digits (the tables' angles by rotation at 60: sin_cos_multiples) and
+converted to the nearest f64 once. The conversion `float(Decimal)` is correctly
+rounded, so each value is the f64 nearest to a 50-digit approximation of the exact
+value: the same bits everywhere.
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ VSA_SEED = 0x48534C4D
 @lru_cache(maxsize=16)
 def _positional(d: int, L: int) -> np.ndarray:
     # frequencies f_i = phi^(-2 floor(i/2) / d) 3 / pi, the angles p f_i, their sin or cos:
-    # at 50 digits (hslm.precise), rounded once, so no C library decides a bit
+    # at 50 and 60 digits (hslm.precise), rounded once, so no C library decides a bit
     ctx = precise.CTX
     out = np.empty((L, d), np.float64)
     three_over_pi = ctx.divide(precise.D(3), precise.PI)
