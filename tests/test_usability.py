@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -131,26 +132,61 @@ def test_signal_finishes_the_step_saves_and_says_how_to_resume(tmp_path, sig):
 
 def early_start_up(err):
     """Whether a KeyboardInterrupt traceback comes from before hslm's first line could
-    take the signal: Python's start, the command's launcher (the console script, runpy,
-    cli.py) and hslm/__init__.py itself (compiled and run up to its first call), and no
-    module besides (numpy, Numba, click, hslm's other files: the imports it now covers).
-    Python's start includes its site module, which runs the site-packages' .pth files
-    (an editable install's finder, certifi's hook ...): a signal there ends Python with
-    "Fatal Python error: init_import_site" and the imports' traceback (50-60 ms into the
-    start on a 2-core first-generation AMD Zen), none of it hslm's."""
+    take the signal: Python's start (its site module running the site-packages' .pth
+    files: an editable install's finder, certifi's hook ...), the command's launcher
+    (the console script, runpy, cli.py), the import system finding hslm, and
+    hslm/__init__.py itself up to its first call; no frame of the modules that call
+    covers (numpy, Numba, llvmlite, click, hslm's other files). On a 2-core
+    first-generation AMD Zen the first two took 50-60 ms; a signal there ended Python
+    with "Fatal Python error: init_import_site" and the imports' traceback, or the
+    traceback of the console script's import of hslm.cli before hslm/__init__.py ran."""
+    import click
+    import llvmlite
+    import numba
     frames = [(line.split('"')[1], int(line.split(", line ")[1].split(",")[0]))
               for line in err.splitlines() if line.startswith('  File "') and ", line " in line]
-    if err.startswith("Fatal Python error: init_import_site"):
-        package = str(ROOT / "hslm") + os.sep
-        return bool(err.rstrip().endswith("KeyboardInterrupt") and frames) and not any(
-            f.startswith(package) for f, _ in frames)
-    init = os.path.join("hslm", "__init__.py")
     source = (ROOT / "hslm" / "__init__.py").read_text().splitlines()
     takes_over = source.index("_stop_quietly_while_starting()") + 1  # its line number
-    launchers = (str(ROOT / "cli.py"), os.path.join("bin", "hslm"))
+    covered = tuple(os.path.dirname(m.__file__) + os.sep for m in (np, numba, llvmlite, click))
+
+    def in_hslm(path):  # a file of the hslm package (wherever the command's copy lies)
+        return any(q.name == "hslm" and (q / "__init__.py").is_file()
+                   for q in Path(path).parents)
+
+    def before_takeover(f, n):
+        if in_hslm(f):
+            return Path(f).name == "__init__.py" and Path(f).parent.name == "hslm" and (
+                n <= takes_over)
+        return not f.startswith(covered)
     return bool(err.rstrip().endswith("KeyboardInterrupt") and frames) and all(
-        f.startswith("<frozen ") or f.endswith(launchers)
-        or (f.endswith(init) and n <= takes_over) for f, n in frames)
+        before_takeover(f, n) for f, n in frames)
+
+
+def test_early_start_up_tells_pythons_start_from_hslms():
+    """The signal test's judge (early_start_up): tracebacks from Python's site module and
+    the launcher's import system pass; one from a module hslm imports, from hslm's other
+    files or from hslm/__init__.py past its first call does not."""
+    import numba
+    init = ROOT / "hslm" / "__init__.py"
+    takes_over = init.read_text().splitlines().index("_stop_quietly_while_starting()") + 1
+
+    def tb(*frames):
+        return "\n".join(["Traceback (most recent call last):"]
+                         + [f'  File "{f}", line {n}, in <module>' for f, n in frames]
+                         + ["KeyboardInterrupt", ""])
+    site = [("<frozen site>", 616), ("<frozen site>", 186), ("<string>", 1)]
+    stdlib = os.path.dirname(os.__file__)
+    launcher = [(os.path.join(os.path.dirname(sys.executable), "hslm"), 5)]
+    assert early_start_up("Fatal Python error: init_import_site: Failed to import the site "
+                          "module\n" + tb(*site, (os.path.join(stdlib, "typing.py"), 1559)))
+    assert early_start_up(tb(*launcher, ("<frozen importlib._bootstrap>", 1176),
+                             (os.path.join(stdlib, "pathlib.py"), 1008)))
+    assert early_start_up(tb(*launcher, (str(init), takes_over)))
+    assert not early_start_up(tb(*launcher, (str(init), takes_over + 1)))
+    assert not early_start_up(tb(*launcher, (str(init), 1),
+                                 (os.path.join(os.path.dirname(numba.__file__), "core.py"), 3)))
+    assert not early_start_up(tb(*launcher, (str(ROOT / "hslm" / "cli.py"), 1)))
+    assert not early_start_up(tb(*launcher)[:-len("KeyboardInterrupt\n")] + "ValueError\n")
 
 
 @pytest.mark.parametrize("how", ["console script", "python -m hslm", "cli.py"])
