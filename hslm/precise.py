@@ -62,9 +62,14 @@ ROTATION_CTX = Context(prec=60)
 
 def sin_cos_multiples(f: Decimal, n: int):
     """[(sin p f, cos p f) for p = 0 .. n-1] by rotation: sin_cos(f) once, then
-    (s, c) -> (s cos f + c sin f, c cos f - s sin f), at 60 digits."""
+    rotations by f at 60 digits."""
+    return rotations(*sin_cos(f, ROTATION_CTX), n)
+
+
+def rotations(s1: Decimal, c1: Decimal, n: int):
+    """[(s_p, c_p) for p = 0 .. n-1] from (s_0, c_0) = (0, 1) by
+    (s, c) -> (s c1 + c s1, c c1 - s s1) at ROTATION_CTX's 60 digits."""
     ctx = ROTATION_CTX
-    s1, c1 = sin_cos(f, ctx)
     s, c = Decimal(0), Decimal(1)
     out = []
     for _ in range(n):

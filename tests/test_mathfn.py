@@ -204,10 +204,6 @@ def test_tables_by_rotation_hold_the_doubles_of_each_angles_series():
     rough = 0
     for i in range(0, cfg.width, 2):
         f = float(frequency(i, cfg.width))
-        s1, c1 = Decimal(math.sin(f)), Decimal(math.cos(f))
-        s, c = Decimal(0), Decimal(1)
-        for p in range(cfg.window):
-            rough += precise.to_f64(s) != P[p, i]
-            s, c = (ctx.add(ctx.multiply(s, c1), ctx.multiply(c, s1)),
-                    ctx.subtract(ctx.multiply(c, c1), ctx.multiply(s, s1)))
+        by_doubles = precise.rotations(Decimal(math.sin(f)), Decimal(math.cos(f)), cfg.window)
+        rough += sum(precise.to_f64(s) != P[p, i] for p, (s, _) in enumerate(by_doubles))
     assert rough > 0

@@ -130,6 +130,12 @@ def test_signal_finishes_the_step_saves_and_says_how_to_resume(tmp_path, sig):
     assert code == 0, err
 
 
+def takeover_line():
+    """The line of hslm/__init__.py from which hslm takes Ctrl-C and SIGTERM itself."""
+    source = (ROOT / "hslm" / "__init__.py").read_text().splitlines()
+    return source.index("_stop_quietly_while_starting()") + 1  # its line number
+
+
 def early_start_up(err):
     """Whether a KeyboardInterrupt traceback comes from before hslm's first line could
     take the signal: Python's start (its site module running the site-packages' .pth
@@ -145,8 +151,7 @@ def early_start_up(err):
     import numba
     frames = [(line.split('"')[1], int(line.split(", line ")[1].split(",")[0]))
               for line in err.splitlines() if line.startswith('  File "') and ", line " in line]
-    source = (ROOT / "hslm" / "__init__.py").read_text().splitlines()
-    takes_over = source.index("_stop_quietly_while_starting()") + 1  # its line number
+    takes_over = takeover_line()
     covered = tuple(os.path.dirname(m.__file__) + os.sep for m in (np, numba, llvmlite, click))
 
     def in_hslm(path):  # a file of the hslm package (wherever the command's copy lies)
@@ -168,7 +173,7 @@ def test_early_start_up_tells_pythons_start_from_hslms():
     files or from hslm/__init__.py past its first call does not."""
     import numba
     init = ROOT / "hslm" / "__init__.py"
-    takes_over = init.read_text().splitlines().index("_stop_quietly_while_starting()") + 1
+    takes_over = takeover_line()
 
     def tb(*frames):
         return "\n".join(["Traceback (most recent call last):"]
