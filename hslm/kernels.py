@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .jit import kernel_entry, kernel_inner
 from .micro import (ACTIVE_LANES, ACTIVE_VECS, MICRO_KERNELS, TERNARY_PANEL, WGRAD_PANEL,
                     compile_micro, panel_matmul_add, ternary_panel_matmul)
 from .vector_tiles import make_active_rows_tile, make_prefetch_for_reading, make_prefetch_to_l2
@@ -72,7 +73,7 @@ for _name in MICRO_KERNELS:  # before any caller compiles (hslm/micro.py)
     compile_micro(_name)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_inner
 def ternary_panels(P, poffs, alpha, t, a, b, X, Y):
     """Y [n, b] = alpha[t] * (X [n, a] . T_t), T_t read from its column panels in P."""
     npan = (b + TERNARY_PANEL - 1) // TERNARY_PANEL
@@ -80,7 +81,7 @@ def ternary_panels(P, poffs, alpha, t, a, b, X, Y):
                          alpha[t], Y)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_entry
 def output_grad_panels(DY, PD):
     """DY [n, b] (an output gradient) in column panels of WGRAD_PANEL, zero past
     column b, into the flat scratch PD (>= n b + WGRAD_PANEL n); returns the
@@ -101,7 +102,7 @@ def output_grad_panels(DY, PD):
     return pd
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_inner
 def input_columns(X, i0, i1, XT):
     """X[:, i0:i1] transposed into the flat scratch XT (>= (i1 - i0) n), X [n, a]: a layer
     input's columns as rows of the weight gradient's tile; returns the [i1 - i0, n] view.
@@ -115,7 +116,7 @@ def input_columns(X, i0, i1, XT):
     return xt
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_entry
 def weight_grad_rows(X, i0, i1, pd, b, G, XT, fresh):
     """G[i0:i1] += (X^T . DY)[i0:i1]: G [a, b], X [n, a], DY [n, b] given in panels
     (pd, output_grad_panels); each element summed over the positions r = 0, 1, ...
@@ -128,7 +129,7 @@ def weight_grad_rows(X, i0, i1, pd, b, G, XT, fresh):
     panel_matmul_add(input_columns(X, i0, i1, XT), pd, b, G[i0:i1], fresh)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_inner
 def column_sum_rows(DY, g):
     """g [b] += sum_r DY[r, j] (bias gradients), r increasing from 0.0."""
     n, b = DY.shape
@@ -149,7 +150,7 @@ PREFETCH_FOR_READING = make_prefetch_for_reading()
 PREFETCH_TO_L2 = make_prefetch_to_l2()
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_entry
 def active_masks(X, j0, j1, M):
     """M[w, j] for j0 <= j < j1: bit t % 64 of word w = t // 64 set where X[t, j] > 0.0
     (X [k, F]: the ReLU's outputs at the scored positions; a NaN is not active).
@@ -169,14 +170,14 @@ def active_masks(X, j0, j1, M):
             m[j] |= np.int64(x[j] > 0.0) << bit
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_entry
 def active_tiles(n):
     """How many register tiles active_rows_grad cuts a row of n columns into."""
     nv = (n + ACTIVE_LANES - 1) // ACTIVE_LANES
     return (nv + ACTIVE_VECS - 1) // ACTIVE_VECS
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_entry
 def active_span(n, q):
     """Columns (c0, c1) of tile q of active_tiles(n): the row's vectors shared out as
     evenly as the tiles allow, so no tile runs mostly empty."""
@@ -188,7 +189,7 @@ def active_span(n, q):
     return v0 * ACTIVE_LANES, min(n, v1 * ACTIVE_LANES)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_entry
 def active_rows_grad(M, S, D, c0, c1, j0, j1, O, fresh):
     """O[j, c - c0] = base + sum_t S[t, j] D[t, c] for j0 <= j < j1, c0 <= c < c1 (at
     least ACTIVE_LANES columns), base O[j, c - c0] or, where fresh, 0.0: one window's
@@ -232,7 +233,7 @@ def active_rows_grad(M, S, D, c0, c1, j0, j1, O, fresh):
                 ACTIVE_ROW_ANY(m, F, words, x, xs, d, ds, last, o, first)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_inner
 def aligned_rows(X, flat, start):
     """X [k, n] copied into flat from element `start` on, each row starting on 64 bytes,
     rows a multiple of 8 elements apart and not of 64 (so that rows do not share L1
@@ -251,7 +252,7 @@ def aligned_rows(X, flat, start):
     return out
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_entry
 def transpose_rows(T, G):
     """G [w, F] = T^T, T [F, w]: W_up's transposed sums into G, and G's rows into them
     where a sum goes on. In blocks of 8 x 8, which LLVM transposes in vector registers

@@ -33,9 +33,9 @@ import math
 from collections import namedtuple
 
 import numpy as np
-from numba import njit
 
 from .config import (BDOWN, BUP, GAMMA, TENSORS_PER_BLOCK, WDOWN, WK, WO, WQ, WUP, WV, Dims)
+from .jit import kernel_entry, kernel_inner, kernel_part
 from .kernels import PREFETCH_TO_L2, ternary_matmul_rows, ternary_panels
 from .mathfn import exp, log
 from .micro import ACTIVE_LANES, WGRAD_PANEL, wide_vectors
@@ -57,7 +57,6 @@ CYCLES = make_cycle_counter()  # (KERNEL_PANELS_TIMED: hslm bench's profile)
 # jobs took 78 s on a 2-core Zen 5 apart, 50 s inlined (docs/performance-history.md).
 # The kernels called from many places (the matrix products, attention's rows) stay
 # functions: inlined, each call would be typed again.
-kernel_part = njit(cache=True, nogil=True, error_model="numpy", inline="always")
 
 # Attention's rows: one row (a query, or a row of probabilities) times a panel of
 # ATTN_PANEL columns (keys, or value components), summed in order in vector registers
@@ -179,7 +178,7 @@ def alloc_scratch(dims: Dims):
 
 
 # ------------------------------------------------------------------ views
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_inner
 def tensor_index(dims, b, which):
     """Index of tensor `which` (config.GAMMA ... BDOWN) of block b in the flat layout;
     which = -1 with b = blocks is Wout, which = -2 is bout, b = -1 is E."""
@@ -190,23 +189,23 @@ def tensor_index(dims, b, which):
     return 1 + b * TENSORS_PER_BLOCK + which
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_entry
 def wout_index(dims):
     return tensor_index(dims, dims.blocks, -1)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_inner
 def view1(a, offs, t):
     return a[offs[t]:offs[t + 1]]
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_inner
 def view2(a, offs, t, rows, cols):
     return a[offs[t]:offs[t] + rows * cols].reshape((rows, cols))
 
 
 # ---------------------------------------------------------- ternary matmuls
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_inner
 def matvec_dot(x, T, alpha, y):
     """y [n] = alpha * (x [m] . T [m, n]): dot-product form, the definition."""
     m, n = T.shape
@@ -217,7 +216,7 @@ def matvec_dot(x, T, alpha, y):
         y[j] = alpha * acc
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_inner
 def matvec_t_dot(dy, T, alpha, dx):
     """dx [m] = alpha * (T [m, n] . dy [n]): the input gradient, the definition."""
     m, n = T.shape
@@ -228,7 +227,7 @@ def matvec_t_dot(dy, T, alpha, dx):
         dx[i] = alpha * acc
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_inner
 def ternary_forward(model, t, m, n, X, Y, kernel):
     """Y [rows, n] = X [rows, m] . (alpha_t T_t), T_t [m, n] ternary."""
     if kernel == KERNEL_PANELS:
@@ -245,7 +244,7 @@ def ternary_forward(model, t, m, n, X, Y, kernel):
             matvec_dot(X[r], T, model.alpha[t], Y[r])
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_inner
 def ternary_input_grad(model, t, m, n, DY, DX, kernel):
     """DX [rows, m] = DY [rows, n] . (alpha_t T_t)^T."""
     if kernel == KERNEL_PANELS:
@@ -263,7 +262,7 @@ def ternary_input_grad(model, t, m, n, DY, DX, kernel):
 
 
 # --------------------------------------------------------------- embedding
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_inner
 def embed_forward(model, A, w, tokens, p0, p1):
     """x_0[p] = E[t_p] + P[p] for p in p0..p1-1.   E [V, d], P [L, d] -> x[w, 0] [L, d]."""
     D = model.dims
@@ -278,7 +277,7 @@ def embed_forward(model, A, w, tokens, p0, p1):
 
 
 # ----------------------------------------------------- RMSNorm and the gain
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_inner
 def rms_forward(x, xr, ss):
     """xr = x / sqrt(mean(x^2) + 1e-6), given ss = sum_i x_i^2 (in order from 0.0);
     returns the factor r."""
@@ -288,7 +287,7 @@ def rms_forward(x, xr, ss):
     return r
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_inner
 def rms_rows(X, XR, rms):
     """rms_forward of each row of X [rows, n] into XR, its factor into rms [rows]. Each
     row's sum of squares is a chain of n dependent adds: four rows' chains run in one
@@ -315,7 +314,7 @@ def rms_rows(X, XR, rms):
         rms[r] = rms_forward(X[r], XR[r], ss)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_inner
 def rms_backward(x, r, dxr, dx, dot):
     """dx = dxr * r - x * (sum_i dxr_i x_i) r^3 / n, given dot = sum_i dxr_i x_i (in
     order from 0.0)."""
@@ -325,7 +324,7 @@ def rms_backward(x, r, dxr, dx, dot):
         dx[i] = dxr[i] * r - x[i] * coef
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_inner
 def rms_backward_rows(X, rms, DXR, DX):
     """rms_backward of each row (X [rows, n], rms [rows], DXR -> DX), four rows' dot
     products side by side (as rms_rows)."""
@@ -382,7 +381,7 @@ def norm_gain_backward(model, A, R, w, b, s, r0, r1, DQ, DK, DV, DX):
 
 
 # ------------------------------------------------------------------ rotary
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_inner
 def rotary_forward(v, cos, sin, p, H, dh):
     """Rotate pairs (c, c + dh//2) of each head by p * phi^(-2c/dh), in place. [d]
     (Each loop indexes slices from 0, as the two rotary loops here: an index Numba
@@ -399,7 +398,7 @@ def rotary_forward(v, cos, sin, p, H, dh):
             hi[c] = a * sn[c] + b * cs[c]
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_inner
 def rotary_backward(dv, cos, sin, p, H, dh):
     """Gradient through rotary_forward, in place. [d]"""
     half = dh // 2
@@ -414,14 +413,14 @@ def rotary_backward(dv, cos, sin, p, H, dh):
 
 
 # ------------------------------------------------------ causal attention
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_entry
 def cache_panels(A, w, b, p0, p1, H, dh):
     """Rows p0..p1-1's keys and values into the forward's panels of the cache (A.k_cols,
     A.v_rows)."""
     panels_of(A.k[w, b], A.v[w, b], p0, p1, H, dh, A.k_cols[w, b], A.v_rows[w, b])
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_entry
 def backward_panels(A, w, b, p0, p1, H, dh, VC, KR):
     """The backward's panels of rows p0..p1-1 of the cache, into a thread's scratch: v by
     column (VC), k by row (KR). Made from k and v where a block's backward starts, as the
@@ -430,7 +429,7 @@ def backward_panels(A, w, b, p0, p1, H, dh, VC, KR):
     panels_of(A.v[w, b], A.k[w, b], p0, p1, H, dh, VC, KR)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_inner
 def panels_of(C, R, p0, p1, H, dh, CC, RR):
     """Rows p0..p1-1 of C and R [L, d] into panels: positions as columns of each head's
     panels of C (CC [H, q, e, c] = C[q P + c, h dh + e]), and as rows of its component
@@ -458,7 +457,7 @@ def panels_of(C, R, p0, p1, H, dh, CC, RR):
                     dst[c] = src[c]
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_entry
 def attention_rows(Q, KC, VR, p0, p1, H, dh, scale, AP, O):
     """Causal attention of positions p0..p1-1, each over rows 0..p.
     Q [L, d] (queries), the cache in panels (cache_panels) -> AP [L, H, >= p+1]
@@ -494,7 +493,7 @@ def attention_rows(Q, KC, VR, p0, p1, H, dh, scale, AP, O):
         p += g
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_inner
 def group_against_panel(X, r, n, c0, panel, dh, S):
     """Rows r..r+n-1 of X, from column c0 (dh of them), times a panel [dh, ATTN_PANEL]
     into sums [n, ATTN_PANEL] at address S, each sum over e in order from 0.0:
@@ -507,7 +506,7 @@ def group_against_panel(X, r, n, c0, panel, dh, S):
                      S + 8 * ATTN_PANEL * i)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_inner
 def group_over_keys(X, r, n, h, p, panels, sums, Y, y0, c0, dh):
     """Rows r..r+n-1 of head h of X [rows, H, >= p + n] (probabilities of positions
     p, p + 1, ..., or the scores' gradients with H = 1) times a head's panels [q,
@@ -537,7 +536,7 @@ def group_over_keys(X, r, n, h, p, panels, sums, Y, y0, c0, dh):
                 dst[c] = src[c]
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_inner
 def attention_softmax(a, p):
     """One head of row p: its scores a[0..p] -> probabilities, in place."""
     m = -np.inf
@@ -553,7 +552,7 @@ def attention_softmax(a, p):
         a[j] = a[j] / z
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_entry
 def attention_rows_backward(Q, VC, KR, AP, s, r0, r1, H, dh, scale, DO, DQ, DK, DV):
     """Gradient of the attention of record rows r0..r1-1 (positions p = s + r) through
     each row's own q, k_p and v_p only: earlier keys and values are constants of
@@ -588,7 +587,7 @@ def attention_rows_backward(Q, VC, KR, AP, s, r0, r1, H, dh, scale, DO, DQ, DK, 
         r += n
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_inner
 def attention_grad_tail(a, g, p, c0, dh, scale, q, do, dk, dv):
     """One head (components c0..c0+dh-1) of row p's attention gradient, given its
     probabilities a[0..p] and da in g[0..p]: the scores' gradients g (in place), dk and
@@ -635,7 +634,7 @@ def queries_attention_forward(model, A, w, b, q0, p1, kernel):
                    A.attn[w, b], A.attn_out[w, b])
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_inner
 def to_l2(X):
     """Asks for X's cache lines (X contiguous) to come into L2 (a hint: no value changes)."""
     if X.size > 0:
@@ -857,7 +856,7 @@ def head_backward(model, A, R, S, w, s, r0, r1, kernel):
 
 
 # -------------------------------------------------------------------- loss
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_inner
 def loss_rows(Z, targets, scale, DZ, losses):
     """Label-smoothed cross-entropy of scored positions: Z [rows, V] (their logits) and
     targets [rows] -> losses [rows]; DZ [rows, V] = dloss/dz * scale.
@@ -923,7 +922,7 @@ def loss_rows(Z, targets, scale, DZ, losses):
         r += n
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_inner
 def loss_finish(z, target, scale, dz, m, se, zs):
     """One row's loss from its max m, se = sum_j exp(z_j - m) (dz holds the exp terms)
     and zs = sum_j z_j; dz becomes dloss/dz * scale."""
@@ -939,7 +938,7 @@ def loss_finish(z, target, scale, dz, m, se, zs):
     return loss
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_inner
 def window_loss_rows(A, R, w, tokens, s, r0, r1, scale, losses):
     """Window w's scored rows r0..r1-1 (positions s + r): their losses into
     losses[r0..r1-1] and their d_logits."""
@@ -955,7 +954,7 @@ RELU_INPUT = 1   # relu_side: Wdown, whose input is the ReLU's output (G's rows 
 RELU_OUTPUT = 2  # Wup, whose output gradient is zero where the ReLU is (G's columns)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_entry
 def relu_side(dims, t):
     """Whether tensor t's weight gradient has a factor that is 0.0 wherever the MLP's
     ReLU unit is inactive: RELU_INPUT (Wdown), RELU_OUTPUT (Wup), else 0. Those sums
@@ -968,7 +967,7 @@ def relu_side(dims, t):
     return RELU_INPUT if which == WDOWN else RELU_OUTPUT if which == WUP else 0
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_inner
 def weight_grad_operands(model, A, R, w, t, s, k):
     """What tensor t's gradient is made of, for window w's k scored rows:
     (kind, X [k, m], DY [k, n], m, n). The one place that pairs each activation with

@@ -7,11 +7,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
 
 from . import precise
 from .adam_loop import (B1, B2, CLIP, DECAY, EPS, N_PARAMS, ONE_MINUS_B1, ONE_MINUS_B2, SQRT_BC2,
                         STEP_SIZE, make_adam_loop)
+from .jit import kernel_entry
 from .micro import adam_lanes
 from .params import Trits, quantize_into
 
@@ -40,7 +40,6 @@ def bias_corrections(step: int):
                  for beta in (BETA1, BETA2))
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
 def adamw_step(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, norms, abs_sums,
                moment_sums, t0, t1):
     """One AdamW update in place, tensor by tensor.
@@ -65,19 +64,14 @@ def adamw_step(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, norms
     summed alone. Before (a pass for the norm, then the update and its sums in blocks)
     the same update took 10.0 ms here, now 6.0, with the same bits."""
     adamw_tensors(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, norms, abs_sums,
-                  moment_sums, np.arange(t0, t1))
+                  moment_sums, np.arange(t0, t1, dtype=np.int64))
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
-def adamw_tensors(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, norms, abs_sums,
-                  moment_sums, tensors, trits=None):
-    """adamw_step for the tensors listed (increasing, not necessarily contiguous: a
-    thread's share, hslm.step.optimiser_shares); the norm cursor runs along the list.
-    With trits (a Trits), each tensor is requantised (params.quantize_into) as soon as
-    it is updated: its parameters are then still in a near cache. Requantising them all
-    afterwards took 2.1-2.2 ms a step here, theta (17 MB) coming back from memory: the
-    optimiser 8.16 to 7.68 ms. (Calling the optimiser tensor by tensor to that end had
-    broken the norm cursor: 8.0 to 8.5-11 ms.)"""
+@kernel_entry
+def adamw_kernel(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, norms, abs_sums,
+                 moment_sums, tensors, trits, requantise):
+    """adamw_tensors' work, requantising each tensor (into trits) when requantise: one
+    compiled kernel for both (trits=None had made a second one, 3 s of a first run)."""
     params = np.empty(N_PARAMS)
     params[STEP_SIZE] = lr / bc1
     params[SQRT_BC2] = math.sqrt(bc2)
@@ -129,17 +123,36 @@ def adamw_tensors(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, no
                 c += k
         abs_sums[t] = sums[0]
         moment_sums[t] = sums[1]
-        if trits is not None:
+        if requantise:
             quantize_into(theta, offs, trits, abs_sums, True, t, t + 1)
 
 
+def adamw_tensors(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, norms, abs_sums,
+                  moment_sums, tensors, trits=None):
+    """adamw_step for the tensors listed (increasing, not necessarily contiguous: a
+    thread's share, hslm.step.optimiser_shares); the norm cursor runs along the list.
+    With trits (a Trits), each tensor is requantised (params.quantize_into) as soon as
+    it is updated: its parameters are then still in a near cache. Requantising them all
+    afterwards took 2.1-2.2 ms a step here, theta (17 MB) coming back from memory: the
+    optimiser 8.16 to 7.68 ms. (Calling the optimiser tensor by tensor to that end had
+    broken the norm cursor: 8.0 to 8.5-11 ms.)"""
+    adamw_kernel(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, norms, abs_sums,
+                 moment_sums, tensors, _NO_TRITS if trits is None else trits, trits is not None)
+
+
+# The trits adamw_kernel is given when it does not requantise: a model of no tensors, of
+# the types of ModelState.trits() (other types would compile another copy)
+_none_i64, _none_i8 = np.zeros(0, np.int64), np.zeros(0, np.int8)
+_NO_TRITS = Trits(_none_i64, _none_i64, np.zeros(0, np.bool_), np.zeros(0), False, np.zeros(0),
+                  np.zeros(0), np.zeros(1, np.int64), _none_i8, np.zeros(1, np.int64), _none_i8,
+                  _none_i64)
+
+
 def warm_up_optimiser() -> None:
-    """AdamW once on a two-element throwaway model (compiled, or loaded from the cache),
-    alone and requantising as it goes."""
+    """AdamW once on a two-element throwaway model, requantising as it goes (the one
+    compiled kernel of adamw_step and adamw_tensors: compiled, or loaded from the cache)."""
     z = np.zeros(2)
     offs, one = np.array([0, 2]), np.ones(1, np.int64)
-    adamw_step(z, z.copy(), z.copy(), z.copy(), offs, np.array([True]), 0.1, 0.001,
-               0.0, 0.0, np.zeros(1), np.zeros(1), np.zeros(1), 0, 1)
     none8 = np.zeros(0, np.int8)
     trits = Trits(one, one * 2, np.array([False]), np.ones(1), False, np.zeros(0), np.zeros(0),
                   np.zeros(2, np.int64), none8, np.zeros(2, np.int64), none8, np.zeros(1, np.int64))

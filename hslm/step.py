@@ -36,9 +36,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from numba import njit
 
 from .config import TENSORS_PER_BLOCK
+from .jit import kernel_entry
 from .kernels import WGRAD_ROW_BLOCK, active_span, active_tiles
 from .layers import RELU_OUTPUT, alloc_acts, alloc_record, alloc_scratch, relu_side
 from .speeds import KERNEL_PANELS, PER_POSITION, SPEEDS
@@ -224,7 +224,7 @@ class Worker:
         return losses[0]
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_entry
 def add_in_order(G, bufs, n, lo, hi):
     """G[lo:hi] += bufs[0], then bufs[1], ... bufs[n-1]: window order."""
     for w in range(n):
@@ -422,10 +422,10 @@ def kernels_cached(speed: int, teams: bool = False) -> bool:
     """Whether Numba's cache holds compiled code for this speed's main kernels (so the
     first step will not compile; teams: with threads beyond the batch);
     precompile.in_cache reads Numba's index."""
-    from .optim import adamw_step, adamw_tensors
+    from .optim import adamw_kernel
     from .precompile import in_cache
     sp = SPEEDS[speed]
-    kernels = [adamw_step, adamw_tensors, windows_embed, every_block_forward, windows_head,
+    kernels = [adamw_kernel, windows_embed, every_block_forward, windows_head,
                windows_loss]
     kernels += ([window_per_position] if sp.loop == PER_POSITION
                 else [windows_backward, mean_losses, gradients_from_records]

@@ -8,10 +8,11 @@ import math
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.extending import intrinsic
 
 from .config import PHI
+from .jit import kernel_entry
 from .vector_tiles import CountedLoop, declare, splat
 
 GATE = 1.0 / PHI  # 0.6180339887...
@@ -74,7 +75,7 @@ trit_dot = _trit_loop(True)
 add_scaled = _trit_loop(False)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_entry
 def vsa_window(table, tokens, n_blocks, width, out):
     """table [V, D] int8, tokens [>= L] -> out [nb, L, d] f64 (L = out.shape[1])."""
     L = out.shape[1]

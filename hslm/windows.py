@@ -26,15 +26,15 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from numba import njit
 
 from .config import TENSORS_PER_BLOCK
+from .jit import kernel_entry, kernel_inner, kernel_part
 from .kernels import (active_masks, active_rows_grad, aligned_rows, column_sum_rows,
                       input_columns, output_grad_panels, transpose_rows)
 from .micro import WGRAD_PANEL, panel_matmul_add, panel_matmul_add2
 from .layers import (CYCLES, COLUMN_SUM, MATRIX, RELU_INPUT, block_backward, block_forward,
                      block_keys_values, block_queries, blocks_backward, blocks_forward,
-                     embed_forward, head_backward, head_forward, kernel_part, loss_rows,
+                     embed_forward, head_backward, head_forward, loss_rows,
                      relu_side, view1, view2, window_loss_rows, weight_grad_operands)
 from .spin import add, publish, wait_for
 from .vsa import vsa_window
@@ -46,7 +46,7 @@ NO_LITERAL_0 = np.int64(0)
 
 
 # ------------------------------------------------------------ per position
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_inner
 def position_forward(model, A, w, tokens, vsa, p, kv_only_last, with_head, kernel):
     """Position p's column: embedding, every block (its keys and values join the
     cache), and with_head the logits."""
@@ -59,7 +59,7 @@ def position_forward(model, A, w, tokens, vsa, p, kv_only_last, with_head, kerne
         head_forward(model, A, w, p, p + 1, kernel)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_inner
 def stream_weight_grads(model, A, R, w, tokens, s, k, r, acc):
     """Add scored row r's products into the window accumulator acc (every tensor)."""
     offs = model.offs
@@ -85,7 +85,7 @@ def stream_weight_grads(model, A, R, w, tokens, s, k, r, acc):
                 E[tok, i] += DY[r, i]
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_entry
 def window_per_position(model, tokens, vsa, k, scale, A, R, S, acc, out, recompute_prefix,
                         kv_only_unscored, kernel):
     """Speeds 0-2: one position at a time. acc is the window's accumulator (zeroed
@@ -157,7 +157,7 @@ def windows_forward(model, vsa_table, windows, vsa, k, A, first, step, kernel):
     windows_head(model, A, first, step, B, L - k, L, kernel)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_entry
 def windows_embed(model, vsa_table, windows, vsa, A, first, step):
     """windows_forward's first part: each window's VSA stream and embedding."""
     D = model.dims
@@ -166,7 +166,7 @@ def windows_embed(model, vsa_table, windows, vsa, A, first, step):
         embed_forward(model, A, w, windows[w], 0, D.window)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_entry
 def every_block_forward(model, A, vsa, first, step, B, L, s, kernel):
     """windows_forward's blocks, block by block (in the last block only the scored rows
     go past their keys and values)."""
@@ -176,14 +176,14 @@ def every_block_forward(model, A, vsa, first, step, B, L, s, kernel):
                        s if b == D.blocks - 1 else 0, kernel)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_entry
 def windows_head(model, A, first, step, B, s, L, kernel):
     """windows_forward's last part: the head at rows s..L-1 of each window."""
     for w in range(first, B, step):
         head_forward(model, A, w, s, L, kernel)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_entry
 def window_rows_forward(model, vsa_table, tokens, k, A, w, vsa, p0, p1, progress, slot, first,
                         step, member, abort, kernel):
     """Rows p0..p1-1 of window w's forward, for member `member` of the window's team
@@ -219,7 +219,7 @@ def team_counters(slots, blocks):
     return np.zeros(slots + blocks + 3, np.int64)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_entry
 def team_slot(model, vsa_table, windows, k, scale, A, R, S, vsa, slot, p0, p1, row_losses, sync,
               units, chunks, G, kernel):
     """Thread slot `slot`'s share of a step's gradient when threads outnumber the B windows
@@ -261,7 +261,7 @@ def team_slot(model, vsa_table, windows, k, scale, A, R, S, vsa, slot, p0, p1, r
                                S.xt, S.dy_panels, True)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_entry
 def windows_backward(model, windows, k, scale, A, R, S, first, step, r0, r1, row_losses, kernel,
                      head, b1, b0):
     """Backward through the layers' inputs of windows first, first + step, ... (after
@@ -282,7 +282,7 @@ def windows_backward(model, windows, k, scale, A, R, S, first, step, r0, r1, row
         blocks_backward(model, A, R, S, b, first, step, B, s, r0, r1, kernel)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_entry
 def mean_losses(row_losses, k, first, step, losses):
     """losses[w] = window w's mean loss: its rows' losses summed in row order from 0.0,
     over k (windows first, first + step, ...)."""
@@ -343,7 +343,7 @@ def relu_weight_grads(model, A, R, B, t, s, k, units, u0, u1, out, WG, fresh, M,
         transpose_rows(T, G[i0:i1])
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_entry
 def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, fresh):
     """Speed 3's weight-gradient phase for a batch of windows.
 
@@ -452,7 +452,7 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, f
 
 
 # ------------------------------------------------------------ forward only
-@njit(cache=True, nogil=True, error_model="numpy")
+@kernel_entry
 def windows_loss(windows, k, A, S, first, step, losses):
     """Evaluation, after windows_forward: losses[w] = window w's mean loss over its last
     k positions (windows first, first + step, ...)."""
