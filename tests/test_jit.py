@@ -10,28 +10,23 @@ from hslm.jit import kernel_entry, kernel_inner
 FIRST, SECOND = 1, 2  # constants a kernel passes its callee, as layers.py passes WQ, WK...
 
 
-@kernel_inner
-def scaled(x, k):
+def scale(x, k):
     return x * k
 
 
-@kernel_entry
-def calls_scaled_with_constants(x):
-    return scaled(x, FIRST) + scaled(x, SECOND) + scaled(x, 3)
+def caller_of(callee):
+    def calls_with_constants(x):
+        return callee(x, FIRST) + callee(x, SECOND) + callee(x, 3)
+    return calls_with_constants
 
 
+scaled = kernel_inner(scale)
+calls_scaled_with_constants = kernel_entry(caller_of(scaled))
 # compiled in every test run (a caller loaded from the cache would not type its callee)
 calls_scaled_with_constants._cache = NullCache()
-
-
-@njit
-def scaled_plain(x, k):
-    return x * k
-
-
-@njit
-def calls_scaled_plain_with_constants(x):
-    return scaled_plain(x, FIRST) + scaled_plain(x, SECOND) + scaled_plain(x, 3)
+# the control: the same functions as Numba's own njit compiles them
+scaled_plain = njit(scale)
+calls_scaled_plain_with_constants = njit(caller_of(scaled_plain))
 
 
 def test_a_callee_is_compiled_once_whatever_constants_it_is_given():
@@ -49,6 +44,6 @@ def test_an_inner_kernel_called_from_python_is_refused_not_a_crash():
     (a segmentation fault), hslm raises a TypeError that names the kernel. The control:
     the kernel that calls it runs from Python."""
     calls_scaled_with_constants(1.0)
-    with pytest.raises(TypeError, match=r"test_jit\.scaled runs only inside other kernels"):
+    with pytest.raises(TypeError, match=r"test_jit\.scale runs only inside other kernels"):
         scaled(1.0, 2)
     assert calls_scaled_with_constants(np.float64(0.5)) == 3.0
