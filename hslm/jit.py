@@ -13,8 +13,8 @@ quantize_into(..., True, ...) a second quantize_into, and copies that one proces
 compiled were not found in the cache by another that passed other constants. With
 the Python entry points that no one calls left out as well (and AdamW one kernel), the
 compile jobs, one after another on a 2-core first-generation AMD Zen, fell from 68 s
-to 56 s and a first run's compile from 40 s to 35 s (README, "Start-up"). Nothing here changes what a kernel computes: the same source, the same
-operations, the same bits.
+to 56 s and a first run's compile from 40 s to 35 s (README, "Start-up"). Nothing here
+changes what a kernel computes: the same source, the same operations, the same bits.
 """
 from __future__ import annotations
 

@@ -140,21 +140,23 @@ def adamw_tensors(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, no
                  moment_sums, tensors, _NO_TRITS if trits is None else trits, trits is not None)
 
 
-# The trits adamw_kernel is given when it does not requantise: a model of no tensors, of
-# the types of ModelState.trits() (other types would compile another copy)
-_none_i64, _none_i8 = np.zeros(0, np.int64), np.zeros(0, np.int8)
-_NO_TRITS = Trits(_none_i64, _none_i64, np.zeros(0, np.bool_), np.zeros(0), False, np.zeros(0),
-                  np.zeros(0), np.zeros(1, np.int64), _none_i8, np.zeros(1, np.int64), _none_i8,
-                  _none_i64)
+def _unquantised_trits(n: int) -> Trits:
+    """Trits of n tensors of 1 x 2 that are not ternary (requantising one only records
+    its sum), of the types of ModelState.trits(): other types would compile another
+    copy of adamw_kernel."""
+    return Trits(np.ones(n, np.int64), np.full(n, 2, np.int64), np.zeros(n, np.bool_),
+                 np.ones(n), False, np.zeros(0), np.zeros(0), np.zeros(n + 1, np.int64),
+                 np.zeros(0, np.int8), np.zeros(n + 1, np.int64), np.zeros(0, np.int8),
+                 np.zeros(n, np.int64))
+
+
+_NO_TRITS = _unquantised_trits(0)  # what adamw_kernel is given when it does not requantise
 
 
 def warm_up_optimiser() -> None:
     """AdamW once on a two-element throwaway model, requantising as it goes (the one
     compiled kernel of adamw_step and adamw_tensors: compiled, or loaded from the cache)."""
     z = np.zeros(2)
-    offs, one = np.array([0, 2]), np.ones(1, np.int64)
-    none8 = np.zeros(0, np.int8)
-    trits = Trits(one, one * 2, np.array([False]), np.ones(1), False, np.zeros(0), np.zeros(0),
-                  np.zeros(2, np.int64), none8, np.zeros(2, np.int64), none8, np.zeros(1, np.int64))
-    adamw_tensors(z, z.copy(), z.copy(), z.copy(), offs, np.array([True]), 0.1, 0.001,
-                  0.0, 0.0, np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1, np.int64), trits)
+    adamw_tensors(z, z.copy(), z.copy(), z.copy(), np.array([0, 2]), np.array([True]), 0.1,
+                  0.001, 0.0, 0.0, np.zeros(1), np.zeros(1), np.zeros(1), np.zeros(1, np.int64),
+                  _unquantised_trits(1))
