@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import platform
 import time
-from dataclasses import replace
 
 import numpy as np
 from numba import njit
@@ -21,7 +20,7 @@ from .peak import measured_peaks
 from .rng import Stream
 from .layers import CYCLES
 from .micro import amd_family, cpu_info, half_width_avx2, half_width_avx512
-from .speeds import DEFAULT_SPEED, KERNEL_PANELS_TIMED, SPEEDS
+from .speeds import DEFAULT_SPEED, SPEEDS
 from .step import StepRunner, warm_up
 from .train import Run
 
@@ -218,10 +217,9 @@ def profile_layerwise(cfg, hyper, corpus, steps=PROFILE_STEPS):
 
     run = Run.fresh(cfg, hyper, corpus, plain=False)
     runner = StepRunner(cfg, DEFAULT_SPEED, 1)
-    # the same kernels, each matrix product's cycles counted (Model.clock): the forward's
-    # and the backward's products apart from the rest of those phases; and with a clock of
-    # 4, the weight gradients' W_up and W_down and the dense matrices' operands
-    runner.speed = replace(runner.speed, kernel=KERNEL_PANELS_TIMED)
+    # the same kernels, given a clock of 4 (Model.clock), count cycles: the forward's and
+    # the backward's matrix products apart from the rest of those phases, the weight
+    # gradients' W_up and W_down and the dense matrices' operands
     hz = cycles_per_second()
     clock = run.state.clock = np.zeros(4)
     try:

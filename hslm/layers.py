@@ -41,12 +41,12 @@ from .mathfn import exp, log
 from .micro import ACTIVE_LANES, WGRAD_PANEL, wide_vectors
 from .panel_kernels import WGRAD_WINDOWS
 from .vector_tiles import make_cycle_counter, make_tile
-from .speeds import KERNEL_PANELS, KERNEL_PANELS_TIMED, KERNEL_ROWS
+from .speeds import KERNEL_ROWS
 
 RMS_EPS = 1e-6
 LABEL_SMOOTH = 0.1  # epsilon of the K-position objective
 
-CYCLES = make_cycle_counter()  # (KERNEL_PANELS_TIMED: hslm bench's profile)
+CYCLES = make_cycle_counter()  # (hslm bench's profile: Model.clock)
 
 # The parts of a block and of the head (and of the weight gradients, hslm/windows.py),
 # each called from one place in each kernel that uses it (the forward or backward over
@@ -229,13 +229,17 @@ def matvec_t_dot(dy, T, alpha, dx):
 
 @kernel_inner
 def ternary_forward(model, t, m, n, X, Y, kernel):
-    """Y [rows, n] = X [rows, m] . (alpha_t T_t), T_t [m, n] ternary."""
-    if kernel == KERNEL_PANELS:
-        ternary_panels(model.Pf, model.pf_offs, model.alpha, t, m, n, X, Y)
-    elif kernel == KERNEL_PANELS_TIMED:
-        c0 = CYCLES()
-        ternary_panels(model.Pf, model.pf_offs, model.alpha, t, m, n, X, Y)
-        model.clock[0] += CYCLES() - c0
+    """Y [rows, n] = X [rows, m] . (alpha_t T_t), T_t [m, n] ternary.
+
+    kernel: a speed's matrix kernel (hslm/speeds.py); None is KERNEL_PANELS, and Numba
+    compiles only that branch for it, or only the others for a number."""
+    if kernel is None:
+        if model.clock.shape[0] > 2:  # hslm bench's profile: the product's cycles too
+            c0 = CYCLES()
+            ternary_panels(model.Pf, model.pf_offs, model.alpha, t, m, n, X, Y)
+            model.clock[0] += CYCLES() - c0
+        else:
+            ternary_panels(model.Pf, model.pf_offs, model.alpha, t, m, n, X, Y)
     elif kernel == KERNEL_ROWS:
         ternary_matmul_rows(X, view2(model.Tf, model.offs, t, m, n), model.alpha[t], Y)
     else:
@@ -246,13 +250,14 @@ def ternary_forward(model, t, m, n, X, Y, kernel):
 
 @kernel_inner
 def ternary_input_grad(model, t, m, n, DY, DX, kernel):
-    """DX [rows, m] = DY [rows, n] . (alpha_t T_t)^T."""
-    if kernel == KERNEL_PANELS:
-        ternary_panels(model.Pb, model.pb_offs, model.alpha, t, n, m, DY, DX)
-    elif kernel == KERNEL_PANELS_TIMED:
-        c0 = CYCLES()
-        ternary_panels(model.Pb, model.pb_offs, model.alpha, t, n, m, DY, DX)
-        model.clock[1] += CYCLES() - c0
+    """DX [rows, m] = DY [rows, n] . (alpha_t T_t)^T (kernel: as ternary_forward's)."""
+    if kernel is None:
+        if model.clock.shape[0] > 2:
+            c0 = CYCLES()
+            ternary_panels(model.Pb, model.pb_offs, model.alpha, t, n, m, DY, DX)
+            model.clock[1] += CYCLES() - c0
+        else:
+            ternary_panels(model.Pb, model.pb_offs, model.alpha, t, n, m, DY, DX)
     elif kernel == KERNEL_ROWS:
         ternary_matmul_rows(DY, view2(model.Tb, model.offs, t, n, m), model.alpha[t], DX)
     else:

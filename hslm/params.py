@@ -17,8 +17,8 @@ from .vector_tiles import make_copy_bytes, make_transpose_bytes, make_trits
 # matrices in both layouts (input-major Tf, output-major Tb) with one scale per
 # tensor, the fixed tables, the named dimensions, and Tf and Tb again in column
 # panels (Pf, Pb, at their own offsets) for the register-tiled kernels; and clock, cycles
-# counted for hslm bench's profile: [0] and [1] in the forward's and the backward's matrix
-# products (KERNEL_PANELS_TIMED only); where it has 4 elements (the profile's, one thread),
+# counted for hslm bench's profile where it has 4 elements (one thread; a run's has 2, never
+# written): [0] and [1] in the forward's and the backward's matrix products (the panels),
 # [2] in the weight gradients of W_up and W_down, [3] making the dense matrices' operands.
 Model = namedtuple("Model", "theta offs Tf Tb alpha pos cos sin attn_scale head_scale dims "
                             "Pf pf_offs Pb pb_offs clock")

@@ -11,11 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Matrix kernels a loop order passes to the layers (all give the same bits):
-KERNEL_DOT = 0     # plain dot products per row over T input-major (the definition)
-KERNEL_ROWS = 1    # hslm.kernels.ternary_matmul_rows over T input-major / output-major
-KERNEL_PANELS = 2  # the register-tiled micro-kernels over column panels (hslm.panel_kernels)
-KERNEL_PANELS_TIMED = 3  # KERNEL_PANELS, each product's cycles added to model.clock
-                         # (hslm bench's profile: the products' share of a step)
+KERNEL_DOT = 0        # plain dot products per row over T input-major (the definition)
+KERNEL_ROWS = 1       # hslm.kernels.ternary_matmul_rows over T input-major / output-major
+KERNEL_PANELS = None  # the register-tiled micro-kernels over column panels (hslm.panel_kernels)
+# (None, not a number: Numba prunes a branch on whether an argument is None, which is its
+# type, and not on its value; so the layer-by-layer kernels, given None, are compiled without
+# the per-position products, and the per-position ones without the panels: 5% of a first
+# run's compile. hslm/layers.py, ternary_forward.)
 
 PER_POSITION = "per-position"
 LAYERWISE = "layerwise"

@@ -37,14 +37,10 @@ def files(tmp_path_factory):
 
 
 def test_the_profiles_timed_products_change_no_bit_and_count_cycles():
-    """hslm bench's profile runs speed 3 with KERNEL_PANELS_TIMED (each matrix product's
-    cycles added to Model.clock) and a clock of 4 (the weight gradients' W_up and W_down
-    and dense operands too): the same step bytes as KERNEL_PANELS with the clock of 2
-    every run has, and cycles counted only there (the control: the step's bytes do
-    change from the start's)."""
-    from dataclasses import replace
-
-    from hslm.speeds import KERNEL_PANELS_TIMED
+    """hslm bench's profile runs speed 3 with a clock of 4 (Model.clock: each matrix
+    product's cycles, the weight gradients' W_up and W_down and dense operands'): the same
+    step bytes as with the clock of 2 every run has, and cycles counted only there (the
+    control: the step's bytes do change from the start's)."""
     cfg = PRESETS["hslm-tiny"]
     corpus = Corpus(TEXT, cfg.vocab, cfg.window, "test text")
     out = []
@@ -53,7 +49,6 @@ def test_the_profiles_timed_products_change_no_bit_and_count_cycles():
         start = run.state.theta.tobytes()
         runner = StepRunner(cfg, 3, 1)
         if timed:
-            runner.speed = replace(runner.speed, kernel=KERNEL_PANELS_TIMED)
             run.state.clock = np.zeros(4)
         try:
             run.train_step(runner)
