@@ -15,23 +15,61 @@ the Python entry points that no one calls left out as well (and AdamW one kernel
 compile jobs, one after another on a 2-core first-generation AMD Zen, fell from 68 s
 to 56 s and a first run's compile from 40 s to 35 s (README, "Start-up"). Nothing here
 changes what a kernel computes: the same source, the same operations, the same bits.
+
+Reference counting (Numba's NRT) only where a kernel needs it: `@kernel_inner(allocates=
+True)` (and kernel_entry's alike) for one that makes an array (np.empty ...), returns
+one or calls a kernel that returns one; the others are compiled without it. The arrays a kernel is given live in Python
+for the whole call, and the struct arguments (the Model, the Acts ...) hold dozens of
+them: counting them at every assignment and inlined call was a fifth of the LLVM code
+of the long kernels (windows_backward: 731 decrements, 456 increments and the field
+extractions around them). Numba itself refuses to compile an allocation where counting
+is off; the one unsafe pairing, an array handed back across the line (a count never
+taken, then dropped: a freed array in use; or taken and never dropped: a leak), is
+refused here when it compiles (KernelDispatcher).
 """
 from __future__ import annotations
 
 from numba import config, types
+from numba.core.errors import TypingError
 from numba.core.registry import CPUDispatcher
+from numba.core.targetconfig import ConfigStack
 
 # njit's own options (nopython, no bounds check) and ours
 OPTIONS = dict(nopython=True, boundscheck=None, nogil=True, error_model="numpy")
 
 
+def holds_arrays(t) -> bool:
+    """Whether a value of Numba type t holds an array (itself, or in a tuple)."""
+    if isinstance(t, types.Array):
+        return True
+    return isinstance(t, types.BaseTuple) and any(holds_arrays(x) for x in t.types)
+
+
 class KernelDispatcher(CPUDispatcher):
     """A Numba dispatcher whose calls from other kernels are typed without Literal types
-    (types.unliteral): one compiled copy per plain signature."""
+    (types.unliteral): one compiled copy per plain signature. It refuses the two
+    compiles that would miscount an array's references (module docstring)."""
 
     def get_call_template(self, args, kws):
-        return super().get_call_template(tuple(types.unliteral(a) for a in args),
-                                         {k: types.unliteral(v) for k, v in kws.items()})
+        template = super().get_call_template(tuple(types.unliteral(a) for a in args),
+                                             {k: types.unliteral(v) for k, v in kws.items()})
+        caller = ConfigStack().top_or_none()  # (the flags of the kernel being compiled)
+        callee = self.overloads.get(tuple(template[2]))
+        if (caller is not None and not caller.nrt and callee is not None
+                and holds_arrays(callee.signature.return_type)):
+            raise TypingError(f"{self._name()} returns an array, so a kernel that calls it "
+                            "must count references: give the caller allocates=True "
+                            "(hslm/jit.py)")
+        return template
+
+    def add_overload(self, cres):
+        if not self.targetoptions["_nrt"] and holds_arrays(cres.signature.return_type):
+            raise TypeError(f"{self._name()} returns an array: it must count references "
+                            "(allocates=True, hslm/jit.py)")
+        super().add_overload(cres)
+
+    def _name(self):
+        return f"{self.py_func.__module__}.{self.py_func.__qualname__}"
 
 
 class InnerKernelDispatcher(KernelDispatcher):
@@ -39,17 +77,20 @@ class InnerKernelDispatcher(KernelDispatcher):
     call from Python would jump to a null address, so it is refused here."""
 
     def __call__(self, *args, **kws):
-        raise TypeError(f"{self.py_func.__module__}.{self.py_func.__qualname__} runs only "
-                        "inside other kernels (hslm.jit.kernel_inner): call a kernel that "
+        raise TypeError(f"{self._name()} runs only inside other kernels (hslm.jit.kernel_inner): call a kernel that "
                         "calls it")
 
 
 def _decorator(dispatcher_class, **options):
-    def decorate(py_func):
+    """@kind, or @kind(allocates=True) for a kernel that makes or returns an array, or
+    calls a kernel that returns one (it counts references)."""
+    def decorate(py_func=None, *, allocates=False):
+        if py_func is None:
+            return lambda f: decorate(f, allocates=allocates)
         if config.DISABLE_JIT:
             return py_func
         kernel = dispatcher_class(py_func=py_func, locals={},
-                                  targetoptions={**OPTIONS, **options})
+                                  targetoptions={**OPTIONS, **options, "_nrt": allocates})
         kernel.enable_caching()
         return kernel
     return decorate

@@ -81,7 +81,7 @@ def ternary_panels(P, poffs, alpha, t, a, b, X, Y):
                          alpha[t], Y)
 
 
-@kernel_entry
+@kernel_entry(allocates=True)
 def output_grad_panels(DY, PD):
     """DY [n, b] (an output gradient) in column panels of WGRAD_PANEL, zero past
     column b, into the flat scratch PD (>= n b + WGRAD_PANEL n); returns the
@@ -102,7 +102,7 @@ def output_grad_panels(DY, PD):
     return pd
 
 
-@kernel_inner
+@kernel_inner(allocates=True)
 def input_columns(X, i0, i1, XT):
     """X[:, i0:i1] transposed into the flat scratch XT (>= (i1 - i0) n), X [n, a]: a layer
     input's columns as rows of the weight gradient's tile; returns the [i1 - i0, n] view.
@@ -116,7 +116,7 @@ def input_columns(X, i0, i1, XT):
     return xt
 
 
-@kernel_entry
+@kernel_entry(allocates=True)
 def weight_grad_rows(X, i0, i1, pd, b, G, XT, fresh):
     """G[i0:i1] += (X^T . DY)[i0:i1]: G [a, b], X [n, a], DY [n, b] given in panels
     (pd, output_grad_panels); each element summed over the positions r = 0, 1, ...
@@ -233,7 +233,7 @@ def active_rows_grad(M, S, D, c0, c1, j0, j1, O, fresh):
                 ACTIVE_ROW_ANY(m, F, words, x, xs, d, ds, last, o, first)
 
 
-@kernel_inner
+@kernel_inner(allocates=True)
 def aligned_rows(X, flat, start):
     """X [k, n] copied into flat from element `start` on, each row starting on 64 bytes,
     rows a multiple of 8 elements apart and not of 64 (so that rows do not share L1

@@ -194,12 +194,12 @@ def wout_index(dims):
     return tensor_index(dims, dims.blocks, -1)
 
 
-@kernel_inner
+@kernel_part
 def view1(a, offs, t):
     return a[offs[t]:offs[t + 1]]
 
 
-@kernel_inner
+@kernel_part
 def view2(a, offs, t, rows, cols):
     return a[offs[t]:offs[t] + rows * cols].reshape((rows, cols))
 
@@ -462,7 +462,7 @@ def panels_of(C, R, p0, p1, H, dh, CC, RR):
                     dst[c] = src[c]
 
 
-@kernel_entry
+@kernel_entry(allocates=True)
 def attention_rows(Q, KC, VR, p0, p1, H, dh, scale, AP, O):
     """Causal attention of positions p0..p1-1, each over rows 0..p.
     Q [L, d] (queries), the cache in panels (cache_panels) -> AP [L, H, >= p+1]
@@ -557,7 +557,7 @@ def attention_softmax(a, p):
         a[j] = a[j] / z
 
 
-@kernel_entry
+@kernel_entry(allocates=True)
 def attention_rows_backward(Q, VC, KR, AP, s, r0, r1, H, dh, scale, DO, DQ, DK, DV):
     """Gradient of the attention of record rows r0..r1-1 (positions p = s + r) through
     each row's own q, k_p and v_p only: earlier keys and values are constants of
@@ -861,7 +861,7 @@ def head_backward(model, A, R, S, w, s, r0, r1, kernel):
 
 
 # -------------------------------------------------------------------- loss
-@kernel_inner
+@kernel_inner(allocates=True)
 def loss_rows(Z, targets, scale, DZ, losses):
     """Label-smoothed cross-entropy of scored positions: Z [rows, V] (their logits) and
     targets [rows] -> losses [rows]; DZ [rows, V] = dloss/dz * scale.
@@ -972,7 +972,7 @@ def relu_side(dims, t):
     return RELU_INPUT if which == WDOWN else RELU_OUTPUT if which == WUP else 0
 
 
-@kernel_inner
+@kernel_inner(allocates=True)
 def weight_grad_operands(model, A, R, w, t, s, k):
     """What tensor t's gradient is made of, for window w's k scored rows:
     (kind, X [k, m], DY [k, n], m, n). The one place that pairs each activation with

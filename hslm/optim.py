@@ -67,7 +67,7 @@ def adamw_step(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, norms
                   moment_sums, np.arange(t0, t1, dtype=np.int64))
 
 
-@kernel_entry
+@kernel_entry(allocates=True)
 def adamw_kernel(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, norms, abs_sums,
                  moment_sums, tensors, trits, requantise):
     """adamw_tensors' work, requantising each tensor (into trits) when requantise: one

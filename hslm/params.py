@@ -57,7 +57,7 @@ def ternary_mask(cfg: Config) -> np.ndarray:
     return np.array([kind == "ternary" for _, _, kind in cfg.tensors()])
 
 
-@kernel_entry
+@kernel_entry(allocates=True)
 def quantize_into(theta, offs, Q, abs_sums, sums_given, t0, t1):
     """alpha = mean|W| (1 if <= 1e-6); T = sign(W) where |W| > alpha/2 (spec section 3),
     for tensors t0..t1-1, written in the layouts the kernels read (Q, a Trits). With

@@ -75,7 +75,7 @@ trit_dot = _trit_loop(True)
 add_scaled = _trit_loop(False)
 
 
-@kernel_entry
+@kernel_entry(allocates=True)
 def vsa_window(table, tokens, n_blocks, width, out):
     """table [V, D] int8, tokens [>= L] -> out [nb, L, d] f64 (L = out.shape[1])."""
     L = out.shape[1]
@@ -130,9 +130,9 @@ def vsa_window(table, tokens, n_blocks, width, out):
                 for i in range(width):
                     out[b, p, i] = 0.0
         tau, nxt = nxt, tau
-    return out
 
 
 def vsa_terms(table: np.ndarray, tokens: np.ndarray, n_blocks: int, width: int, L: int):
     out = np.empty((n_blocks, L, width), np.float64)
-    return vsa_window(table, np.ascontiguousarray(tokens, dtype=np.int64), n_blocks, width, out)
+    vsa_window(table, np.ascontiguousarray(tokens, dtype=np.int64), n_blocks, width, out)
+    return out

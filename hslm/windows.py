@@ -59,7 +59,7 @@ def position_forward(model, A, w, tokens, vsa, p, kv_only_last, with_head, kerne
         head_forward(model, A, w, p, p + 1, kernel)
 
 
-@kernel_inner
+@kernel_inner(allocates=True)
 def stream_weight_grads(model, A, R, w, tokens, s, k, r, acc):
     """Add scored row r's products into the window accumulator acc (every tensor)."""
     offs = model.offs
@@ -85,7 +85,7 @@ def stream_weight_grads(model, A, R, w, tokens, s, k, r, acc):
                 E[tok, i] += DY[r, i]
 
 
-@kernel_entry
+@kernel_entry(allocates=True)
 def window_per_position(model, tokens, vsa, k, scale, A, R, S, acc, out, recompute_prefix,
                         kv_only_unscored, kernel):
     """Speeds 0-2: one position at a time. acc is the window's accumulator (zeroed
@@ -343,7 +343,7 @@ def relu_weight_grads(model, A, R, B, t, s, k, units, u0, u1, out, WG, fresh, M,
         transpose_rows(T, G[i0:i1])
 
 
-@kernel_entry
+@kernel_entry(allocates=True)
 def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, fresh):
     """Speed 3's weight-gradient phase for a batch of windows.
 
@@ -452,7 +452,7 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, f
 
 
 # ------------------------------------------------------------ forward only
-@kernel_entry
+@kernel_entry(allocates=True)
 def windows_loss(windows, k, A, S, first, step, losses):
     """Evaluation, after windows_forward: losses[w] = window w's mean loss over its last
     k positions (windows first, first + step, ...)."""

@@ -1,9 +1,12 @@
 """hslm.jit: how the kernels are compiled (one copy per plain signature; inner kernels
-without Python entry points)."""
+without Python entry points; reference counting only where a kernel allocates)."""
+import sys
+
 import numpy as np
 import pytest
 from numba import njit
 from numba.core.caching import NullCache
+from numba.core.errors import TypingError
 
 from hslm.jit import kernel_entry, kernel_inner
 
@@ -47,3 +50,80 @@ def test_an_inner_kernel_called_from_python_is_refused_not_a_crash():
     with pytest.raises(TypeError, match=r"test_jit\.scale runs only inside other kernels"):
         scaled(1.0, 2)
     assert calls_scaled_with_constants(np.float64(0.5)) == 3.0
+
+
+def head(a):
+    return a[:2]
+
+
+def sum_of_head_of(callee):
+    def sum_of_head(a):
+        h = callee(a)
+        return h[0] + h[1]
+    return sum_of_head
+
+
+def uncached(kernel):
+    kernel._cache = NullCache()  # (compiled in every test run: the checks run when it compiles)
+    return kernel
+
+
+def same(a):
+    return a
+
+
+def test_a_kernel_that_does_not_count_references_cannot_hand_back_an_array():
+    """Without allocates=True (no reference counting) a kernel returning its argument
+    (Numba itself refuses a view or a new array there) is refused as it compiles: its
+    caller would drop a count never taken, and free an array still in use. The control:
+    with allocates=True it compiles and returns it."""
+    x = np.arange(4.0)
+    with pytest.raises(TypeError, match=r"test_jit\.same returns an array: it must count"):
+        uncached(kernel_entry(same))(x)
+    assert uncached(kernel_entry(allocates=True)(same))(x) is x
+
+
+def test_a_kernel_that_does_not_count_references_cannot_call_one_that_returns_an_array():
+    """A caller without reference counting would keep the count its callee took for the
+    returned array (the array never freed): refused as the caller compiles, naming the
+    callee. The controls: the caller with allocates=True runs; and the leak is real, not
+    supposed: the same pair built by Numba's own njit (_nrt=False on the caller), called
+    from a kernel that counts (as hslm's entry points that allocate do), leaves the
+    argument's Python reference count one higher after each call."""
+    counted_head = uncached(kernel_inner(allocates=True)(head))
+    with pytest.raises(TypingError, match=r"test_jit\.head returns an array, so a kernel"):
+        uncached(kernel_entry(sum_of_head_of(counted_head)))(np.arange(4.0))
+    x = np.arange(4.0)
+    counting = uncached(kernel_entry(allocates=True)(sum_of_head_of(counted_head)))
+    assert counting(x) == 1.0
+    before = sys.getrefcount(x)
+    for _ in range(10):
+        counting(x)
+    assert sys.getrefcount(x) == before
+    middle = njit(_nrt=False)(sum_of_head_of(njit(_nrt=True)(head)))
+    leaking = njit(_nrt=True)(lambda a: middle(a))
+    assert leaking(x) == 1.0
+    before = sys.getrefcount(x)
+    for _ in range(10):
+        leaking(x)
+    assert sys.getrefcount(x) == before + 10
+
+
+def test_a_kernel_without_reference_counting_reads_and_writes_arrays():
+    """The default (no reference counting): a kernel given arrays, and passing views of
+    them to another, computes what it did with counting, and leaves no count behind."""
+    def fill_halves(a):
+        inner_fill(a[:2], 1.0)
+        inner_fill(a[2:], 2.0)
+
+    def fill(a, v):
+        for i in range(a.shape[0]):
+            a[i] = v
+
+    inner_fill = uncached(kernel_inner(fill))
+    plain = uncached(kernel_entry(fill_halves))
+    x = np.zeros(4)
+    before = sys.getrefcount(x)
+    for _ in range(10):
+        plain(x)
+    assert list(x) == [1.0, 1.0, 2.0, 2.0] and sys.getrefcount(x) == before
