@@ -18,14 +18,16 @@ changes what a kernel computes: the same source, the same operations, the same b
 
 Reference counting (Numba's NRT) only where a kernel needs it: `@kernel_inner(allocates=
 True)` (and kernel_entry's alike) for one that makes an array (np.empty ...), returns
-one or calls a kernel that returns one; the others are compiled without it. The arrays a kernel is given live in Python
-for the whole call, and the struct arguments (the Model, the Acts ...) hold dozens of
-them: counting them at every assignment and inlined call was a fifth of the LLVM code
-of the long kernels (windows_backward: 731 decrements, 456 increments and the field
-extractions around them). Numba itself refuses to compile an allocation where counting
-is off; the one unsafe pairing, an array handed back across the line (a count never
-taken, then dropped: a freed array in use; or taken and never dropped: a leak), is
-refused here when it compiles (KernelDispatcher).
+one or calls a kernel that returns one; the others are compiled without it. The arrays
+a kernel is given live in Python for the whole call, and the struct arguments (the
+Model, the Acts ...) hold 53 of them: counting them at every assignment and inlined
+call was a fifth of the long kernels' LLVM code (windows_backward: 731 decrements, 456
+increments and the field extractions around them); without it the forward's blocks and
+the backward compile a fifth faster (docs/performance-history.md, 2026-12-03 07:35).
+Numba itself refuses to compile an allocation where counting is off; the one unsafe
+pairing, an array handed back across the line (a count never taken, then dropped: a
+freed array in use; or taken and never dropped: a leak), is refused here when it
+compiles (KernelDispatcher).
 """
 from __future__ import annotations
 
@@ -58,8 +60,8 @@ class KernelDispatcher(CPUDispatcher):
         if (caller is not None and not caller.nrt and callee is not None
                 and holds_arrays(callee.signature.return_type)):
             raise TypingError(f"{self._name()} returns an array, so a kernel that calls it "
-                            "must count references: give the caller allocates=True "
-                            "(hslm/jit.py)")
+                              "must count references: give the caller allocates=True "
+                              "(hslm/jit.py)")
         return template
 
     def add_overload(self, cres):
@@ -77,8 +79,8 @@ class InnerKernelDispatcher(KernelDispatcher):
     call from Python would jump to a null address, so it is refused here."""
 
     def __call__(self, *args, **kws):
-        raise TypeError(f"{self._name()} runs only inside other kernels (hslm.jit.kernel_inner): call a kernel that "
-                        "calls it")
+        raise TypeError(f"{self._name()} runs only inside other kernels "
+                        "(hslm.jit.kernel_inner): call a kernel that calls it")
 
 
 def _decorator(dispatcher_class, **options):
