@@ -234,12 +234,11 @@ def ternary_forward(model, t, m, n, X, Y, kernel):
     kernel: a speed's matrix kernel (hslm/speeds.py); None is KERNEL_PANELS, and Numba
     compiles only that branch for it, or only the others for a number."""
     if kernel is None:
-        if model.clock.shape[0] > 2:  # hslm bench's profile: the product's cycles too
-            c0 = CYCLES()
-            ternary_panels(model.Pf, model.pf_offs, model.alpha, t, m, n, X, Y)
+        timed = model.clock.shape[0] > 2  # hslm bench's profile: the product's cycles too
+        c0 = CYCLES() if timed else 0
+        ternary_panels(model.Pf, model.pf_offs, model.alpha, t, m, n, X, Y)
+        if timed:
             model.clock[0] += CYCLES() - c0
-        else:
-            ternary_panels(model.Pf, model.pf_offs, model.alpha, t, m, n, X, Y)
     elif kernel == KERNEL_ROWS:
         ternary_matmul_rows(X, view2(model.Tf, model.offs, t, m, n), model.alpha[t], Y)
     else:
@@ -252,12 +251,11 @@ def ternary_forward(model, t, m, n, X, Y, kernel):
 def ternary_input_grad(model, t, m, n, DY, DX, kernel):
     """DX [rows, m] = DY [rows, n] . (alpha_t T_t)^T (kernel: as ternary_forward's)."""
     if kernel is None:
-        if model.clock.shape[0] > 2:
-            c0 = CYCLES()
-            ternary_panels(model.Pb, model.pb_offs, model.alpha, t, n, m, DY, DX)
+        timed = model.clock.shape[0] > 2
+        c0 = CYCLES() if timed else 0
+        ternary_panels(model.Pb, model.pb_offs, model.alpha, t, n, m, DY, DX)
+        if timed:
             model.clock[1] += CYCLES() - c0
-        else:
-            ternary_panels(model.Pb, model.pb_offs, model.alpha, t, n, m, DY, DX)
     elif kernel == KERNEL_ROWS:
         ternary_matmul_rows(DY, view2(model.Tb, model.offs, t, n, m), model.alpha[t], DX)
     else:

@@ -23,10 +23,15 @@ def caller_of(callee):
     return calls_with_constants
 
 
+def uncached(kernel):
+    """Compiled in every test run: the checks run, and a caller types its callees, only
+    when it compiles (not when it is loaded from the cache)."""
+    kernel._cache = NullCache()
+    return kernel
+
+
 scaled = kernel_inner(scale)
-calls_scaled_with_constants = kernel_entry(caller_of(scaled))
-# compiled in every test run (a caller loaded from the cache would not type its callee)
-calls_scaled_with_constants._cache = NullCache()
+calls_scaled_with_constants = uncached(kernel_entry(caller_of(scaled)))
 # the control: the same functions as Numba's own njit compiles them
 scaled_plain = njit(scale)
 calls_scaled_plain_with_constants = njit(caller_of(scaled_plain))
@@ -61,11 +66,6 @@ def sum_of_head_of(callee):
         h = callee(a)
         return h[0] + h[1]
     return sum_of_head
-
-
-def uncached(kernel):
-    kernel._cache = NullCache()  # (compiled in every test run: the checks run when it compiles)
-    return kernel
 
 
 def same(a):
