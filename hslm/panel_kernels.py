@@ -19,6 +19,12 @@ WGRAD_WINDOWS = 8  # windows whose output gradients a thread holds in panels at 
 TERNARY_CHUNK = 96  # input indices per widened chunk of a ternary panel
 PREFETCH_FOR_WRITING = make_prefetch_for_writing()
 
+# njit's options for every kernel here. _nrt=True: each allocates its scratch, and a function
+# with no _nrt of its own takes that of the first kernel whose compile compiles it (Numba's
+# inherit_if_not_set), so one first compiled for a kernel that counts no references
+# (hslm/jit.py) would fail to compile (tests/test_jit.py).
+KERNEL = njit(cache=True, nogil=True, error_model="numpy", _nrt=True)
+
 
 TILE_9x16 = make_tile(9, 2, 8, resume=True)
 TILE_6x16 = make_tile(6, 2, 8, resume=True)
@@ -27,7 +33,7 @@ ROW_16 = make_tile(1, 2, 8, resume=True)
 WIDEN_16 = make_widen(16)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@KERNEL
 def ternary_panel_matmul_9x16(X, P, b, alpha, Y):
     """Y [n, b] = alpha * (X [n, a] . T), T ternary [a, b] in panels P (int8:
     -1, 0 and +1 convert to float64 exactly). Tiles of 9, 6, 3 rows (then single
@@ -95,7 +101,7 @@ ROW_12 = make_tile(1, 3, 4, resume=True)
 WIDEN_12 = make_widen(12)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@KERNEL
 def ternary_panel_matmul_4x12(X, P, b, alpha, Y):
     """Y [n, b] = alpha * (X [n, a] . T), T ternary [a, b] in panels P (int8:
     -1, 0 and +1 convert to float64 exactly). Tiles of 4, 3 rows (then single
@@ -160,7 +166,7 @@ WGRAD_3x8_OF_24 = make_tile(3, 1, 8, ternary=False, add_into=True, p_stride=24)
 WGRAD_ROW_8_OF_24 = make_tile(1, 1, 8, ternary=False, add_into=True, p_stride=24)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@KERNEL
 def panel_matmul_add_3x24(X, P, b, G, fresh):
     """G [n, b] += X [n, a] . D, D [a, b] in panels P: the weight gradient, X the
     layer input transposed (gradient rows x positions), D the output gradient
@@ -229,7 +235,7 @@ def panel_matmul_add_3x24(X, P, b, G, fresh):
 WGRAD_3x24_PAIR = make_tile(3, 3, 8, ternary=False, add_into=True, pair=True)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@KERNEL
 def panel_matmul_add2_3x24(X, X2, P, P2, b, G, fresh):
     """panel_matmul_add_3x24(X, P, b, G, fresh), then (X2, P2, b, G, False): two
     windows' sums added into G in window order (X2 and P2 shaped as X and P). Every
@@ -287,7 +293,7 @@ WGRAD_3x4_OF_12 = make_tile(3, 1, 4, ternary=False, add_into=True, p_stride=12)
 WGRAD_ROW_4_OF_12 = make_tile(1, 1, 4, ternary=False, add_into=True, p_stride=12)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@KERNEL
 def panel_matmul_add_3x12(X, P, b, G, fresh):
     """G [n, b] += X [n, a] . D, D [a, b] in panels P: the weight gradient, X the
     layer input transposed (gradient rows x positions), D the output gradient
@@ -353,7 +359,7 @@ def panel_matmul_add_3x12(X, P, b, G, fresh):
             r += 1
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@KERNEL
 def panel_matmul_add2_3x12(X, X2, P, P2, b, G, fresh):
     """panel_matmul_add_3x12(X, P, b, G, fresh), then (X2, P2, b, G, False): two
     windows' sums added into G in window order. (A pair tile would need 18

@@ -127,3 +127,32 @@ def test_a_kernel_without_reference_counting_reads_and_writes_arrays():
     for _ in range(10):
         plain(x)
     assert list(x) == [1.0, 1.0, 2.0, 2.0] and sys.getrefcount(x) == before
+
+
+def makes_scratch(n):
+    s = np.empty(n)
+    s[:] = 1.0
+    return s.sum()
+
+
+def calls_with(callee):
+    def call(n):
+        return callee(n)
+    return call
+
+
+def test_a_plain_njit_kernel_that_allocates_says_so_or_it_takes_its_callers_flags():
+    """Numba gives a function with no _nrt of its own the reference counting of the kernel
+    whose compile first compiles it (inherit_if_not_set): called first from a kernel that
+    counts no references, a plain njit function that allocates fails to compile. So
+    the generated panel kernels (plain njit, each allocates its scratch) say _nrt=True;
+    the control: the same function with _nrt=True compiles from the same caller."""
+    plain = njit(cache=False)(makes_scratch)
+    with pytest.raises(TypingError):
+        uncached(kernel_entry(calls_with(plain)))(3)
+    explicit = njit(cache=False, _nrt=True)(makes_scratch)
+    assert uncached(kernel_entry(calls_with(explicit)))(3) == 3.0
+    from hslm import panel_kernels
+    kernels = [v for k, v in vars(panel_kernels).items()
+               if k.startswith(("ternary_panel_matmul_", "panel_matmul_add"))]
+    assert len(kernels) == 6 and all(k.targetoptions.get("_nrt") is True for k in kernels)

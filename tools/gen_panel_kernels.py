@@ -77,6 +77,12 @@ WGRAD_TILES = {wtiles}
 WGRAD_WINDOWS = {wwindows}  # windows whose output gradients a thread holds in panels at once
 TERNARY_CHUNK = {chunk}  # input indices per widened chunk of a ternary panel
 PREFETCH_FOR_WRITING = make_prefetch_for_writing()
+
+# njit's options for every kernel here. _nrt=True: each allocates its scratch, and a function
+# with no _nrt of its own takes that of the first kernel whose compile compiles it (Numba's
+# inherit_if_not_set), so one first compiled for a kernel that counts no references
+# (hslm/jit.py) would fail to compile (tests/test_jit.py).
+KERNEL = njit(cache=True, nogil=True, error_model="numpy", _nrt=True)
 '''
 
 
@@ -130,7 +136,7 @@ def wgrad_kernel(rows, panel):
     defs = "".join(f"{names[k]} = make_tile({m}, {v}, {lanes}, ternary=False, "
                    f"add_into=True{extra})\n" for k, (m, v, extra) in shapes.items())
 
-    L = [defs, "", '@njit(cache=True, nogil=True, error_model="numpy")',
+    L = [defs, "", '@KERNEL',
          f"def panel_matmul_add_{rows}x{panel}(X, P, b, G, fresh):", f'    """{WGRAD_DOC}"""',
          "    n, a = X.shape",
          f"    if (P.shape[1] != a or P.shape[0] * {panel} < b or G.shape[0] != n "
@@ -173,7 +179,7 @@ def wgrad_pair_kernel(rows, panel, vecs, lanes, names, edge):
     if not PAIR_TILES[panel]:
         return f"""
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@KERNEL
 def panel_matmul_add2_{rows}x{panel}(X, X2, P, P2, b, G, fresh):
     \"\"\"panel_matmul_add_{rows}x{panel}(X, P, b, G, fresh), then (X2, P2, b, G, False): two
     windows' sums added into G in window order. (A pair tile would need {2 * rows * vecs}
@@ -190,7 +196,7 @@ def panel_matmul_add2_{rows}x{panel}(X, X2, P, P2, b, G, fresh):
 {name} = make_tile({rows}, {vecs}, {lanes}, ternary=False, add_into=True, pair=True)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@KERNEL
 def panel_matmul_add2_{rows}x{panel}(X, X2, P, P2, b, G, fresh):
     \"\"\"panel_matmul_add_{rows}x{panel}(X, P, b, G, fresh), then (X2, P2, b, G, False): two
     windows' sums added into G in window order (X2 and P2 shaped as X and P). Every
@@ -263,7 +269,7 @@ def ternary_kernel(rows, panel):
     doc = TERNARY_DOC.format(sizes=", ".join(str(m) for m in sizes[:-1]))
     return f"""{defs}
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@KERNEL
 def ternary_panel_matmul_{rows}x{panel}(X, P, b, alpha, Y):
     \"\"\"{doc}\"\"\"
     n, a = X.shape
