@@ -318,3 +318,28 @@ def test_no_room_to_write_costs_the_kernel_cache_and_parallel_compiles_not_the_r
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == ["None", repr(float(np.log(2.0)))]
     assert p.stderr.count("warning: cannot save compiled kernels in Numba's cache") == 1
+
+
+def test_compile_profile_tool_times_each_job_and_kernel():
+    """tools/compile_profile.py: a job's time, each kernel's own compile time with LLVM's
+    part of it, and the machine code of a kernel the job compiled (its tile's FMAs are
+    vector instructions; the Python entry point's unboxing mostly not). An unknown job
+    is one line and exit 1, with nothing compiled."""
+    import re
+    tool = str(ROOT / "tools" / "compile_profile.py")
+    r = subprocess.run([sys.executable, tool, "--jobs", "ternary tile",
+                        "--asm", "hslm.micro.ternary_panel_matmul"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"^  ternary tile +\d+\.\d s$", r.stdout, re.M), r.stdout
+    own, llvm = map(float, re.search(r"^ +(\d+\.\d\d) +(\d+\.\d\d) +1  hslm\.panel_kernels\."
+                                     r"ternary_panel_matmul_\d+x\d+$", r.stdout, re.M).groups())
+    assert 0 < llvm < own
+    code = dict((name[:8], (int(n), int(v))) for n, v, name in re.findall(
+        r"^ +(\d+) +(\d+)  (\S+ternary_panel_matmul\S+)$", r.stdout, re.M))
+    kernel, entry = code["_ZN4hslm"], code["_ZN7cpyt"]
+    assert kernel[1] > entry[1] and kernel[1] >= 12, code
+    bad = subprocess.run([sys.executable, tool, "--jobs", "no such job"],
+                         capture_output=True, text=True, timeout=120)
+    assert (bad.returncode, bad.stdout) == (1, "") and bad.stderr.count("\n") == 1
+    assert "no compile job 'no such job'" in bad.stderr
