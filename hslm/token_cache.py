@@ -99,7 +99,8 @@ def _mix(x: int) -> int:
 def _read_only(words: np.ndarray) -> np.ndarray:
     """A read-only view of words: _lanes then has one Numba signature for the memory-mapped
     file, its zero-padded tail and the tokens being written (a writable array is another
-    type, another compile: 1.1 s of a first run on a 2-core first-generation Zen)."""
+    type, another compile: 0.6 s of a first run's corpus load on a 2-core first-generation
+    Zen)."""
     view = words.view()
     view.flags.writeable = False
     return view

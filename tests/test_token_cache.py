@@ -350,3 +350,19 @@ def test_a_remembered_sha256_of_other_bytes_is_forgotten_and_the_text_hashed_aga
     monkeypatch.setattr(token_cache, "forget_text_sha256", lambda folder, key: None)
     with pytest.raises(HslmError, match="the data changed while it was read"):
         Corpus.load(f, 300, 27, cache_dir=tmp_path / "c2")
+
+
+def test_the_checksum_compiles_once_for_every_kind_of_input():
+    """checksum hands its kernel read-only views, so one compiled signature serves a memory-
+    mapped (read-only) token file, a writable array being written and the zero-padded tail
+    (a first run compiled it twice before). The control: to Numba a read-only array is
+    another type, another compile."""
+    from numba import typeof
+
+    from hslm.token_cache import _lanes, checksum
+    writable = np.arange(1000, dtype=np.uint16)
+    read_only = writable.copy()
+    read_only.flags.writeable = False
+    assert typeof(writable) != typeof(read_only)
+    assert checksum(writable) == checksum(read_only)
+    assert len(_lanes.signatures) == 1, _lanes.signatures
