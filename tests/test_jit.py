@@ -145,8 +145,8 @@ def test_a_plain_njit_kernel_that_allocates_says_so_or_it_takes_its_callers_flag
     """Numba gives a function with no _nrt of its own the reference counting of the kernel
     whose compile first compiles it (inherit_if_not_set): called first from a kernel that
     counts no references, a plain njit function that allocates fails to compile. So
-    the generated panel kernels (plain njit, each allocates its scratch) say _nrt=True;
-    the control: the same function with _nrt=True compiles from the same caller."""
+    the generated panel kernels (each allocates its scratch) are kernel_entry(allocates=
+    True); the control: the same function with _nrt=True compiles from the same caller."""
     plain = njit(cache=False)(makes_scratch)
     with pytest.raises(TypingError):
         uncached(kernel_entry(calls_with(plain)))(3)

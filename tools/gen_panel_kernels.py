@@ -68,8 +68,8 @@ gradient, G += X . D): a tile of R rows and panels of P columns (hslm.micro
 chooses one of each for the machine).
 """
 import numpy as np
-from numba import njit
 
+from .jit import kernel_entry
 from .vector_tiles import make_prefetch_for_writing, make_tile, make_widen
 
 TERNARY_TILES = {tiles}
@@ -78,11 +78,11 @@ WGRAD_WINDOWS = {wwindows}  # windows whose output gradients a thread holds in p
 TERNARY_CHUNK = {chunk}  # input indices per widened chunk of a ternary panel
 PREFETCH_FOR_WRITING = make_prefetch_for_writing()
 
-# njit's options for every kernel here. _nrt=True: each allocates its scratch, and a function
-# with no _nrt of its own takes that of the first kernel whose compile compiles it (Numba's
-# inherit_if_not_set), so one first compiled for a kernel that counts no references
-# (hslm/jit.py) would fail to compile (tests/test_jit.py).
-KERNEL = njit(cache=True, nogil=True, error_model="numpy", _nrt=True)
+# hslm's kernel options (hslm/jit.py), with reference counting: each kernel here allocates
+# its scratch, and a function with no _nrt of its own would take that of the first kernel
+# whose compile compiles it (Numba's inherit_if_not_set): one first compiled for a kernel that
+# counts no references would fail to compile (tests/test_jit.py).
+KERNEL = kernel_entry(allocates=True)
 '''
 
 
