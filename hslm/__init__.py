@@ -103,7 +103,7 @@ def _tolerate_stale_kernel_caches():
     this source, so an index left by another hslm version whose kernels' argument types
     name a class since moved (hslm.layers.Model, now in hslm.params) stopped the run with
     a traceback instead of compiling afresh. Such an index is stale: read it as empty
-    (Numba then compiles and writes a new one). Runs after the two settings above, which
+    (Numba then compiles and writes a new one). Runs after the three settings above, which
     must precede Numba's import."""
     import pickle
 
@@ -200,9 +200,80 @@ def _kernel_cache_saves_may_fail():
     caching.Cache.save_overload = save_overload
 
 
+def _plain_numba_error_messages():
+    """Numba's typing and lowering find most implementations by trying candidates and
+    catching the errors of those that do not fit: some 22,000 error messages in a first
+    run's compile, each coloured for a terminal (colorama wrapping stdout and stderr
+    anew each time) though none is ever shown. Numba's own switch for plain messages
+    (NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING, documented for test runs) takes that 2.4%
+    off the compile; hslm's errors are one plain line anyway. Before Numba is imported;
+    a value set by the user wins."""
+    if "numba" not in _sys.modules:
+        _os.environ.setdefault("NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING", "1")
+
+
+def _faster_numba_flag_comparisons():
+    """Numba finds an overloaded function's compiled implementation in a dict keyed by,
+    among others, the compile flags in force: some 33,000 hashes and 74,000 comparisons
+    of flags in a first run's compile, each building a dict of all 22 options through
+    their properties (TargetConfig.values): 2.7% of the compile. The same answers,
+    cheaply: Numba's hash is that of the sorted option names (sorted(self.values()) sorts
+    the keys), one number per class; and two flags of one class are equal where each
+    option set in either reads the same in both (what each option's property reads:
+    the stored value, else the class's default), the unset ones being the defaults on
+    both sides. A class whose options are not all plain properties goes to Numba's."""
+    try:
+        from numba.core import targetconfig
+        TargetConfig = targetconfig.TargetConfig
+        numba_hash, numba_eq = TargetConfig.__hash__, TargetConfig.__eq__
+        numba_getter = type(TargetConfig).__init__  # (the metaclass makes the properties)
+    except (ImportError, AttributeError):  # another Numba: leave it as it is
+        return
+    if getattr(numba_eq, "numba_eq", None) is not None:
+        return
+    hashes, plain = {}, {}
+
+    def plain_options(cls) -> bool:
+        """Whether each option of cls reads through the getter Numba's metaclass made."""
+        if cls not in plain:
+            plain[cls] = all(
+                isinstance(p := getattr(cls, name, None), property) and p.fget is not None
+                and p.fget.__qualname__.startswith(numba_getter.__qualname__ + ".")
+                for name in cls.options)
+        return plain[cls]
+
+    def __hash__(self):
+        cls = type(self)
+        h = hashes.get(cls)
+        if h is None:
+            h = hashes[cls] = hash(tuple(sorted(cls.options)))
+        return h
+
+    def __eq__(self, other):
+        cls = type(self)
+        if type(other) is not cls or not plain_options(cls):
+            return numba_eq(self, other)
+        a, b = self._values, other._values
+        if a == b:
+            return True
+        options = cls.options
+        for name in a.keys() | b.keys():
+            option = options.get(name)
+            if option is None:
+                return numba_eq(self, other)
+            x, y = a.get(name, option.default), b.get(name, option.default)
+            if x is not y and x != y:  # (as a dict comparison compares values)
+                return False
+        return True
+
+    __hash__.numba_hash, __eq__.numba_eq = numba_hash, numba_eq  # (a test's controls)
+    TargetConfig.__hash__, TargetConfig.__eq__ = __hash__, __eq__
+
 _stop_quietly_while_starting()
 _writable_kernel_cache()
 _prefer_512_bit_vectors()
+_plain_numba_error_messages()
 _tolerate_stale_kernel_caches()
 _kernel_caches_follow_the_whole_package()
 _kernel_cache_saves_may_fail()
+_faster_numba_flag_comparisons()

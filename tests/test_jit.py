@@ -156,3 +156,78 @@ def test_a_plain_njit_kernel_that_allocates_says_so_or_it_takes_its_callers_flag
     kernels = [v for k, v in vars(panel_kernels).items()
                if k.startswith(("ternary_panel_matmul_", "panel_matmul_add"))]
     assert len(kernels) == 6 and all(k.targetoptions.get("_nrt") is True for k in kernels)
+
+
+def every_kind_of_flags():
+    """Numba's compile flags: unset, set to their default, set otherwise, in combinations."""
+    from numba.core.compiler import Flags
+    options = ["nrt", "boundscheck", "error_model", "no_cpython_wrapper", "inline", "fastmath"]
+    values = {"nrt": [True, False], "boundscheck": [None, True, False],
+              "error_model": ["python", "numpy"], "no_cpython_wrapper": [True, False],
+              "inline": ["never", "always"], "fastmath": [False, True]}
+    out = [Flags()]
+    rng = np.random.default_rng(7)
+    for _ in range(60):
+        f = Flags()
+        for name in rng.choice(options, size=rng.integers(1, 4), replace=False):
+            vs = values[name]
+            setattr(f, name, vs[rng.integers(len(vs))])
+        out.append(f)
+    return out
+
+
+def test_numba_flags_hash_and_compare_as_numba_does():
+    """hslm/__init__.py answers Numba's flag comparisons without building every option's
+    value (2.7% of a first run's compile): the same answer as Numba's for every pair and
+    the same hash. The control: the shortcut it starts with (stored values equal) alone
+    would call flags unequal that Numba calls equal (an option set to its default)."""
+    from numba.core.compiler import Flags
+    from numba.core.targetconfig import TargetConfig
+    numba_eq = TargetConfig.__eq__.numba_eq  # (an AttributeError: not installed)
+    numba_hash = TargetConfig.__hash__.numba_hash
+    flags = every_kind_of_flags()
+    equal_pairs = stored_differs = 0
+    for a in flags:
+        assert hash(a) == numba_hash(a)
+        for b in flags:
+            assert (a == b) == numba_eq(a, b) and (a != b) == (not numba_eq(a, b))
+            equal_pairs += numba_eq(a, b)
+            stored_differs += bool(numba_eq(a, b) and a._values != b._values)
+    assert equal_pairs > len(flags) and stored_differs > 0
+    unset, default = Flags(), Flags()
+    default.nrt = False  # (the default)
+    assert unset._values != default._values and unset == default and numba_eq(unset, default)
+
+
+def test_a_flags_class_with_its_own_property_is_compared_by_numba():
+    """A TargetConfig whose option reads through a property of its own is left to
+    Numba's comparison (it might read something else than the stored value)."""
+    from numba.core.targetconfig import Option, TargetConfig
+
+    class Own(TargetConfig):
+        level = Option(type=int, default=0, doc="a level")
+
+    Own.level = property(lambda self: 1)  # (reads 1, whatever is stored)
+    a, b = Own(), Own()
+    a._values["level"] = 5
+    assert a == b  # Numba's: both read 1; the stored values alone would say unequal
+
+
+def test_numba_error_messages_are_not_coloured_unless_the_user_says(tmp_path):
+    """Numba colours each of the ~22,000 error messages its typing makes and discards in
+    a first run's compile (2.4% of it); hslm turns that off before Numba is imported,
+    unless the user set NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING. The control: Numba
+    imported without hslm colours them (where colorama is installed)."""
+    import os
+    import subprocess
+    pytest.importorskip("colorama")
+    code = "import {0}; from numba.core import errors; print(type(errors.termcolor()).__name__)"
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING"}
+
+    def scheme(first):
+        p = subprocess.run([sys.executable, "-c", code.format(first)], env=env,
+                           capture_output=True, text=True, check=True)
+        return p.stdout.strip()
+
+    assert scheme("hslm") == "NOPColorScheme"
+    assert scheme("numba") == "HighlightColorScheme"
