@@ -203,8 +203,8 @@ def _kernel_cache_saves_may_fail():
 def _plain_numba_error_messages():
     """Numba's typing and lowering find most implementations by trying candidates and
     catching the errors of those that do not fit: some 22,000 error messages in a first
-    run's compile, each coloured for a terminal (colorama wrapping stdout and stderr
-    anew each time) though none is ever shown. Numba's own switch for plain messages
+    run's compile, each coloured for a terminal where colorama is installed (wrapping
+    stdout and stderr anew each time), though none is ever shown. Numba's own switch for plain messages
     (NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING, documented for test runs) takes that 2.4%
     off the compile; hslm's errors are one plain line anyway. Before Numba is imported;
     a value set by the user wins."""
