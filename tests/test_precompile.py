@@ -322,15 +322,22 @@ def test_no_room_to_write_costs_the_kernel_cache_and_parallel_compiles_not_the_r
 
 def test_compile_profile_tool_times_each_job_and_kernel():
     """tools/compile_profile.py: a job's time, each kernel's own compile time with LLVM's
-    part of it, and the machine code of a kernel the job compiled (its tile's FMAs are
-    vector instructions; the Python entry point's unboxing mostly not). An unknown job
-    is one line and exit 1, with nothing compiled."""
+    part of it, the machine code of a kernel the job compiled (its tile's FMAs are
+    vector instructions; the Python entry point's unboxing mostly not), and with
+    --passes Numba's and LLVM's passes by time. An unknown job is one line and exit 1,
+    with nothing compiled."""
     import re
     tool = str(ROOT / "tools" / "compile_profile.py")
-    r = subprocess.run([sys.executable, tool, "--jobs", "ternary tile",
+    r = subprocess.run([sys.executable, tool, "--jobs", "ternary tile", "--passes",
                         "--asm", "hslm.micro.ternary_panel_matmul"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
+    numba_passes = r.stdout.split("Numba's passes")[1].split("LLVM's passes")[0]
+    assert float(re.search(r"^ +(\d+\.\d\d)  nopython_type_inference$", numba_passes,
+                           re.M).group(1)) > 0, r.stdout
+    llvm_passes = r.stdout.split("LLVM's passes")[1].split("machine code of")[0]
+    assert float(re.search(r"^ +(\d+\.\d\d)  InstCombinePass$", llvm_passes,
+                           re.M).group(1)) > 0, r.stdout
     assert re.search(r"^  ternary tile +\d+\.\d s$", r.stdout, re.M), r.stdout
     own, llvm = map(float, re.search(r"^ +(\d+\.\d\d) +(\d+\.\d\d) +1  hslm\.panel_kernels\."
                                      r"ternary_panel_matmul_\d+x\d+$", r.stdout, re.M).groups())

@@ -1,6 +1,7 @@
 """Where a first run's compile time goes, kernel by kernel.
 
     python tools/compile_profile.py [--jobs JOB,JOB...] [--top N] [--asm MODULE.KERNEL ...]
+                                    [--passes]
 
 Runs hslm's compile jobs (hslm/precompile.py; by default the default run's, in their
 order) one after another in this one process, with an empty kernel cache of its own (a
@@ -15,6 +16,12 @@ the jobs have compiled them: instructions and vector instructions of each functi
 (the callees are linked into it). A change meant to shorten the compile should leave these
 as they were; where they move, bench the speed (docs/performance-history.md, 2026-12-03
 11:00: leaving out Numba's per-function pass saved 7% of the compile and lost vector code).
+
+--passes adds where the time goes by pass: Numba's compiler passes (type inference,
+lowering to LLVM IR, the inlining of kernel_part ...) by their own time, the compiles
+nested in them and LLVM taken out; and LLVM's, summed by name over every module (LLVM's
+own pass timers: InstCombine, SROA, instruction selection ...). LLVM's timers make the
+compile itself a little slower.
 
 Process time in one process: a first run compiles the same jobs in one process per core at
 once, each somewhat slower than alone.
@@ -83,6 +90,65 @@ class KernelTimes:
         event.register("numba:llvm_lock", Llvm())
 
 
+class PassTimes:
+    """Numba's compiler passes (numba:run_pass events), each pass's own time summed over
+    every function compiled: the compiles nested in a pass (its callees', typed inside it)
+    and LLVM's work taken out, so that the rows add up to the Python side of the compile."""
+
+    def __init__(self):
+        from numba.core import event
+        self.rows = {}  # pass: own seconds
+        self.stack = []  # [pass name or None, start, nested seconds] per event under way
+        self.llvm_depth = 0
+        times = self
+
+        class Frames(event.Listener):
+            def __init__(self, kind):
+                self.kind = kind
+
+            def on_start(self, ev):
+                if self.kind == "llvm":
+                    times.llvm_depth += 1
+                    if times.llvm_depth > 1:  # (the lock is taken again inside itself)
+                        return
+                name = ev.data["name"].split(" [")[0] if self.kind == "pass" else None
+                times.stack.append([name, time.process_time(), 0.0])
+
+            def on_end(self, ev):
+                if self.kind == "llvm":
+                    times.llvm_depth -= 1
+                    if times.llvm_depth > 0:
+                        return
+                name, start, nested = times.stack.pop()
+                total = time.process_time() - start
+                if name is not None:
+                    times.rows[name] = times.rows.get(name, 0.0) + total - nested
+                if times.stack:
+                    times.stack[-1][2] += total
+
+        event.register("numba:compile", Frames("compile"))
+        event.register("numba:run_pass", Frames("pass"))
+        event.register("numba:llvm_lock", Frames("llvm"))
+
+
+LLVM_TIME = re.compile(r"([\d.]+) \(\s*[\d.]+%\)")
+
+
+def llvm_pass_times(report: str) -> dict:
+    """LLVM's pass timing report (llvmlite's report_and_reset_timings) summed by pass name
+    (a pass run on many modules or functions is one row): each row's last column, its
+    wall time (LLVM leaves out the columns that are all zero, never that one)."""
+    rows = {}
+    for line in report.splitlines():
+        times = LLVM_TIME.findall(line)
+        if not times or not line.rstrip().count("%)"):
+            continue
+        name = re.sub(r" #\d+$", "", line[line.rindex("%)") + 2:].strip())
+        if name and name != "Total":
+            rows[name] = rows.get(name, 0.0) + float(times[-1])
+    return rows
+
+
 def machine_code_counts(kernel) -> list[tuple[str, int, int]]:
     """(function, instructions, vector instructions) of each function in each compiled
     signature of kernel (a Numba dispatcher compiled in this process)."""
@@ -113,7 +179,7 @@ def kernel_named(spec: str):
     return kernel
 
 
-def profile(jobs, top: int, asm) -> None:
+def profile(jobs, top: int, asm, passes: bool = False) -> None:
     sys.path.insert(0, str(ROOT))
     import hslm  # noqa: F401  (hslm before Numba: it sets Numba's target)
     import llvmlite
@@ -132,6 +198,11 @@ def profile(jobs, top: int, asm) -> None:
           f"{platform.python_version()}, numba {numba.__version__}, llvmlite "
           f"{llvmlite.__version__}; {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
     times = KernelTimes()
+    pass_times = PassTimes() if passes else None
+    import llvmlite.binding as ll
+    timing_llvm = passes and hasattr(ll, "set_time_passes")
+    if timing_llvm:
+        ll.set_time_passes(True)
     print("compile jobs one after another in one process, empty kernel cache (process time):")
     total = 0.0
     for job in jobs:
@@ -141,6 +212,9 @@ def profile(jobs, top: int, asm) -> None:
         total += took
         print(f"  {job:22s} {took:6.1f} s")
     print(f"  {'all':22s} {total:6.1f} s")
+    llvm_report = ll.report_and_reset_timings() if timing_llvm else ""
+    if timing_llvm:
+        ll.set_time_passes(False)
     rows = sorted(times.rows.items(), key=lambda kv: -kv[1][1])
     llvm = sum(r[2] for _, r in rows)
     print(f"kernels by their own compile time (callees left out); LLVM {llvm:.1f} s of it in all:")
@@ -151,6 +225,15 @@ def profile(jobs, top: int, asm) -> None:
         rest = rows[top:]
         print(f"  {sum(r[1] for _, r in rest):7.2f} {sum(r[2] for _, r in rest):7.2f} "
               f"{sum(r[0] for _, r in rest):8d}  ({len(rest)} more)")
+    if pass_times is not None:
+        print("Numba's passes by their own time (the compiles inside them and LLVM taken out):")
+        for name, own in sorted(pass_times.rows.items(), key=lambda kv: -kv[1])[:top]:
+            print(f"  {own:7.2f}  {name}")
+        rows = llvm_pass_times(llvm_report)
+        if rows:
+            print(f"LLVM's passes, summed by name ({sum(rows.values()):.1f} s in all):")
+            for name, sec in sorted(rows.items(), key=lambda kv: -kv[1])[:top]:
+                print(f"  {sec:7.2f}  {name}")
     for spec, kernel in kernels.items():
         counts = machine_code_counts(kernel)
         if not counts:
@@ -167,6 +250,8 @@ def main(argv=None):
     ap.add_argument("--top", type=int, default=25, help="kernels listed (default 25)")
     ap.add_argument("--asm", nargs="*", default=[], metavar="MODULE.KERNEL",
                     help="kernels whose machine code to count")
+    ap.add_argument("--passes", action="store_true",
+                    help="also time Numba's compiler passes and LLVM's passes")
     args = ap.parse_args(argv)
     jobs = [j.strip() for j in args.jobs.split(",") if j.strip()]
     if "numba" in sys.modules:
@@ -174,7 +259,7 @@ def main(argv=None):
                  "the kernel cache is set before it is)")
     with tempfile.TemporaryDirectory(prefix="hslm-compile-profile-") as cache:
         os.environ["NUMBA_CACHE_DIR"] = cache
-        profile(jobs, args.top, args.asm)
+        profile(jobs, args.top, args.asm, args.passes)
 
 
 if __name__ == "__main__":
