@@ -224,10 +224,12 @@ def test_numba_error_messages_are_not_coloured_unless_the_user_says(tmp_path):
     code = "import {0}; from numba.core import errors; print(type(errors.termcolor()).__name__)"
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING"}
 
-    def scheme(first):
-        p = subprocess.run([sys.executable, "-c", code.format(first)], env=env,
+    def scheme(first, **user):
+        p = subprocess.run([sys.executable, "-c", code.format(first)], env={**env, **user},
                            capture_output=True, text=True, check=True)
         return p.stdout.strip()
 
     assert scheme("hslm") == "NOPColorScheme"
     assert scheme("numba") == "HighlightColorScheme"
+    # the user's setting wins (Numba reads an empty value as "colour them")
+    assert scheme("hslm", NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING="") == "HighlightColorScheme"
