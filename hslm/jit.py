@@ -36,8 +36,12 @@ from numba.core.errors import TypingError
 from numba.core.registry import CPUDispatcher
 from numba.core.targetconfig import ConfigStack
 
-# njit's own options (nopython, no bounds check) and ours
-OPTIONS = dict(nopython=True, boundscheck=None, nogil=True, error_model="numpy")
+# njit's own options (nopython, no bounds check) and ours. No C entry point
+# (no_cfunc_wrapper): Numba's C-callable wrapper of a kernel serves only a kernel used as
+# a first-class function value, which hslm never does, and each cost a module of its own
+# through LLVM's optimiser and code generator (some 2% of a first run's compile).
+OPTIONS = dict(nopython=True, boundscheck=None, nogil=True, error_model="numpy",
+               no_cfunc_wrapper=True)
 
 
 def holds_arrays(t) -> bool:
@@ -99,8 +103,6 @@ def _decorator(dispatcher_class, **options):
 
 
 kernel_entry = _decorator(KernelDispatcher)
-# (no C entry point either: the Python one and the C one each cost a module of their own
-# through LLVM's optimiser and code generator)
-kernel_inner = _decorator(InnerKernelDispatcher, no_cpython_wrapper=True,
-                          no_cfunc_wrapper=True)
+# (no Python entry point either: like the C one, it cost a module of its own)
+kernel_inner = _decorator(InnerKernelDispatcher, no_cpython_wrapper=True)
 kernel_part = _decorator(KernelDispatcher, inline="always")

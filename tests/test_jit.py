@@ -233,3 +233,32 @@ def test_numba_error_messages_are_not_coloured_unless_the_user_says(tmp_path):
     assert scheme("numba") == "HighlightColorScheme"
     # the user's setting wins (Numba reads an empty value as "colour them")
     assert scheme("hslm", NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING="") == "HighlightColorScheme"
+
+
+def test_kernels_have_no_c_entry_point():
+    """No kernel gets Numba's C-callable wrapper (no_cfunc_wrapper, hslm/jit.py): it serves
+    only a kernel used as a first-class function value, and each cost a module of its own
+    to optimise and make machine code of. A kernel_entry keeps its Python entry point;
+    the control: plain njit makes both."""
+    import importlib
+    import re
+    entry = uncached(kernel_entry(scale))
+    assert entry(2.0, 3.0) == 6.0
+
+    def defined(kernel):
+        code = kernel.inspect_llvm(kernel.signatures[0])
+        return re.findall(r'^define [^@]*@"?([^"( ]+)', code, re.M)
+
+    names = defined(entry)
+    assert any(n.startswith("_ZN7cpython") for n in names), names  # the Python entry
+    assert not any(n.startswith("cfunc.") for n in names), names
+    plain = njit(cache=False)(scale)
+    assert plain(2.0, 3.0) == 6.0
+    assert any(n.startswith("cfunc.") for n in defined(plain))
+    from hslm.jit import KernelDispatcher
+    kernels = [v for m in ("layers", "kernels", "windows", "optim", "params", "vsa",
+                           "panel_kernels")
+               for v in vars(importlib.import_module(f"hslm.{m}")).values()
+               if isinstance(v, KernelDispatcher)]  # (hslm.jit's three kinds)
+    assert len(kernels) > 30
+    assert all(k.targetoptions.get("no_cfunc_wrapper") is True for k in kernels)
