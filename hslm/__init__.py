@@ -204,10 +204,10 @@ def _plain_numba_error_messages():
     """Numba's typing and lowering find most implementations by trying candidates and
     catching the errors of those that do not fit: some 22,000 error messages in a first
     run's compile, each coloured for a terminal where colorama is installed (wrapping
-    stdout and stderr anew each time), though none is ever shown. Numba's own switch for plain messages
-    (NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING, documented for test runs) takes that 2.4%
-    off the compile; hslm's errors are one plain line anyway. Before Numba is imported;
-    a value set by the user wins."""
+    stdout and stderr anew each time), though none is ever shown. Numba's own switch for
+    plain messages (NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING, documented for test runs)
+    takes that 2.4% off the compile; hslm's errors are one plain line anyway. Before
+    Numba is imported; a value set by the user wins."""
     if "numba" not in _sys.modules:
         _os.environ.setdefault("NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING", "1")
 
@@ -268,6 +268,7 @@ def _faster_numba_flag_comparisons():
 
     __hash__.numba_hash, __eq__.numba_eq = numba_hash, numba_eq  # (a test's controls)
     TargetConfig.__hash__, TargetConfig.__eq__ = __hash__, __eq__
+
 
 _stop_quietly_while_starting()
 _writable_kernel_cache()

@@ -141,7 +141,7 @@ def llvm_pass_times(report: str) -> dict:
     rows = {}
     for line in report.splitlines():
         times = LLVM_TIME.findall(line)
-        if not times or not line.rstrip().count("%)"):
+        if not times:
             continue
         name = re.sub(r" #\d+$", "", line[line.rindex("%)") + 2:].strip())
         if name and name != "Total":
