@@ -109,8 +109,7 @@ def check_atomic_target(path: Path, flag: str):
         raise HslmError(f"{flag} {path}: {parent} {what}")
     probe = parent / f".{path.name}.probe{os.getpid()}"
     try:  # a real write: os.access passes root, and some file systems refuse new files
-        with open(probe, "wb"):
-            pass
+        os.close(new_file_in(None, str(probe)))
         probe.unlink()
     except OSError as e:
         raise HslmError(f"{flag} {path}: cannot write in {parent} ({e.strerror or e})") from None
@@ -133,7 +132,7 @@ def write_atomic(path: Path, blob, what: str = "checkpoint", make_parent: bool =
                     if not folder.is_dir():
                         raise NotADirectoryError(errno.ENOTDIR, f"{folder} is not a folder")
                     break
-            path.parent.mkdir(parents=True, exist_ok=True)
+            make_folders(path.parent)
         folder_fd = open_folder(path.parent)
     except OSError as e:
         raise HslmError(f"cannot write {what} {path}: {e.strerror or e}") from None
@@ -141,6 +140,31 @@ def write_atomic(path: Path, blob, what: str = "checkpoint", make_parent: bool =
         _write_atomic_in(folder_fd, path, blob, what)
     finally:
         os.close(folder_fd)
+
+
+def make_folders(folder: Path):
+    """mkdir -p, each folder made durable where it is named: a file renamed into a new
+    folder is only as durable as the folder's own entry in its parent (that parent
+    fsynced; a file system that cannot fsync a folder is left as it is)."""
+    missing = []
+    for f in (Path(folder), *Path(folder).parents):
+        if os.path.lexists(f):
+            break
+        missing.append(f)
+    for f in reversed(missing):
+        f.mkdir(exist_ok=True)
+        try:
+            fd = os.open(f.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except OSError:
+            continue
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    if not missing:
+        Path(folder).mkdir(exist_ok=True)  # (there: a folder, or the error mkdir gives)
 
 
 def open_folder(folder) -> int:
@@ -156,24 +180,39 @@ def open_folder(folder) -> int:
         return os.open(folder, os.O_PATH | directory)
 
 
+def new_file_in(dir_fd, name: str) -> int:
+    """A new, empty file `name` in the open folder dir_fd (None: the current folder),
+    open for writing. Never through a symbolic link (O_EXCL refuses any name that
+    exists: a link planted in a shared folder would have had its target truncated); a
+    file of that name, left by an earlier process of the same pid, is removed first."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    return os.open(name, flags, 0o666, dir_fd=dir_fd)
+
+
 def _write_atomic_in(dir_fd, path: Path, blob, what: str):
     """write_atomic with every name taken in the open folder dir_fd."""
     tmp = f".{path.name}.tmp{os.getpid()}"
     parts = [blob] if isinstance(blob, (bytes, bytearray, memoryview)) else blob
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666, dir_fd=dir_fd)
+        fd = new_file_in(dir_fd, tmp)
         with open(fd, "wb") as f:
             for part in parts:
                 f.write(part)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    except OSError as e:
+    except BaseException as e:  # (a second Ctrl-C mid-write too: no temporary file left)
         try:
             os.unlink(tmp, dir_fd=dir_fd)
         except OSError:
             pass
-        raise HslmError(f"cannot write {what} {path}: {e.strerror or e}") from None
+        if isinstance(e, OSError):
+            raise HslmError(f"cannot write {what} {path}: {e.strerror or e}") from None
+        raise
     try:  # make the rename itself durable
         os.fsync(dir_fd)
     except OSError:
@@ -327,7 +366,7 @@ def _check_meta(meta, path, header, data_len):
         raise Invalid(f"kind is {str(kind)[:40]!r}, not 'params' or 'state'")
     exact_keys(meta, META_KEYS[kind], "metadata")
     step = meta["step"]
-    if not (step.isascii() and step.isdigit() and str(int(step)) == step and len(step) < 19):
+    if not (step.isascii() and step.isdigit() and len(step) < 19 and str(int(step)) == step):
         raise Invalid(f"step {step[:40]!r} is not a non-negative integer")
     cfg = config_from_json(meta["config"])
     _check_tensors(header, kind, cfg, data_len)  # sizes first: nothing big is built before

@@ -101,9 +101,9 @@ def prepare_out_dir(out: Path):
     from .lock import FolderLock
     check_out_dir(out)
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        ckpt.make_folders(out)
         probe = out / f".hslm-write-test-{os.getpid()}"
-        probe.write_bytes(b"")
+        os.close(ckpt.new_file_in(None, str(probe)))
         probe.unlink()
     except OSError as e:
         raise HslmError(f"output folder {out} cannot be written: {e.strerror or e}") from None
@@ -126,8 +126,8 @@ def remove_torn_writes(out: Path):
     (checkpoint.write_atomic's `.<name>.tmp<pid>`), when that process is gone."""
     for p in out.glob(".*.tmp*"):
         pid = p.name.rsplit(".tmp", 1)[-1]
-        if not pid.isdigit():
-            continue
+        if not (pid.isascii() and pid.isdigit() and len(pid) <= 10 and 0 < int(pid) < 2 ** 31):
+            continue  # (not a name write_atomic makes: os.kill would refuse such a pid)
         try:
             os.kill(int(pid), 0)
         except ProcessLookupError:
@@ -547,9 +547,9 @@ def releasing_on_error(held):
         yield
         raise_dropped_interrupt()
     except BaseException:
-        for h in held:
-            h.release()
+        for h in held:  # removed while still held: another run may take it once released
             h.remove_created()
+            h.release()
         raise
 
 

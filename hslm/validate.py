@@ -57,13 +57,34 @@ def parse_json(text, what: str, limit: int = MAX_JSON):
     if len(text) > limit:
         raise Invalid(f"{what} is {len(text):,} bytes, more than the {limit:,} allowed")
     try:
-        return json.loads(text, parse_constant=_no_constants, object_pairs_hook=unique_keys)
+        value = json.loads(text, parse_constant=_no_constants, object_pairs_hook=unique_keys)
     except Invalid as e:
         raise Invalid(f"{what}: {e}") from None
     except RecursionError:
         raise Invalid(f"{what} is nested too deeply") from None
     except (ValueError, TypeError) as e:
         raise Invalid(f"{what} is not valid JSON ({str(e)[:80]})") from None
+    if _depth(value) > MAX_JSON_DEPTH:  # (what parses may not be encodable again: the
+        # encoder's frames are deeper than the parser's, a RecursionError just past it)
+        raise Invalid(f"{what} is nested too deeply (more than {MAX_JSON_DEPTH} levels)")
+    return value
+
+
+# No JSON hslm reads (configs, hyper-parameters, checkpoint headers) nests beyond 5 levels.
+MAX_JSON_DEPTH = 64
+
+
+def _depth(value) -> int:
+    """How deeply lists and objects nest in a parsed JSON value (a scalar: 0), without
+    recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        items = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if items is not None:
+            deepest = max(deepest, d)
+            todo.extend((x, d + 1) for x in items)
+    return deepest
 
 
 def is_int(v) -> bool:

@@ -724,3 +724,75 @@ def test_plot_writes_its_image_atomically(tmp_path, monkeypatch):
         plot_metrics(m, out)
     assert out.read_bytes() == old
     assert sorted(os.listdir(tmp_path)) == ["keep.png", "loss.png", "m.jsonl"]
+
+
+def test_odd_temporary_names_are_left_alone_not_a_traceback(tmp_path):
+    """remove_torn_writes reads a pid from `.<name>.tmp<pid>`: one os.kill cannot take
+    (over a C long, or a digit that is not ASCII) stopped `hslm train` with a traceback."""
+    from hslm.train import remove_torn_writes
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    odd = [".a.tmp99999999999999999999", ".b.tmp12345678901", ".c.tmp\u00b2", ".d.tmp0",
+           ".e.tmp"]
+    for n in odd + [f".f.tmp{dead.pid}"]:
+        (tmp_path / n).write_bytes(b"x")
+    remove_torn_writes(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == sorted(odd)  # a dead writer's alone removed
+
+
+def test_an_interrupted_write_leaves_no_temporary_file(tmp_path):
+    """A second Ctrl-C mid-save (KeyboardInterrupt, not an OSError) left the temporary file."""
+    def parts(exc):
+        yield b"first part "
+        raise exc
+
+    target = tmp_path / "ckpt_7.bin"
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.write_atomic(target, parts(KeyboardInterrupt()))
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(HslmError, match="cannot write checkpoint"):  # (as before)
+        ckpt.write_atomic(target, parts(OSError(28, "No space left on device")))
+    assert os.listdir(tmp_path) == []
+    ckpt.write_atomic(target, [b"whole"])
+    assert os.listdir(tmp_path) == ["ckpt_7.bin"] and target.read_bytes() == b"whole"
+
+
+def test_a_link_at_the_temporary_name_is_not_written_through(tmp_path):
+    """The temporary file is made anew (O_EXCL): a symbolic link planted under its name
+    in a shared folder does not get its target truncated."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me")
+    (tmp_path / "out").mkdir()
+    for name in (f".ckpt_1.bin.tmp{os.getpid()}", f".ckpt_1.bin.probe{os.getpid()}"):
+        os.symlink(victim, tmp_path / "out" / name)
+    ckpt.check_atomic_target(tmp_path / "out" / "ckpt_1.bin", "--out")
+    ckpt.write_atomic(tmp_path / "out" / "ckpt_1.bin", b"checkpoint")
+    assert victim.read_bytes() == b"keep me"
+    assert os.listdir(tmp_path / "out") == ["ckpt_1.bin"]
+    assert (tmp_path / "out" / "ckpt_1.bin").read_bytes() == b"checkpoint"
+
+
+def test_new_folders_are_made_durable_in_their_parents(tmp_path, monkeypatch):
+    """write_atomic(make_parent=True) fsyncs the parent of each folder it makes (a file
+    renamed into a new folder is lost with the folder's own entry), then the folder."""
+    synced = []
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")),
+                                                  fsync(fd)))
+    ckpt.write_atomic(tmp_path / "a" / "b" / "ckpt_1.bin", b"x", make_parent=True)
+    folders = [p for p in synced if os.path.isdir(p)]
+    assert folders == [str(tmp_path), str(tmp_path / "a"), str(tmp_path / "a" / "b")], synced
+    with pytest.raises(HslmError, match="not a folder"):
+        ckpt.write_atomic(tmp_path / "a" / "b" / "ckpt_1.bin" / "c" / "x", b"x", make_parent=True)
+
+
+def test_a_failed_run_removes_its_folder_before_letting_go_of_it():
+    """Released first, another run could take the folder in the gap and lose it."""
+    from hslm.train import releasing_on_error
+    calls = []
+    held = types.SimpleNamespace(release=lambda: calls.append("release"),
+                                 remove_created=lambda: calls.append("remove"))
+    with pytest.raises(KeyboardInterrupt):
+        with releasing_on_error([held]):
+            raise KeyboardInterrupt
+    assert calls == ["remove", "release"]

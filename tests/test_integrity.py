@@ -342,3 +342,40 @@ def test_the_bin_carries_its_tokenizer(files):
     assert ck.tokenizer().identity == files[2].corpus.tokenizer.identity
     st_ = ckpt.parse(files[1], "x.state")
     assert st_.meta["tokenizer"] == ck.tokenizer().identity
+
+
+def test_a_step_of_thousands_of_digits_is_refused_not_a_traceback(files):
+    """int() of a string over 4,300 digits raises ValueError (Python 3.11+): the length
+    is judged first. With valid checksums, as anyone can make them."""
+    for step in ("1" * 5000, "1" * 19, "0" * 5000):
+        raw = hand_made(files[1], lambda h: h["__metadata__"].update(step=step))
+        with pytest.raises(HslmError, match="is not a non-negative integer"):
+            ckpt.parse(raw, "x.state")
+    raw = hand_made(files[1], lambda h: h["__metadata__"].update(step="1" * 18))
+    assert ckpt.parse(raw, "x.state").step == int("1" * 18)  # (control: 18 digits are a step)
+
+
+def test_a_header_nested_at_any_depth_is_refused_not_a_traceback(files):
+    """Nested just within what json.loads reads, a header could not be encoded again (the
+    encoder's frames are deeper): a RecursionError from the canonical-form check."""
+    import sys
+    _, body = split(files[0])
+    limit = sys.getrecursionlimit()
+    hazard = 0  # control: depths that parse but cannot be encoded, so the sweep reaches them
+    for depth in range(1, limit + 50):
+        h = b'{"__metadata__":{},"x":' + b"[" * depth + b"]" * depth + b"}"
+        try:
+            parsed = json.loads(h)
+        except RecursionError:
+            continue
+        try:
+            ckpt._canonical(parsed)
+        except RecursionError:
+            hazard += 1
+        raw = struct.pack("<Q", len(h) + (-len(h) % 8)) + h + b" " * (-len(h) % 8) + body
+        with pytest.raises(HslmError, match="damaged|nested too deeply"):
+            ckpt.parse(raw, "x.bin")
+    assert hazard > 0
+    h = b'{"__metadata__":{},"x":' + b"[" * 65 + b"]" * 65 + b"}"
+    with pytest.raises(HslmError, match="nested too deeply"):
+        ckpt.parse(struct.pack("<Q", len(h)) + h + body, "x.bin")
