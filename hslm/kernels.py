@@ -81,7 +81,7 @@ def ternary_panels(P, poffs, alpha, t, a, b, X, Y):
                          alpha[t], Y)
 
 
-@kernel_entry(allocates=True)
+@kernel_inner(allocates=True)
 def output_grad_panels(DY, PD):
     """DY [n, b] (an output gradient) in column panels of WGRAD_PANEL, zero past
     column b, into the flat scratch PD (>= n b + WGRAD_PANEL n); returns the
@@ -150,7 +150,7 @@ PREFETCH_FOR_READING = make_prefetch_for_reading()
 PREFETCH_TO_L2 = make_prefetch_to_l2()
 
 
-@kernel_entry
+@kernel_inner
 def active_masks(X, j0, j1, M):
     """M[w, j] for j0 <= j < j1: bit t % 64 of word w = t // 64 set where X[t, j] > 0.0
     (X [k, F]: the ReLU's outputs at the scored positions; a NaN is not active).
@@ -189,7 +189,7 @@ def active_span(n, q):
     return v0 * ACTIVE_LANES, min(n, v1 * ACTIVE_LANES)
 
 
-@kernel_entry
+@kernel_inner
 def active_rows_grad(M, S, D, c0, c1, j0, j1, O, fresh):
     """O[j, c - c0] = base + sum_t S[t, j] D[t, c] for j0 <= j < j1, c0 <= c < c1 (at
     least ACTIVE_LANES columns), base O[j, c - c0] or, where fresh, 0.0: one window's
@@ -252,7 +252,7 @@ def aligned_rows(X, flat, start):
     return out
 
 
-@kernel_entry
+@kernel_inner
 def transpose_rows(T, G):
     """G [w, F] = T^T, T [F, w]: W_up's transposed sums into G, and G's rows into them
     where a sum goes on. In blocks of 8 x 8, which LLVM transposes in vector registers

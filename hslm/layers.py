@@ -416,14 +416,14 @@ def rotary_backward(dv, cos, sin, p, H, dh):
 
 
 # ------------------------------------------------------ causal attention
-@kernel_entry
+@kernel_inner
 def cache_panels(A, w, b, p0, p1, H, dh):
     """Rows p0..p1-1's keys and values into the forward's panels of the cache (A.k_cols,
     A.v_rows)."""
     panels_of(A.k[w, b], A.v[w, b], p0, p1, H, dh, A.k_cols[w, b], A.v_rows[w, b])
 
 
-@kernel_entry
+@kernel_inner
 def backward_panels(A, w, b, p0, p1, H, dh, VC, KR):
     """The backward's panels of rows p0..p1-1 of the cache, into a thread's scratch: v by
     column (VC), k by row (KR). Made from k and v where a block's backward starts, as the
@@ -460,7 +460,7 @@ def panels_of(C, R, p0, p1, H, dh, CC, RR):
                     dst[c] = src[c]
 
 
-@kernel_entry(allocates=True)
+@kernel_inner(allocates=True)
 def attention_rows(Q, KC, VR, p0, p1, H, dh, scale, AP, O):
     """Causal attention of positions p0..p1-1, each over rows 0..p.
     Q [L, d] (queries), the cache in panels (cache_panels) -> AP [L, H, >= p+1]
@@ -555,7 +555,7 @@ def attention_softmax(a, p):
         a[j] = a[j] / z
 
 
-@kernel_entry(allocates=True)
+@kernel_inner(allocates=True)
 def attention_rows_backward(Q, VC, KR, AP, s, r0, r1, H, dh, scale, DO, DQ, DK, DV):
     """Gradient of the attention of record rows r0..r1-1 (positions p = s + r) through
     each row's own q, k_p and v_p only: earlier keys and values are constants of

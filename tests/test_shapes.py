@@ -211,8 +211,8 @@ def test_attention_in_panels_gives_the_plain_sums_bit_for_bit(heads, head_width,
     below, at and past a panel (ATTN_PANEL columns) and past two; the rows in ranges
     that start and end inside a group of ATTN_GROUP, the backward's from a record row
     s > 0 as well. The control: the scores summed over e in reverse give other bits."""
-    from hslm.layers import (alloc_acts, alloc_scratch, attention_rows, attention_rows_backward,
-                             backward_panels, cache_panels)
+    from hslm.layers import alloc_acts, alloc_scratch
+    from kernel_entries import attention_rows, attention_rows_backward, backward_panels, cache_panels
     d = heads * head_width
     cfg = Config(vocab=31, width=d, heads=heads, head_width=head_width, mlp=9, blocks=1,
                  window=window, vsa_dim=4 * d)
@@ -447,7 +447,7 @@ def test_the_relu_weight_gradient_over_active_positions_is_the_dense_sum(k, F, n
     the narrower tile), a mask of two words (k > 64) and the overlapping last vector.
     Negative controls: the positions summed in reverse, or one active position left out,
     give other bits."""
-    from hslm.kernels import active_masks, active_rows_grad
+    from kernel_entries import active_masks, active_rows_grad
     rng = np.random.default_rng(k * F + n)
     relu = np.maximum(rng.standard_normal((k, F)), 0.0)
     relu[:, 0] = 0.0  # a unit never active: its row is 0.0 + 0.0
@@ -495,7 +495,7 @@ def test_active_masks_set_the_bits_of_positive_entries_in_their_columns_only(k, 
     > 0.0 (NaN, -0.0, +0.0 and negatives are not), for j0 <= j < j1, over masks that held
     other bits; the columns outside are left as they were (a team's W_down makes its own
     units' masks). Control: a mask with one bit flipped differs."""
-    from hslm.kernels import active_masks
+    from kernel_entries import active_masks
     rng = np.random.default_rng(k * 7 + F + j0)
     X = rng.standard_normal((k, F))
     X[rng.random((k, F)) < 0.1] = np.nan
@@ -524,7 +524,7 @@ def test_wup_transposes_copy_every_element_and_nothing_else(F, w):
     """transpose_rows (W_up's sums between G and its scratch, in 8 x 8 blocks) is the
     transpose, on shapes with and without whole blocks, into the rows of a wider G that
     it must leave alone past column F."""
-    from hslm.kernels import transpose_rows
+    from kernel_entries import transpose_rows
     T = np.random.default_rng(F * 31 + w).standard_normal((F, w))
     G = np.full((w, F + 3), np.nan)
     transpose_rows(T, G[:, :F])
