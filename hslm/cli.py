@@ -355,7 +355,12 @@ def bench_compare(ctx, reports):
                 ArithmeticError) as e:  # a tok/s of 0, say
             raise HslmError(f"{name}: not an hslm bench report ({type(e).__name__}: "
                             f"{str(e)[:80]})") from None
-    lines, differ = compare_reports(named)
+    try:  # (paths only a comparison of two reports takes: duplicate entries, say)
+        lines, differ = compare_reports(named)
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError,
+            ArithmeticError) as e:
+        raise HslmError(f"the reports do not compare: one is not an hslm bench report "
+                        f"({type(e).__name__}: {str(e)[:80]})") from None
     for line in lines:
         click.echo(line)
     ctx.exit(1 if differ else 0)
@@ -448,6 +453,11 @@ def run_command(argv):
         sys.exit(130)
     except HslmError as e:
         click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except OSError as e:  # a safety net: a path the checks did not foresee (a name too
+        # long, a folder that may not be searched) is still one line
+        where = f"{e.filename}: " if e.filename is not None else ""
+        click.echo(f"error: {where}{e.strerror or e}", err=True)
         sys.exit(2)
     except MemoryError:  # a safety net: sizes are judged before allocating, but estimates err
         click.echo("error: out of memory (try a smaller --batch, model or corpus, or fewer "

@@ -18,16 +18,27 @@ def read_metrics(path):
         try:
             r = json.loads(line)
             if r.get("kind") == "train":
-                train.append((int(r["step"]), float(r["loss"])))
+                train.append(_point(r, "loss"))
             elif r.get("kind") == "eval":
-                valid.append((int(r["step"]), float(r["valid_loss"])))
-        except (ValueError, KeyError, TypeError, AttributeError):
+                valid.append(_point(r, "valid_loss"))
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError):
             raise HslmError(f"{path}:{n} is not a metrics record") from None
     if not train and not valid:
         raise HslmError(f"{path} holds no training or validation records")
     # a run killed after its last checkpoint and resumed appends the steps since again
     # (with the same values: the bytes do not change): one point a step, the last written
     return sorted(dict(train).items()), sorted(dict(valid).items())
+
+
+def _point(record, key):
+    """(step, loss) of a record as hslm train writes it: the step an integer, the loss a
+    number (NaN or infinite where training diverged); else a ValueError."""
+    step, loss = record["step"], record[key]
+    if not (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
+        raise ValueError("step")
+    if not isinstance(loss, (int, float)) or isinstance(loss, bool):
+        raise ValueError("loss")
+    return step, float(loss)  # (an integer past a double's range: OverflowError)
 
 
 def check_output(output):

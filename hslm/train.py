@@ -498,8 +498,8 @@ def open_run(o: TrainOptions):
     check_fits(memory_estimate(cfg, hyper.batch, o.threads, o.speed),
                f"--model {o.model} with --batch {hyper.batch} on {o.threads} thread(s)")
     held = [hold_out_dir(out)]
-    tidy_cache_dir(token_cache_dir(o.cache_dir, out), out)
     with releasing_on_error(held):
+        tidy_cache_dir(token_cache_dir(o.cache_dir, out), out)
         corpus = load_corpus_compiling(o, cfg, lambda: load_corpus(
             o.data, cfg, cache_dir=token_cache_dir(o.cache_dir, out)), hyper.batch)
         run = Run.fresh(cfg, hyper, corpus, plain=SPEEDS[o.speed].plain_layouts)

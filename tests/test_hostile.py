@@ -796,3 +796,45 @@ def test_a_failed_run_removes_its_folder_before_letting_go_of_it():
         with releasing_on_error([held]):
             raise KeyboardInterrupt
     assert calls == ["remove", "release"]
+
+
+@pytest.mark.parametrize("record", [
+    '{"kind": "train", "step": 1e999, "loss": 1.0}', '{"kind": "train", "step": 2.7, "loss": 1}',
+    '{"kind": "train", "step": true, "loss": 1.0}', '{"kind": "train", "step": -1, "loss": 1.0}',
+    pytest.param('{"kind": "train", "step": 1, "loss": ' + "9" * 400 + "}", id="long-loss"),
+    '{"kind": "eval", "step": 1, "valid_loss": "3"}', '{"kind": "train", "step": 1, "loss": true}',
+    pytest.param("[" * 100000, id="nested"),
+])
+def test_a_metrics_line_hslm_never_writes_is_one_line(tmp_path, record):
+    """hslm plot: OverflowError and RecursionError tracebacks before, and a step of 2.7
+    or true or a loss of "3" half-believed (as 2, 1 and 3.0)."""
+    m = tmp_path / "m.jsonl"
+    m.write_text('{"kind": "train", "step": 0, "loss": 6.5}\n' + record + "\n")
+    line = one_line_error(*hslm("plot", m, "-o", tmp_path / "p.png"))
+    assert f"{m}:2 is not a metrics record" in line, line
+
+
+def test_a_diverged_runs_metrics_still_plot(tmp_path):
+    """The control: hslm train writes NaN (json's NaN) for a loss that diverged."""
+    pytest.importorskip("matplotlib")
+    m = tmp_path / "m.jsonl"
+    m.write_text('{"kind": "train", "step": 1, "loss": 6.5}\n{"kind": "train", "step": 2, '
+                 '"loss": NaN}\n{"kind": "eval", "step": 2, "valid_loss": Infinity}\n')
+    code, out, err = hslm("plot", m, "-o", tmp_path / "p.png")
+    assert code == 0 and (tmp_path / "p.png").exists(), err
+
+
+def test_an_os_error_the_checks_did_not_foresee_is_one_line(tmp_path):
+    """A name too long for the file system reached pathlib's checks as an OSError
+    traceback (info, --model, --out); a token cache folder that cannot be made left the
+    output folder's lock behind."""
+    long = "a" * 300
+    for args in (("info", tmp_path / long), ("train", "--model", tmp_path / long),
+                 ("train", *TINY, "--steps", 1, "--out", tmp_path / long)):
+        assert "File name too long" in one_line_error(*hslm(*args))
+    env = {**os.environ, "HSLM_CACHE_DIR": str(tmp_path / long)}
+    p = subprocess.run([sys.executable, str(ROOT / "cli.py"), "train", *TINY, "--steps", "1",
+                        "--out", str(tmp_path / "o")], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert "File name too long" in one_line_error(p.returncode, p.stdout, p.stderr)
+    assert not (tmp_path / "o").exists()  # made by the run, removed with its lock

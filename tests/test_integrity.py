@@ -379,3 +379,24 @@ def test_a_header_nested_at_any_depth_is_refused_not_a_traceback(files):
     h = b'{"__metadata__":{},"x":' + b"[" * 65 + b"]" * 65 + b"}"
     with pytest.raises(HslmError, match="nested too deeply"):
         ckpt.parse(struct.pack("<Q", len(h)) + h + body, "x.bin")
+
+
+def test_diff_of_all_nan_tensors_and_of_deep_fields_is_plain(files, tmp_path):
+    """hslm diff: a tensor whose differing elements are all NaN printed numpy's
+    RuntimeWarning (with its source line); a metadata field nested past json's depth (a
+    data_source of 60,000 '[') stopped it with a RecursionError."""
+    import warnings
+
+    from hslm.inspect import _json_dict, diff_checkpoints
+    run = files[2]
+    paths = []
+    for i, value in enumerate((np.nan, -np.nan)):
+        theta = run.state.theta.copy()
+        theta[5] = value  # (two NaNs of other bits: the element differs, |diff| is NaN)
+        paths.append(tmp_path / f"nan{i}.bin")
+        paths[-1].write_bytes(ckpt.params_blob(run.cfg, theta, 1, run.corpus.tokenizer))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same, lines = diff_checkpoints(*paths)
+    assert not same and any("1 of" in line and "max |diff| nan" in line for line in lines)
+    assert _json_dict("[" * 60000) is None and _json_dict('{"a": 1}') == {"a": 1}
