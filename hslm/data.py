@@ -56,6 +56,11 @@ def builtin_text() -> str:
     return raw.decode("utf-8")
 
 
+# Texts of at most SHORT_TEXT bytes (a prompt) are merged without bpe.run's tables
+# where those would take more than SHORT_TEXT_TABLES bytes (a vocabulary over 1,182).
+SHORT_TEXT, SHORT_TEXT_TABLES = 4096, 64 << 20
+
+
 class Tokenizer:
     def __init__(self, vocab: int, merges: np.ndarray):
         self.vocab = vocab
@@ -64,6 +69,7 @@ class Tokenizer:
         for a, b in self.merges:
             pieces.append(pieces[a] + pieces[b])
         self.pieces = pieces
+        self._ranks = None  # {pair: merge}, made when a short text needs it (encode)
 
     @classmethod
     def train(cls, text: str, vocab: int) -> "Tokenizer":
@@ -75,8 +81,38 @@ class Tokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         seq = _bytes_to_ids(text, self.vocab)
+        need = bpe.memory_needed(self.vocab, seq.shape[0], learn=False)
+        if need > SHORT_TEXT_TABLES and seq.shape[0] <= SHORT_TEXT:
+            return np.array(self._merged_by_rank(seq.tolist()), np.int64)
+        check_fits(need, f"encoding {seq.shape[0]:,} bytes with a vocabulary of {self.vocab:,}")
         _, n = bpe.run(seq, self.vocab, merges=self.merges)
         return seq[:n].astype(np.int64)
+
+    def _merged_by_rank(self, ids: list) -> list:
+        """bpe.run's merges applied to a short text without its vocab^2 tables (48 vocab^2
+        bytes: 3 GB at a vocabulary of 8,192, for a prompt of a few words): the merge of
+        lowest rank among the adjacent pairs, at each of its places from left to right,
+        until no pair has one. The same tokens as merge after merge in rank order, since
+        a merge makes only pairs of higher rank (their ids are larger than any that an
+        earlier merge joins)."""
+        if self._ranks is None:
+            self._ranks = {(int(a), int(b)): m for m, (a, b) in enumerate(self.merges)}
+        ranks, none = self._ranks, len(self.merges)
+        while len(ids) > 1:
+            m = min((ranks.get(p, none) for p in zip(ids, ids[1:])))
+            if m == none:
+                break
+            a, b = int(self.merges[m, 0]), int(self.merges[m, 1])
+            out, i = [], 0
+            while i < len(ids):
+                if ids[i] == a and i + 1 < len(ids) and ids[i + 1] == b:
+                    out.append(FIRST_MERGE + m)
+                    i += 2
+                else:
+                    out.append(ids[i])
+                    i += 1
+            ids = out
+        return ids
 
     def decode_bytes(self, ids) -> bytes:
         return b"".join(self.pieces[int(i)] if 0 <= int(i) < len(self.pieces) else b""
@@ -116,8 +152,17 @@ class Tokenizer:
                         and all(is_int(x) and BYTE0 <= x < FIRST_MERGE + m for x in pair)):
                     raise Invalid(f"merge {m} is {str(pair)[:40]}, not a pair of ids from "
                                   f"{BYTE0} to {FIRST_MERGE + m - 1}")
+            # each merge's piece is as long as its two parts: 40 merges of a piece with
+            # itself make one of 2^40 bytes (a file of 253 KB asked for terabytes)
+            length = [0] * N_SPECIAL + [1] * 256
+            for a, b in merges:
+                length.append(length[a] + length[b])
+                if length[-1] >= 1 << 32:
+                    raise Invalid(f"merge {len(length) - FIRST_MERGE - 1} makes a piece of "
+                                  f"{length[-1]:,} bytes, longer than any text hslm reads")
         except Invalid as e:
             raise HslmError(f"tokenizer is not valid: {e}") from None
+        check_fits(sum(length), "the tokenizer's pieces")
         return cls(vocab, np.array(merges, np.int64).reshape(-1, 2))
 
 

@@ -145,3 +145,56 @@ def test_integers_drawn_in_chunks_are_one_draws_values():
     one_draw(a, count, 2 ** 62 + 1)
     b.raw(count + 1)
     assert a.state_json() != b.state_json()
+
+
+def test_a_short_text_merged_by_rank_gets_the_kernels_tokens():
+    """Tokenizer.encode merges a prompt without bpe.run's vocab^2 tables where they would
+    be large (_merged_by_rank): the same tokens as the kernel's, on texts of runs and
+    repeats (pairs like (a, a) overlapping), at three vocabularies."""
+    rng = np.random.default_rng(0)
+    text = "".join(rng.choice(["aa", "aaa", "ab", "ba", "the ", "cat ", "zzzz", "\u00e9", "\n"])
+                   for _ in range(20000))
+    compared = 0
+    for vocab in (300, 520, 729):
+        t = Tokenizer.train(text, vocab)
+        for trial in range(100):
+            n = int(rng.integers(0, 300))
+            i = int(rng.integers(0, len(text) - n))
+            s = text[i:i + n] if trial % 2 else "".join(rng.choice(list("abtz \u00e9\n"), n))
+            ids = (np.frombuffer(s.encode(), np.uint8).astype(np.int64) + 4).tolist()
+            kernel = t.encode(s).tolist()  # (small tables: the kernel's path)
+            assert t._merged_by_rank(ids) == kernel, (vocab, s)
+            compared += len(kernel) < len(ids)
+    assert compared > 100  # (control: most texts had merges to make)
+
+
+def test_a_prompt_for_a_large_vocabulary_needs_no_vocab_squared_tables():
+    """Encoding a few words for a vocabulary of 8,192 allocated 48 x 8,192^2 bytes (3 GB)
+    of merge tables; a prompt goes by rank now, in a few MB."""
+    import tracemalloc
+
+    from hslm import bpe
+    merges = [[4 + (i % 256), 4 + (i * 7 % 256)] for i in range(8192 - FIRST_MERGE)]
+    t = Tokenizer(8192, np.array(merges))
+    assert bpe.memory_needed(8192, 40, learn=False) > 3 << 30
+    tracemalloc.start()
+    ids = t.encode("a prompt of a few words, and some more")
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 64 << 20, peak
+    assert t.decode(ids) == "a prompt of a few words, and some more" and len(ids) < 39
+
+
+@pytest.mark.parametrize("doubling", [33, 40])
+def test_a_tokenizer_whose_pieces_would_not_fit_is_refused(doubling):
+    """Merges of a piece with itself double it: 40 of them in a 253 KB file asked for a
+    piece of 2^40 bytes when the tokenizer was built."""
+    import json
+
+    from hslm.errors import HslmError
+    merges = [[4 + 97, 4 + 97]] + [[FIRST_MERGE + m, FIRST_MERGE + m] for m in range(doubling)]
+    s = json.dumps({"format": "hslm-bpe", "version": 1, "vocab": 729, "merges": merges})
+    with pytest.raises(HslmError, match="tokenizer is not valid: merge .* longer than any text"):
+        Tokenizer.from_json(s)
+    ok = json.dumps({"format": "hslm-bpe", "version": 1, "vocab": 729, "merges": merges[:20]})
+    assert len(Tokenizer.from_json(ok).pieces[-1]) == 1 << 20  # (control: 1 MB is a piece)
