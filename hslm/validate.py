@@ -13,6 +13,8 @@ import math
 import os
 import re
 
+import numpy as np
+
 from .errors import HslmError
 from .hyper import HYPER_PARAMS
 
@@ -64,7 +66,7 @@ def parse_json(text, what: str, limit: int = MAX_JSON):
         raise Invalid(f"{what} is nested too deeply") from None
     except (ValueError, TypeError) as e:
         raise Invalid(f"{what} is not valid JSON ({str(e)[:80]})") from None
-    if _depth(value) > MAX_JSON_DEPTH:  # (what parses may not be encodable again: the
+    if _depth(text) > MAX_JSON_DEPTH:  # (what parses may not be encodable again: the
         # encoder's frames are deeper than the parser's, a RecursionError just past it)
         raise Invalid(f"{what} is nested too deeply (more than {MAX_JSON_DEPTH} levels)")
     return value
@@ -72,19 +74,19 @@ def parse_json(text, what: str, limit: int = MAX_JSON):
 
 # No JSON hslm reads (configs, hyper-parameters, checkpoint headers) nests beyond 5 levels.
 MAX_JSON_DEPTH = 64
+_JSON_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
 
 
-def _depth(value) -> int:
-    """How deeply lists and objects nest in a parsed JSON value (a scalar: 0), without
-    recursion."""
-    deepest, todo = 0, [(value, 1)]
-    while todo:
-        v, d = todo.pop()
-        items = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
-        if items is not None:
-            deepest = max(deepest, d)
-            todo.extend((x, d + 1) for x in items)
-    return deepest
+def _depth(text: str) -> int:
+    """How deeply lists and objects nest in valid JSON text: its brackets outside
+    strings, counted (a tokenizer's million merges in 0.1 s, where walking the parsed
+    value took seconds)."""
+    step = _BRACKETS[np.frombuffer(_JSON_STRINGS.sub("", text).encode(), np.uint8)]
+    return int(np.cumsum(step, dtype=np.int64).max()) if step.size else 0
+
+
+_BRACKETS = np.zeros(256, np.int8)
+_BRACKETS[[ord("["), ord("{")]], _BRACKETS[[ord("]"), ord("}")]] = 1, -1
 
 
 def is_int(v) -> bool:
