@@ -366,3 +366,33 @@ def test_the_checksum_compiles_once_for_every_kind_of_input():
     assert typeof(writable) != typeof(read_only)
     assert checksum(writable) == checksum(read_only)
     assert len(_lanes.signatures) == 1, _lanes.signatures
+
+
+def test_a_fifo_or_a_device_under_a_cache_files_name_is_a_miss(tmp_path):
+    """A shared cache folder (HSLM_CACHE_DIR=/tmp): a FIFO named text-sha256.json hung
+    the run forever, and a link to /dev/zero under a cache file's name filled memory.
+    Each is a miss now; the same names as regular files are read (the control)."""
+    import threading
+    sha = hashlib.sha256(b"x").hexdigest()
+    fifo_dir, dev_dir = tmp_path / "fifo", tmp_path / "dev"
+    for d in (fifo_dir, dev_dir):
+        d.mkdir()
+    names = [token_cache.TEXT_SHA_MEMO, "bpe.json", "tokens.tok"]
+    for n in names:
+        os.mkfifo(fifo_dir / n)
+        os.symlink("/dev/zero", dev_dir / n)
+    results = []
+
+    def look(d):
+        results.append((token_cache._memo_entries(d),
+                        token_cache.read_tokenizer(d / "bpe.json", sha),
+                        token_cache.open_tokens(d / "tokens.tok", sha, sha)))
+
+    for d in (fifo_dir, dev_dir):
+        t = threading.Thread(target=look, args=(d,), daemon=True)
+        t.start()
+        t.join(timeout=60)
+        assert not t.is_alive(), f"hung on {d}"
+    assert results == [([], None, None)] * 2
+    token_cache.remember_text_sha256(tmp_path, [["a", 1]], sha)  # the control
+    assert token_cache.recall_text_sha256(tmp_path, [["a", 1]]) == sha
