@@ -279,6 +279,8 @@ class Corpus:
         src = text if isinstance(text, TextSource) else TextSource(text=text, label=source)
         if src.size == 0:
             raise HslmError(f"the corpus is empty ({source})")
+        if src.size >= 2 ** 32 - 1:  # (before the text is read to be hashed: hours at 1 TB)
+            raise HslmError(f"the corpus is {src.size:,} bytes; at most 4 GiB is supported")
         self.source = source
         for rehash in (False, True):
             self.text_sha256 = hash_text(src, cache_dir, rehash)

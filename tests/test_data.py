@@ -198,3 +198,21 @@ def test_a_tokenizer_whose_pieces_would_not_fit_is_refused(doubling):
         Tokenizer.from_json(s)
     ok = json.dumps({"format": "hslm-bpe", "version": 1, "vocab": 729, "merges": merges[:20]})
     assert len(Tokenizer.from_json(ok).pieces[-1]) == 1 << 20  # (control: 1 MB is a piece)
+
+
+def test_a_text_past_4_gib_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    """The whole text was hashed before its size was judged: a 1 TB sparse file read for
+    hours before the refusal."""
+    from hslm import data
+    from hslm.errors import HslmError
+    from hslm.textsource import TextSource
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as f:
+        f.truncate(1 << 32)  # (sparse: no disk used)
+    monkeypatch.setattr(data, "hash_text", lambda *a, **k: pytest.fail("the text was read"))
+    with pytest.raises(HslmError, match="at most 4 GiB"):
+        Corpus(TextSource(paths=[big]), 729, 27, "big")
+    small = tmp_path / "small.txt"
+    small.write_text("hello")
+    with pytest.raises(pytest.fail.Exception, match="the text was read"):  # (the control)
+        Corpus(TextSource(paths=[small]), 729, 27, "small")
