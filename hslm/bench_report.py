@@ -156,12 +156,15 @@ def source_commit():
     return head.stdout.strip()[:12] + ("+" if dirty.stdout.strip() else "")
 
 
+MAX_REPORT = 64 << 20  # bytes of a bench report (a large one is under 1 MB)
+
+
 def load_report(path) -> dict:
     """A report `hslm bench --json` wrote, or an HslmError saying why it is not one."""
     import json
     from .errors import read_bytes
     try:
-        report = json.loads(read_bytes(path, "bench report"))
+        report = json.loads(read_bytes(path, "bench report", limit=MAX_REPORT))
     except RecursionError:  # '[' * 100000: json recurses once a level
         raise HslmError(f"{path}: not a JSON bench report (nested too deeply)") from None
     except (UnicodeDecodeError, ValueError) as e:

@@ -99,11 +99,12 @@ def refuse_unless_file(path, flag: str):
     return mode
 
 
-def read_bytes(path, what: str) -> bytes:
+def read_bytes(path, what: str, limit: int | None = None) -> bytes:
     """A regular file's bytes, or an HslmError naming `what` the file is ("checkpoint",
     ...). A device, FIFO or socket is refused before a byte is read: /dev/zero would
     fill memory and a FIFO would wait for a writer (opened non-blocking, so a FIFO
-    with no writer does not hang the open either)."""
+    with no writer does not hang the open either); so is a file of more than `limit`
+    bytes (a --model of 3 GB was read whole, 15 s, before its size was judged)."""
     import os
     import stat
     p = Path(path)
@@ -125,6 +126,10 @@ def read_bytes(path, what: str) -> bytes:
         if stat.S_ISDIR(mode):
             raise HslmError(f"{what} path is a directory: {p}")
         raise HslmError(f"{what} {p} is not a regular file")
+    size = os.fstat(fd).st_size
+    if limit is not None and size > limit:
+        os.close(fd)
+        raise HslmError(f"{what} {p} is {size:,} bytes, more than the {limit:,} allowed")
     with os.fdopen(fd, "rb") as f:
         try:
             return f.read()

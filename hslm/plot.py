@@ -9,7 +9,7 @@ from .errors import HslmError, read_bytes
 def read_metrics(path):
     train, valid = [], []
     try:
-        lines = read_bytes(path, "metrics file").decode("utf-8").splitlines()
+        lines = read_bytes(path, "metrics file", limit=1 << 30).decode("utf-8").splitlines()
     except UnicodeDecodeError as e:
         raise HslmError(f"metrics file {path} is not UTF-8 text (offset {e.start})") from None
     for n, line in enumerate(lines, 1):

@@ -393,10 +393,7 @@ def resolve_config(model: str) -> Config:
     if not (model.endswith(".json") or path.exists()):
         raise HslmError(f"unknown --model {model!r}: give a preset ({', '.join(PRESETS)}) "
                         "or a JSON file of config fields")
-    raw = read_bytes(path, "model config")
-    if len(raw) > 65536:
-        raise HslmError(f"model config {path} is {len(raw):,} bytes; a config is a small "
-                        "JSON object")
+    raw = read_bytes(path, "model config", limit=65536)  # (a config is a small JSON object)
     try:
         return Config.from_dict(json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys))
     except (ValueError, TypeError, RecursionError, UnicodeDecodeError) as e:

@@ -838,3 +838,18 @@ def test_an_os_error_the_checks_did_not_foresee_is_one_line(tmp_path):
                        timeout=300)
     assert "File name too long" in one_line_error(p.returncode, p.stdout, p.stderr)
     assert not (tmp_path / "o").exists()  # made by the run, removed with its lock
+
+
+@pytest.mark.parametrize("command,name,allowed", [
+    (("train", "--model"), "big.json", "65,536"), (("plot",), "m.jsonl", "1,073,741,824"),
+    (("bench-compare", ROOT / "docs" / "bench" / "threads.json"), "r.json", "67,108,864"),
+])
+def test_a_huge_small_file_is_refused_by_its_size_before_it_is_read(tmp_path, command, name,
+                                                                     allowed):
+    """A --model JSON of 3 GB was read whole (15 s, then a memory error where memory is
+    short) before its size was judged; so were metrics files and bench reports."""
+    big = tmp_path / name
+    with open(big, "wb") as f:
+        f.truncate(3 << 30)  # (sparse: no disk used)
+    line = one_line_error(*hslm(*command, big))
+    assert f"is 3,221,225,472 bytes, more than the {allowed} allowed" in line, line
