@@ -306,8 +306,8 @@ def _inlined_parts_not_copied():
 
 
 def _not_copying_inline_function():
-    """_inlined_parts_not_copied's change, made once; False where this Numba's inliner is
-    not the one it mirrors."""
+    """_inlined_parts_not_copied's change, made once, where this Numba's inliner is the
+    one it mirrors."""
     import copy
     import threading
 
@@ -316,12 +316,12 @@ def _not_copying_inline_function():
         worker = ic.InlineWorker
         numba_inline_function = worker.inline_function
     except (ImportError, AttributeError):
-        return False
+        return
     if getattr(numba_inline_function, "numba_inline_function", None) is not None:
-        return True
+        return
     names = set(numba_inline_function.__code__.co_names)
     if getattr(ic, "copy", None) is not copy or not {"run_untyped_passes", "inline_ir"} <= names:
-        return False  # not the two steps mirrored below
+        return  # not the two steps mirrored below
     fresh = threading.local()
 
     class CopyModule:
@@ -347,7 +347,6 @@ def _not_copying_inline_function():
     inline_function.numba_inline_function = numba_inline_function  # (a test's control)
     ic.copy = CopyModule()
     worker.inline_function = inline_function
-    return True
 
 
 _stop_quietly_while_starting()

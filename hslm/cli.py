@@ -348,17 +348,17 @@ def bench_compare(ctx, reports):
     if len(reports) < 2:
         raise HslmError("bench-compare needs two reports or more (hslm bench --json FILE)")
     named = [(str(p), load_report(p)) for p in reports]
+    # what a field of the wrong shape raises (a tok/s of 0: ArithmeticError)
+    malformed = (TypeError, ValueError, KeyError, AttributeError, IndexError, ArithmeticError)
     for name, report in named:  # each against itself first: a bad field names its file
         try:
             compare_reports([(name, report), (name, report)])
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError,
-                ArithmeticError) as e:  # a tok/s of 0, say
+        except malformed as e:
             raise HslmError(f"{name}: not an hslm bench report ({type(e).__name__}: "
                             f"{str(e)[:80]})") from None
     try:  # (paths only a comparison of two reports takes: duplicate entries, say)
         lines, differ = compare_reports(named)
-    except (TypeError, ValueError, KeyError, AttributeError, IndexError,
-            ArithmeticError) as e:
+    except malformed as e:
         raise HslmError(f"the reports do not compare: one is not an hslm bench report "
                         f"({type(e).__name__}: {str(e)[:80]})") from None
     for line in lines:

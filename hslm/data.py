@@ -181,6 +181,11 @@ def _check_vocab(vocab):
                         f"(needs at least {FIRST_MERGE})")
 
 
+def _check_size(src: TextSource):
+    if src.size >= 2 ** 32 - 1:  # (bpe.run's positions are 32-bit)
+        raise HslmError(f"the corpus is {src.size:,} bytes; at most 4 GiB is supported")
+
+
 def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_dir=None):
     """(tokenizer, token stream) for a scanned text: from the token cache when it holds
     them, else learned (tokenizer None) or encoded, and then cached. The stream is
@@ -206,8 +211,7 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
             return tokenizer, arr
     if tokenizer is None:
         _check_vocab(vocab)
-    if src.size >= 2 ** 32 - 1:
-        raise HslmError(f"the corpus is {src.size:,} bytes; at most 4 GiB is supported")
+    _check_size(src)
     check_fits(bpe.memory_needed(vocab, src.size, learn=tokenizer is None),
                f"{'learning' if tokenizer is None else 'applying'} a tokenizer of vocabulary "
                f"{vocab:,} on {src.size:,} bytes of text")
@@ -279,8 +283,7 @@ class Corpus:
         src = text if isinstance(text, TextSource) else TextSource(text=text, label=source)
         if src.size == 0:
             raise HslmError(f"the corpus is empty ({source})")
-        if src.size >= 2 ** 32 - 1:  # (before the text is read to be hashed: hours at 1 TB)
-            raise HslmError(f"the corpus is {src.size:,} bytes; at most 4 GiB is supported")
+        _check_size(src)  # (before the text is read to be hashed: hours at 1 TB)
         self.source = source
         for rehash in (False, True):
             self.text_sha256 = hash_text(src, cache_dir, rehash)

@@ -99,12 +99,13 @@ def refuse_unless_file(path, flag: str):
     return mode
 
 
-def read_bytes(path, what: str, limit: int | None = None) -> bytes:
-    """A regular file's bytes, or an HslmError naming `what` the file is ("checkpoint",
-    ...). A device, FIFO or socket is refused before a byte is read: /dev/zero would
-    fill memory and a FIFO would wait for a writer (opened non-blocking, so a FIFO
-    with no writer does not hang the open either); so is a file of more than `limit`
-    bytes (a --model of 3 GB was read whole, 15 s, before its size was judged)."""
+def open_regular(path, what: str, limit: int | None = None):
+    """(file, size): a regular file opened for reading (binary), or an HslmError naming
+    `what` the file is ("checkpoint", ...). A device, FIFO or socket is refused before a
+    byte is read: /dev/zero would fill memory and a FIFO would wait for a writer (opened
+    non-blocking, so a FIFO with no writer does not hang the open either); so is a file
+    of more than `limit` bytes (a --model of 3 GB was read whole, 15 s, before its size
+    was judged)."""
     import os
     import stat
     p = Path(path)
@@ -117,21 +118,26 @@ def read_bytes(path, what: str, limit: int | None = None) -> bytes:
     except OSError as e:
         raise HslmError(f"cannot read {what} {p}: {e.strerror}") from None
     try:
-        mode = os.fstat(fd).st_mode
+        st = os.fstat(fd)
     except OSError as e:
         os.close(fd)
         raise HslmError(f"cannot read {what} {p}: {e.strerror}") from None
-    if not stat.S_ISREG(mode):
+    if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        if stat.S_ISDIR(mode):
+        if stat.S_ISDIR(st.st_mode):
             raise HslmError(f"{what} path is a directory: {p}")
         raise HslmError(f"{what} {p} is not a regular file")
-    size = os.fstat(fd).st_size
-    if limit is not None and size > limit:
+    if limit is not None and st.st_size > limit:
         os.close(fd)
-        raise HslmError(f"{what} {p} is {size:,} bytes, more than the {limit:,} allowed")
-    with os.fdopen(fd, "rb") as f:
+        raise HslmError(f"{what} {p} is {st.st_size:,} bytes, more than the {limit:,} allowed")
+    return os.fdopen(fd, "rb"), st.st_size
+
+
+def read_bytes(path, what: str, limit: int | None = None) -> bytes:
+    """A regular file's bytes (open_regular: the same refusals), or an HslmError."""
+    f, _ = open_regular(path, what, limit)
+    with f:
         try:
             return f.read()
         except OSError as e:
-            raise HslmError(f"cannot read {what} {p}: {e.strerror}") from None
+            raise HslmError(f"cannot read {what} {path}: {e.strerror}") from None

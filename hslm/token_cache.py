@@ -26,14 +26,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import stat
 from pathlib import Path
 
 import numpy as np
 from numba import njit
 
 from .checkpoint import write_atomic
-from .errors import HslmError
+from .errors import HslmError, open_regular, read_bytes
 from .validate import MAX_JSON
 
 MAGIC = b"HSLMTOK2"
@@ -141,50 +140,15 @@ def write_tokens(path: Path, tokens: np.ndarray, text_sha256: str, identity: str
     _write(path, [header, memoryview(tokens).cast("B")])
 
 
-def _regular_file(path):
-    """A cache file opened for reading (binary), with its size, or None: missing, or not
-    a regular file. Opened non-blocking, so a FIFO planted under a cache file's name in a
-    shared folder does not hang the run, and a device (a link to /dev/zero) is not read."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-    except OSError:
-        os.close(fd)
-        return None
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        return None
-    return os.fdopen(fd, "rb"), st.st_size
-
-
-def _cache_text(path, limit: int) -> str:
-    """A cache file's UTF-8 text, of at most `limit` bytes; an OSError or ValueError
-    (the caller's miss) otherwise."""
-    opened = _regular_file(path)
-    if opened is None:
-        raise OSError(f"{path} is not a regular file")
-    f, size = opened
-    with f:
-        if size > limit:
-            raise ValueError(f"{path} is larger than a cache file of its kind")
-        return f.read(limit + 1).decode("utf-8")
-
-
 def open_tokens(path: Path, text_sha256: str, identity: str):
     """The memory-mapped tokens, or None when the file is missing or not the one
     asked for (wrong header, truncated, or its checksum does not match)."""
     path = Path(path)
-    opened = _regular_file(path)
-    if opened is None:
-        return None
-    f, size = opened
-    try:
+    try:  # (a FIFO or a device under its name in a shared folder: a miss, errors.open_regular)
+        f, size = open_regular(path, "token file")
         with f:
             h = f.read(HEADER)
-    except OSError:
+    except (HslmError, OSError):
         return None
     if len(h) != HEADER or h[:8] != MAGIC:
         return None
@@ -218,12 +182,13 @@ def read_tokenizer(path: Path, text_sha256: str):
     """(tokenizer JSON, identity) remembered for this text, or None when there is none or it
     is from other rules; the caller checks the identity against the merges it parses."""
     try:
-        obj = json.loads(_cache_text(path, MAX_JSON + 4096))
+        obj = json.loads(read_bytes(path, "tokenizer cache", MAX_JSON + 4096).decode("utf-8"))
         if (obj.get("version") != TOKENIZER_CACHE_VERSION
                 or obj.get("text_sha256") != text_sha256 or not isinstance(obj["identity"], str)):
             return None
         return json.dumps(obj["tokenizer"], separators=(",", ":")), obj["identity"]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+    except (HslmError, OSError, ValueError, KeyError, TypeError, AttributeError,
+            RecursionError):
         return None
 
 
@@ -245,13 +210,15 @@ def memo_check(files, sha256: str) -> str:
 
 def _memo_entries(folder: Path):
     try:
-        obj = json.loads(_cache_text(Path(folder) / TEXT_SHA_MEMO, 256 << 20))
+        memo = read_bytes(Path(folder) / TEXT_SHA_MEMO, "text memo", 256 << 20)
+        obj = json.loads(memo.decode("utf-8"))
         if obj.get("version") != TEXT_SHA_MEMO_VERSION or not isinstance(obj["entries"], list):
             return []
         return [e for e in obj["entries"] if isinstance(e, dict) and _is_sha256(e.get("sha256"))
                 and isinstance(e.get("files"), list)
                 and e.get("check") == memo_check(e["files"], e["sha256"])]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+    except (HslmError, OSError, ValueError, KeyError, TypeError, AttributeError,
+            RecursionError):
         return []
 
 
