@@ -16,7 +16,7 @@ import click
 import numpy as np
 
 from . import checkpoint as ckpt
-from . import distributed
+from . import distributed, precise
 from .config import PRESETS, Config
 from .data import BUILTIN_SOURCE, Corpus, Tokenizer
 from .errors import (HslmError, raise_dropped_interrupt, raise_terminated, read_bytes,
@@ -39,12 +39,17 @@ DIVERGED = ("stopping without saving this step (checkpoints already written are 
 
 
 def perplexity(loss: float) -> float:
-    """exp(loss); inf where that is past the largest double (a diverged run's loss above
-    709.78), where math.exp would raise."""
-    try:
-        return math.exp(loss)
-    except OverflowError:
+    """exp(loss), correctly rounded (hslm.precise: math.exp is the C library's, whose
+    FMA and non-FMA variants differ in the last bit for about one loss in 1,400, and the
+    metrics file keeps all 17 digits); inf past the largest double (a diverged run's loss
+    above 709.78), NaN for NaN."""
+    if math.isnan(loss):
+        return loss
+    if loss > 710.0:  # (decimal's exp of a huge value would trap on its exponent range)
         return math.inf
+    if loss < -746.0:
+        return 0.0
+    return precise.to_f64(precise.CTX.exp(precise.D(loss)))
 
 
 def threads_note(threads: int) -> str:
@@ -300,6 +305,15 @@ class Run:
                             f"during the run): step {self.step} is saved in the folder it "
                             "locked, under its new name, and the run stops")
         return paths
+
+    def grad_norm(self) -> float:
+        """The whole gradient's L2 norm (before clipping), from the tensors' norms: their
+        squares added in tensor order (numpy's sum adds pairwise, in an order its version
+        chooses)."""
+        total = 0.0
+        for norm in self.norms:
+            total += float(norm) * float(norm)
+        return math.sqrt(total)
 
     def ternary_zero_share(self) -> float:
         """Share of zeros over all ternary matrices (|W| <= alpha / 2), counted when
@@ -727,7 +741,7 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
             progress.step(run.step, loss, run.lr_at(run.step), tok_s)
             if metrics.fd is not None:
                 write_metrics(kind="train", step=run.step, loss=loss, lr=run.lr_at(run.step),
-                              grad_norm=float(np.sqrt(np.sum(run.norms ** 2))), tok_s=tok_s,
+                              grad_norm=run.grad_norm(), tok_s=tok_s,
                               ternary_zero_share=run.ternary_zero_share())
             # MPI: the ranks agree on a stop and compare parameters (hslm/distributed.py).
             # The decision is the agreed value, never stop.signum read again: a signal

@@ -207,3 +207,27 @@ def test_tables_by_rotation_hold_the_doubles_of_each_angles_series():
         by_doubles = precise.rotations(Decimal(math.sin(f)), Decimal(math.cos(f)), cfg.window)
         rough += sum(precise.to_f64(s) != P[p, i] for p, (s, _) in enumerate(by_doubles))
     assert rough > 0
+
+
+def test_perplexity_and_grad_norm_in_the_metrics_do_not_depend_on_the_c_library_or_numpy():
+    """The metrics file keeps every digit of a validation perplexity and a gradient norm.
+    perplexity is exp(loss) correctly rounded, not the C library's exp (glibc's FMA
+    variant rounded exp(1.0757432886048393) to ...7353 where the exact value rounds to
+    ...735: about one loss in 1,400 differed from its non-FMA variant); grad_norm adds
+    the tensors' squared norms in tensor order, not numpy's pairwise order."""
+    from types import SimpleNamespace
+
+    from hslm.train import Run, perplexity
+    losses = [1.0757432886048393] + (0.5 + 8.5 * ((_I[:3000] * 0.6180339887498949) % 1.0)).tolist()
+    for loss in losses:
+        exact = REF.exp(Decimal(loss))
+        assert perplexity(loss) == float(exact), loss
+    # control: the comparison sees one ulp
+    assert math.nextafter(float(REF.exp(Decimal(losses[0]))), math.inf) != perplexity(losses[0])
+    norms = np.array([(i * 0.7548776662466927) % 1.0 * 10.0 ** (i % 7 - 3) for i in range(40)])
+    ordered = 0.0
+    for x in norms.tolist():
+        ordered += x * x
+    assert Run.grad_norm(SimpleNamespace(norms=norms)) == math.sqrt(ordered)
+    # control: numpy's pairwise sum takes another order, and here rounds differently
+    assert float(np.sqrt(np.sum(norms ** 2))) != math.sqrt(ordered)
