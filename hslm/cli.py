@@ -2,6 +2,7 @@
 the work is in the modules it calls (the run itself: hslm/train.py)."""
 from __future__ import annotations
 
+import codecs
 import functools
 import os
 import sys
@@ -244,11 +245,35 @@ def sample(ckpt_path, prompt, n_tokens, temperature, top_k, seed, data):
     # the text as it is drawn: an incremental decoder holds a character's first bytes
     # until its last arrives, and ends with the same text as decoding all the ids at once
     text = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    click.echo(prompt, nl=False)
-    sample_ids(Worker(cfg, DEFAULT_SPEED), state.kernel_model(), state.tables.vsa,
-               tok.encode(prompt), n_tokens, temperature, top_k, seed, cfg.window,
-               each=lambda t: click.echo(text.decode(tok.decode_bytes([t])), nl=False))
-    click.echo(text.decode(b"", final=True))
+    out = sys.stdout
+    if isinstance(out, ReaderGone):
+        out.keep_going = False  # the text is all sample makes: a reader gone ends it
+
+    def write(piece: str):
+        """The text as drawn, UTF-8 whatever the locale (the same bytes on every machine),
+        and unchanged: click.echo drops what looks like a terminal's colour codes when
+        stdout is not a terminal, so a file would not hold the tokens drawn."""
+        if isinstance(out, ReaderGone):
+            out.write_bytes(piece.encode("utf-8"))
+            if out.gone:
+                raise ReaderLeft
+        else:  # (a test's captured stream)
+            out.write(piece)
+            out.flush()
+
+    try:
+        write(prompt)
+        sample_ids(Worker(cfg, DEFAULT_SPEED), state.kernel_model(), state.tables.vsa,
+                   tok.encode(prompt), n_tokens, temperature, top_k, seed, cfg.window,
+                   each=lambda t: write(text.decode(tok.decode_bytes([t]))),
+                   drawable=len(tok.pieces))
+        write(text.decode(b"", final=True) + "\n")
+    except ReaderLeft:
+        pass
+
+
+class ReaderLeft(Exception):
+    """The reader of `hslm sample`'s output went away: nothing more to draw for."""
 
 
 @cli.command()
@@ -370,12 +395,15 @@ class ReaderGone:
     """sys.stdout and sys.stderr for the CLI: when the reader of a pipe goes away (`hslm
     train | head`, `2>&1 | head`), that stream's output goes to /dev/null from then on and
     the run goes on, saving as it would, instead of the BrokenPipeError that would stop
-    it unsaved (click exits 1 on one). A closed standard output is noted on stderr."""
+    it unsaved (click exits 1 on one). A closed standard output is noted on stderr,
+    unless the command's only product is that output (keep_going False: `hslm sample`
+    stops at its next token, as `head`'s writer would)."""
 
     def __init__(self, stream, note=None):
         self._stream = stream
         self._note = note
-        self._gone = False
+        self.gone = False
+        self.keep_going = True
 
     def write(self, text):
         try:
@@ -384,6 +412,15 @@ class ReaderGone:
             self._drop()
             return len(text)
 
+    def write_bytes(self, data: bytes):
+        """data as they are, past the text layer (flushed first, so the order holds)."""
+        try:
+            self._stream.flush()
+            self._stream.buffer.write(data)
+            self._stream.buffer.flush()
+        except BrokenPipeError:
+            self._drop()
+
     def flush(self):
         try:
             self._stream.flush()
@@ -391,13 +428,13 @@ class ReaderGone:
             self._drop()
 
     def _drop(self):
-        if self._gone:
+        if self.gone:
             return
-        self._gone = True
+        self.gone = True
         null = os.open(os.devnull, os.O_WRONLY)
         os.dup2(null, self._stream.fileno())  # what is still buffered goes there too
         os.close(null)
-        if self._note:
+        if self._note and self.keep_going:
             print(self._note, file=sys.stderr, flush=True)  # (stderr may be gone as well)
 
     def __getattr__(self, name):
@@ -405,7 +442,9 @@ class ReaderGone:
 
 
 def guard_streams():
-    """Wrap the standard streams in ReaderGone where they are real files."""
+    """Wrap the standard streams in ReaderGone where they are real files. A stream whose
+    encoding cannot hold every character (PYTHONIOENCODING=latin-1, say: a path or a
+    prompt in another script) writes those as backslash escapes instead of raising."""
     for name, note in (("stdout", "hslm: the standard output was closed; going on without it"),
                        ("stderr", None)):
         stream = getattr(sys, name)
@@ -415,6 +454,9 @@ def guard_streams():
             stream.fileno()
         except (AttributeError, OSError, ValueError):  # not a real file (a test's capture)
             continue
+        if (hasattr(stream, "reconfigure") and stream.errors not in ("backslashreplace", "replace")
+                and codecs.lookup(stream.encoding or "ascii").name != "utf-8"):
+            stream.reconfigure(errors="backslashreplace")
         setattr(sys, name, ReaderGone(stream, note))
 
 

@@ -46,15 +46,19 @@ def next_token_logits(worker: Worker, model, vsa_table, context: np.ndarray, L: 
 
 
 def sample(worker, model, vsa_table, prompt_ids, n_tokens, temperature, top_k, seed, L,
-           bos_id=1, each=None):
+           bos_id=1, each=None, drawable=None):
     """Returns the generated ids (the prompt excluded); each(t), if given, is called with
-    each id as it is drawn (the CLI prints as it goes)."""
+    each id as it is drawn (the CLI prints as it goes). drawable: ids from it up are never
+    drawn (the tokenizer's pieces end there: a text too short for the vocabulary's merges
+    leaves ids that stand for nothing, which training never made targets)."""
     rng = Stream.seeded("sample", seed)
     ids = list(prompt_ids) if len(prompt_ids) else [bos_id]
     out = []
     for _ in range(n_tokens):
         z = next_token_logits(worker, model, vsa_table, np.array(ids[-L:], np.int64), L)
         z[:N_SPECIAL] = -np.inf  # PAD, BOS, EOS and UNK are never targets
+        if drawable is not None:
+            z[drawable:] = -np.inf
         if temperature <= 0:
             t = int(np.argmax(z))
         else:

@@ -500,6 +500,66 @@ def test_sample_prints_as_it_draws_the_text_decoding_all_at_once_gives(base):
         assert out == "é" + tok.decode(ids) + "\n"
 
 
+def test_sample_writes_the_drawn_text_unchanged_as_utf8_whatever_the_stream(base, tmp_path):
+    """Into a pipe, a terminal's colour codes stay (click.echo had dropped them when stdout
+    was not a terminal, so a file did not hold the tokens drawn), and the text is UTF-8
+    whatever the locale's encoding: with PYTHONIOENCODING=latin-1 a prompt in another
+    script had been a UnicodeEncodeError traceback, as had train's and info's lines
+    naming a folder such as t\u20ac (now written as escapes)."""
+    from hslm.sample import sample as sample_ids
+    from hslm.speeds import DEFAULT_SPEED
+    from hslm.step import Worker
+    cfg, state, tok, _ = load_for_inference(base / "ckpt_2.bin")
+    cli = [sys.executable, str(ROOT / "cli.py")]
+    for prompt, env in (("a\x1b[31mb", {}), ("h\u00e9llo \u20ac", {"PYTHONIOENCODING": "latin-1"})):
+        ids = sample_ids(Worker(cfg, DEFAULT_SPEED), state.kernel_model(), state.tables.vsa,
+                         tok.encode(prompt), 20, 0.8, 40, 4, cfg.window)
+        p = subprocess.run(cli + ["sample", str(base / "ckpt_2.bin"), "--tokens", "20", "--seed",
+                                  "4", "--prompt", prompt], capture_output=True, timeout=600,
+                           env={**os.environ, **env})
+        assert p.returncode == 0, p.stderr
+        assert p.stdout == (prompt + tok.decode(ids) + "\n").encode("utf-8")
+    env = {**os.environ, "PYTHONIOENCODING": "latin-1"}
+    p = subprocess.run(cli + ["train", *TINY, "--steps", "1", "--out", str(tmp_path / "t\u20ac")],
+                       capture_output=True, timeout=600, env=env)
+    assert p.returncode == 0 and b"Traceback" not in p.stderr, p.stderr
+    assert b"t\\u20ac" in p.stdout + p.stderr  # control: the name was written, escaped
+    p = subprocess.run(cli + ["info", str(tmp_path / "t\u20ac" / "ckpt_1.bin")],
+                       capture_output=True, timeout=600, env=env)
+    assert p.returncode == 0 and b"t\\u20ac" in p.stdout, p.stderr
+
+
+def test_sample_stops_when_its_reader_goes(base):
+    """`hslm sample ... | head -c 1`: sample's text is all it makes, so it stops drawing at
+    the next token (exit 0, no note), where it had drawn every token into /dev/null."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "sample",
+                             str(base / "ckpt_2.bin"), "--tokens", "1000000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with running(proc, timeout=600):
+        assert len(proc.stdout.read(1)) == 1  # it writes ...
+        proc.stdout.close()  # ... and its reader goes
+        code = proc.wait(timeout=120)  # a million tokens take hours
+        err = proc.stderr.read().decode()
+    assert code == 0 and err == "", err
+
+
+def test_sample_never_draws_an_id_without_a_piece(base):
+    """Ids from the tokenizer's last piece up (a text too short for the vocabulary's
+    merges) stand for nothing: sample never draws them."""
+    from hslm.sample import sample as sample_ids
+    from hslm.speeds import DEFAULT_SPEED
+    from hslm.step import Worker
+    cfg, state, tok, _ = load_for_inference(base / "ckpt_2.bin")
+    bound = len(tok.pieces) - 40  # as if the last 40 merges had not been learned
+
+    def draw(**kw):
+        return sample_ids(Worker(cfg, DEFAULT_SPEED), state.kernel_model(), state.tables.vsa,
+                          tok.encode("the "), 300, 3.0, 0, 1, cfg.window, **kw)
+
+    assert max(draw(drawable=bound)) < bound
+    assert max(draw()) >= bound  # control: drawn where nothing forbids them
+
+
 def test_ctrl_c_in_the_last_step_saves_and_prints_no_resume_command(tmp_path):
     """A stop asked during the run's last step: saved, and no resume command (it would be
     refused: the checkpoint is already at --steps)."""
