@@ -367,7 +367,9 @@ def load_for_inference(path, threads=1, warn=None, trained_on=None):
     tok_path = path.parent / "tokenizer.json"
     if tok_path.is_file():
         try:
-            other = Tokenizer.from_json(tok_path.read_bytes()).identity
+            # (one larger than twice this tokenizer's JSON is not it: not read whole)
+            other = Tokenizer.from_json(read_bytes(tok_path, "tokenizer", limit=2 * len(
+                tok.to_json()) + 4096)).identity
         except (HslmError, OSError):
             other = None
         if other != tok.identity:

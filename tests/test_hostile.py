@@ -365,6 +365,31 @@ def test_damaged_and_foreign_files_through_the_cli(base, tmp_path):
     assert code == 0 and "ignoring" in err and "Traceback" not in err
 
 
+def test_a_huge_tokenizer_json_beside_a_checkpoint_is_not_read_whole(base, tmp_path,
+                                                                     monkeypatch):
+    """The tokenizer.json beside a checkpoint is read only to warn when it is not the
+    checkpoint's own: one larger than twice that tokenizer's JSON cannot be, and is
+    ignored unread (a 300 MB one had been read whole, then parsed)."""
+    import hslm.train as train
+    parsed = []
+    real = train.Tokenizer.from_json
+    monkeypatch.setattr(train.Tokenizer, "from_json",
+                        staticmethod(lambda raw: parsed.append(len(raw)) or real(raw)))
+    d = tmp_path / "huge"
+    d.mkdir()
+    (d / "ckpt_2.bin").write_bytes((base / "ckpt_2.bin").read_bytes())
+    with open(d / "tokenizer.json", "wb") as f:
+        f.truncate(300 << 20)  # sparse
+    warned = []
+    load_for_inference(d / "ckpt_2.bin", warn=warned.append)
+    assert max(parsed) < 1 << 20 and len(warned) == 1 and "ignoring" in warned[0]
+    (d / "tokenizer.json").write_bytes((base / "tokenizer.json").read_bytes())  # control
+    warned.clear()
+    n = len(parsed)
+    load_for_inference(d / "ckpt_2.bin", warn=warned.append)
+    assert len(parsed) > n and warned == []  # read, parsed, and the checkpoint's own
+
+
 def test_resume_command_printed_on_ctrl_c_runs_verbatim(tmp_path):
     data = tmp_path / "my text.txt"
     data.write_text(TEXT * 3)
