@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import heapq
 import json
 import os
 import time
@@ -56,9 +57,9 @@ def builtin_text() -> str:
     return raw.decode("utf-8")
 
 
-# Texts of at most SHORT_TEXT bytes (a prompt) are merged without bpe.run's tables
-# where those would take more than SHORT_TEXT_TABLES bytes (a vocabulary over 1,182).
-SHORT_TEXT, SHORT_TEXT_TABLES = 4096, 64 << 20
+# A prompt is merged without bpe.run's tables where those would take more than
+# SHORT_TEXT_TABLES bytes (a vocabulary over 1,182).
+SHORT_TEXT_TABLES = 64 << 20
 
 
 class Tokenizer:
@@ -82,37 +83,48 @@ class Tokenizer:
     def encode(self, text: str) -> np.ndarray:
         seq = _bytes_to_ids(text, self.vocab)
         need = bpe.memory_needed(self.vocab, seq.shape[0], learn=False)
-        if need > SHORT_TEXT_TABLES and seq.shape[0] <= SHORT_TEXT:
+        if need > SHORT_TEXT_TABLES:
             return np.array(self._merged_by_rank(seq.tolist()), np.int64)
         check_fits(need, f"encoding {seq.shape[0]:,} bytes with a vocabulary of {self.vocab:,}")
         _, n = bpe.run(seq, self.vocab, merges=self.merges)
         return seq[:n].astype(np.int64)
 
     def _merged_by_rank(self, ids: list) -> list:
-        """bpe.run's merges applied to a short text without its vocab^2 tables (48 vocab^2
+        """bpe.run's merges applied to a prompt without its vocab^2 tables (48 vocab^2
         bytes: 3 GB at a vocabulary of 8,192, for a prompt of a few words): the merge of
         lowest rank among the adjacent pairs, at each of its places from left to right,
         until no pair has one. The same tokens as merge after merge in rank order, since
         a merge makes only pairs of higher rank (their ids are larger than any that an
-        earlier merge joins)."""
+        earlier merge joins). A heap of (rank, place) over a linked list of the tokens:
+        n log n for a prompt of n bytes (scanning the whole text once per merge took
+        minutes for 100 KB); an entry whose pair has changed since is passed over."""
         if self._ranks is None:
             self._ranks = {(int(a), int(b)): m for m, (a, b) in enumerate(self.merges)}
-        ranks, none = self._ranks, len(self.merges)
-        while len(ids) > 1:
-            m = min((ranks.get(p, none) for p in zip(ids, ids[1:])))
-            if m == none:
-                break
-            a, b = int(self.merges[m, 0]), int(self.merges[m, 1])
-            out, i = [], 0
-            while i < len(ids):
-                if ids[i] == a and i + 1 < len(ids) and ids[i + 1] == b:
-                    out.append(FIRST_MERGE + m)
-                    i += 2
-                else:
-                    out.append(ids[i])
-                    i += 1
-            ids = out
-        return ids
+        ranks = self._ranks
+        n = len(ids)
+        ids = list(ids)
+        nxt = list(range(1, n + 1))  # n: none
+        prv = list(range(-1, n - 1))
+        heap = [(ranks[p], i) for i, p in enumerate(zip(ids, ids[1:])) if p in ranks]
+        heapq.heapify(heap)
+        while heap:
+            m, i = heapq.heappop(heap)
+            j = nxt[i]
+            if ids[i] < 0 or j >= n or ranks.get((ids[i], ids[j])) != m:
+                continue  # i was merged away, or its pair is not the one this entry saw
+            ids[i] = FIRST_MERGE + m  # i and j become one token, at i
+            ids[j] = -1
+            nxt[i] = nxt[j]
+            if nxt[i] < n:
+                prv[nxt[i]] = i
+                r = ranks.get((ids[i], ids[nxt[i]]))
+                if r is not None:
+                    heapq.heappush(heap, (r, i))
+            if prv[i] >= 0:
+                r = ranks.get((ids[prv[i]], ids[i]))
+                if r is not None:
+                    heapq.heappush(heap, (r, prv[i]))
+        return [t for t in ids if t >= 0]
 
     def decode_bytes(self, ids) -> bytes:
         return b"".join(self.pieces[int(i)] if 0 <= int(i) < len(self.pieces) else b""

@@ -185,6 +185,33 @@ def test_a_prompt_for_a_large_vocabulary_needs_no_vocab_squared_tables():
     assert t.decode(ids) == "a prompt of a few words, and some more" and len(ids) < 39
 
 
+def test_a_long_prompt_merged_by_rank_gets_the_kernels_tokens_without_tables():
+    """A prompt of any length goes by rank where the tables would be large (it had been
+    only those up to 4 KB: a longer one for a vocabulary of 32,768 was refused as needing
+    48 GB): 200 KB of text, the kernel's tokens at a vocabulary whose tables are small,
+    and at 8,192 in a few MB."""
+    import tracemalloc
+
+    from hslm import bpe
+    rng = np.random.default_rng(1)
+    text = "".join(rng.choice(["aa", "aaa", "ab", "the ", "cat ", "zzzz", "\u00e9", "\n"])
+                   for _ in range(75000))
+    t = Tokenizer.train(text[:50000], 729)
+    ids = (np.frombuffer(text.encode(), np.uint8).astype(np.int64) + 4).tolist()
+    kernel = t.encode(text).tolist()
+    assert len(ids) > 200_000 and t._merged_by_rank(ids) == kernel
+    assert len(kernel) < len(ids) / 2  # (control: merges were made)
+    big = Tokenizer(32768, np.concatenate([t.merges, [[4 + i % 256, 5 + i % 250]
+                                                      for i in range(32768 - 729)]]))
+    assert bpe.memory_needed(32768, len(ids), learn=False) > 48 << 30
+    tracemalloc.start()
+    got = big.encode(text)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 256 << 20, peak
+    assert big.decode(got) == text and len(got) < len(ids) / 2
+
+
 @pytest.mark.parametrize("doubling", [33, 40])
 def test_a_tokenizer_whose_pieces_would_not_fit_is_refused(doubling):
     """Merges of a piece with itself double it: 40 of them in a 253 KB file asked for a
