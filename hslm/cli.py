@@ -184,6 +184,7 @@ def eval_cmd(ckpt_path, data, cache_dir, eval_windows, loss_positions, threads):
     from .step import StepRunner
     from .train import load_for_inference, perplexity
 
+    need_stdout("eval")
     threads = threads or default_threads()
     if loss_positions is not None and loss_positions < 1:
         raise HslmError(f"--loss-positions must be at least 1, got {loss_positions}")
@@ -232,6 +233,7 @@ def sample(ckpt_path, prompt, n_tokens, temperature, top_k, seed, data):
     from .train import load_for_inference
     from .validate import MAX_INT, MIN_TEMPERATURE
 
+    need_stdout("sample")
     if not math.isfinite(temperature) or temperature < 0 or 0 < temperature < MIN_TEMPERATURE:
         raise HslmError(f"--temperature must be 0 (greedy) or a finite number of at least "
                         f"{MIN_TEMPERATURE:g}, got {temperature}")
@@ -389,6 +391,13 @@ def bench_compare(ctx, reports):
     for line in lines:
         click.echo(line)
     ctx.exit(1 if differ else 0)
+
+
+def need_stdout(command: str):
+    """A command whose only product is its standard output refuses to start without one
+    (`>&-`: Python then has no sys.stdout, and eval had ended quietly with status 0)."""
+    if sys.stdout is None:
+        raise HslmError(f"the standard output is closed: {command} has nowhere to write")
 
 
 class ReaderGone:

@@ -568,6 +568,17 @@ def test_sample_stops_when_its_reader_goes(base):
     assert code == 0 and err == "", err
 
 
+def test_sample_and_eval_with_their_standard_output_closed_say_so(base):
+    """`hslm sample ... >&-` had been an AttributeError traceback and `hslm eval ... >&-`
+    a quiet exit 0: their output is all they make, so both refuse in one line."""
+    for cmd in (["sample", str(base / "ckpt_2.bin"), "--tokens", "2"],
+                ["eval", str(base / "ckpt_2.bin")]):
+        p = subprocess.run([sys.executable, str(ROOT / "cli.py"), *cmd], stderr=subprocess.PIPE,
+                           text=True, timeout=600, preexec_fn=lambda: os.close(1))
+        line = one_line_error(p.returncode, "", p.stderr)
+        assert "standard output is closed" in line, line
+
+
 def test_sample_never_draws_an_id_without_a_piece(base):
     """Ids from the tokenizer's last piece up (a text too short for the vocabulary's
     merges) stand for nothing: sample never draws them."""
