@@ -71,7 +71,7 @@ def data_options(f, cache_default="the output or checkpoint folder"):
                           f"{cache_default}].")(f)
     return click.option("--data", type=PathArg(), multiple=True,
                         help="UTF-8 text file or folder; repeat for several (joined by a blank "
-                             "line, a folder's files in sorted order) [default: the built-in "
+                             "line, a folder's files by name) [default: the built-in "
                              "corpus].")(f)
 
 

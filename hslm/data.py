@@ -198,6 +198,23 @@ def _check_size(src: TextSource):
         raise HslmError(f"the corpus is {src.size:,} bytes; at most 4 GiB is supported")
 
 
+def _check_cache_apart(data, cache_dir):
+    """A token cache folder that is a --data folder would have its own files read as text
+    by the next run (which then found "the data changed while it was read", as its text
+    memo was rewritten): refused. (A folder inside a --data folder is not read.)"""
+    if cache_dir is None:
+        return
+    for p in [data] if isinstance(data, (str, os.PathLike)) else data:
+        try:
+            same = Path(p).is_dir() and os.path.samefile(p, cache_dir)
+        except OSError:  # the cache folder not made yet, say
+            same = False
+        if same:
+            raise HslmError(f"the token cache folder {cache_dir} is the --data folder {p}, "
+                            "whose files are read as text: give another --cache-dir (or "
+                            "HSLM_CACHE_DIR)")
+
+
 def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_dir=None):
     """(tokenizer, token stream) for a scanned text: from the token cache when it holds
     them, else learned (tokenizer None) or encoded, and then cached. The stream is
@@ -342,6 +359,7 @@ class Corpus:
             src = TextSource(text=builtin_text(), label=BUILTIN_SOURCE)
         else:
             src = TextSource(data)
+            _check_cache_apart(data, cache_dir)
         return cls(src, vocab, window, src.label, tokenizer, cache_dir, expect_sha256)
 
     def draw_windows(self, rng, batch: int, window: int) -> np.ndarray:

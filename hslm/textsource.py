@@ -6,14 +6,16 @@ from __future__ import annotations
 import codecs
 import hashlib
 import os
+import stat
 import sys
 import threading
 import time
+import unicodedata
 from pathlib import Path
 
 import numpy as np
 
-from .errors import HslmError
+from .errors import HslmError, open_regular
 
 CHUNK = 16 << 20
 SEP = b"\n\n"               # files are joined as the built-in corpus's topics are
@@ -21,13 +23,36 @@ SHOW_FROM = 4 << 20          # smaller texts are read without any progress outpu
 
 
 def _files_of(p: Path):
+    """A --data path's files: the path itself, or a folder's regular files (not hidden:
+    no leading dot) in the order of their names in Unicode's composed form (NFC), so a
+    folder copied from a system that stores names decomposed (macOS's HFS+) gives the
+    same text. Anything else in the folder is refused by name: a pipe, a device, a link
+    to nothing (data not fetched, a disk not mounted) would otherwise leave the text
+    short without a word; a subfolder is left out with a warning."""
     if p.is_dir():
+        files, folders = [], []
         try:
             entries = [q for q in p.iterdir() if not q.name.startswith(".")]
-            files = sorted(q for q in entries if q.is_file())
-            folders = sorted(q.name for q in entries if q.is_dir())
         except OSError as e:
             raise HslmError(f"cannot read data folder {p}: {e.strerror or e}") from None
+        for q in entries:
+            try:
+                mode = q.stat().st_mode  # (through links)
+            except FileNotFoundError:
+                raise HslmError(f"data folder {p}: {q.name} is a link to nothing; only its "
+                                "regular files are read") from None
+            except OSError as e:
+                raise HslmError(f"data folder {p}: cannot read {q.name}: {e.strerror or e}"
+                                ) from None
+            if stat.S_ISREG(mode):
+                files.append(q)
+            elif stat.S_ISDIR(mode):
+                folders.append(q.name)
+            else:
+                raise HslmError(f"data folder {p}: {q.name} is not a regular file (a pipe, "
+                                "socket or device); only its regular files are read")
+        files.sort(key=lambda q: (unicodedata.normalize("NFC", q.name), q.name))
+        folders.sort()
         shown = ", ".join(folders[:3]) + (", ..." if len(folders) > 3 else "")
         if not files:
             raise HslmError(f"data folder {p} has no files"
@@ -96,10 +121,9 @@ class TextSource:
         return key
 
     def _open(self, f):
-        try:
-            return open(f, "rb")
-        except OSError as e:
-            raise HslmError(f"cannot read data file {f}: {e.strerror}") from None
+        """f opened for reading, refused if it is no longer a regular file (a name swapped
+        for a pipe since it was listed would wait for a writer forever)."""
+        return open_regular(f, "data file")[0]
 
     def chunks(self, progress=None):
         """(bytes, file or None, offset of the chunk in that file), in order."""

@@ -243,3 +243,64 @@ def test_a_text_past_4_gib_is_refused_before_it_is_read(tmp_path, monkeypatch):
     small.write_text("hello")
     with pytest.raises(pytest.fail.Exception, match="the text was read"):  # (the control)
         Corpus(TextSource(paths=[small]), 729, 27, "small")
+
+
+def test_a_data_folder_refuses_what_is_not_a_regular_file_and_orders_names_by_nfc(tmp_path):
+    """A folder's pipes, devices and links to nothing had been dropped without a word
+    (the text then short of them): each is refused by name. Names are ordered in their
+    composed form, so a folder copied from a system storing them decomposed gives the
+    same text: "e" + U+0301 sorted before "f" as it is spelled, after it composed."""
+    import os
+    from hslm.errors import HslmError
+    from hslm.textsource import TextSource
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "f.txt").write_text("f")
+    (d / "e\u0301.txt").write_text("e")  # decomposed
+    assert [q.name for q in TextSource(d).files] == ["f.txt", "e\u0301.txt"]
+    assert sorted(["f.txt", "e\u0301.txt"])[0] == "e\u0301.txt"  # control: as spelled
+    for make, what in ((lambda q: q.symlink_to(tmp_path / "missing"), "a link to nothing"),
+                       (lambda q: os.mkfifo(q), "not a regular file")):
+        make(d / "odd")
+        with pytest.raises(HslmError, match=f"odd is {what}"):
+            TextSource(d)
+        (d / "odd").unlink()
+    assert len(TextSource(d).files) == 2  # control: without it
+
+
+def test_a_data_file_swapped_for_a_pipe_after_listing_is_refused_not_waited_on(tmp_path):
+    """The text's files are opened as regular files only: a name swapped for a FIFO
+    between listing and reading had been opened for reading and waited on forever."""
+    import os
+    import signal
+    from hslm.errors import HslmError
+    from hslm.textsource import TextSource
+    f = tmp_path / "a.txt"
+    f.write_text("some text " * 100)
+    src = TextSource(f)
+    assert b"".join(c for c, _, _ in src.chunks()).startswith(b"some text")  # control
+    f.unlink()
+    os.mkfifo(f)
+    signal.signal(signal.SIGALRM, lambda *a: (_ for _ in ()).throw(TimeoutError("waited")))
+    signal.alarm(20)
+    try:
+        with pytest.raises(HslmError, match="not a regular file"):
+            list(src.chunks())
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+
+
+def test_a_token_cache_folder_that_is_a_data_folder_is_refused(tmp_path):
+    """--cache-dir (or HSLM_CACHE_DIR) naming the --data folder: the next run read the
+    cache's own files as text ("the data changed while it was read"): refused at once."""
+    from hslm.errors import HslmError
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "a.txt").write_text(builtin_text()[:20000])
+    with pytest.raises(HslmError, match="is the --data folder"):
+        Corpus.load(d, 300, 9, cache_dir=d)
+    with pytest.raises(HslmError, match="is the --data folder"):
+        Corpus.load([d / "a.txt", d], 300, 9, cache_dir=tmp_path / "d" / ".." / "d")
+    Corpus.load(d, 300, 9, cache_dir=tmp_path / "cache")  # control: a folder of its own
+    assert [p.name for p in d.iterdir()] == ["a.txt"]
