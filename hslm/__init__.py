@@ -270,6 +270,65 @@ def _faster_numba_flag_comparisons():
     TargetConfig.__hash__, TargetConfig.__eq__ = __hash__, __eq__
 
 
+def _an_hslm_process() -> bool:
+    """The hslm command, or one of its first run's compile helpers (`python -m
+    hslm.precompile`): a process that runs hslm's kernels and nothing else's."""
+    orig = list(getattr(_sys, "orig_argv", []))
+    return _the_hslm_command() or ("-m" in orig[:-1]
+                                   and orig[orig.index("-m") + 1] == "hslm.precompile")
+
+
+class _hidden_from_import:
+    """`with _hidden_from_import("scipy"):` an import of scipy (or of one of its modules)
+    raises ImportError within the block, where scipy was not imported before it."""
+
+    def __init__(self, *names):
+        self.names = names
+
+    def __enter__(self):
+        self.hidden = [m for m in self.names if m not in _sys.modules]
+        for m in self.hidden:
+            _sys.modules[m] = None
+
+    def __exit__(self, *exc):
+        for m in self.hidden:
+            if m in _sys.modules and _sys.modules[m] is None:
+                del _sys.modules[m]
+        return False
+
+
+def _numba_registries_without_blas_or_cffi():
+    """Numba's first context refresh (as the first kernel is loaded or compiled) imports
+    SciPy's BLAS, to offer np.dot and np.linalg inside kernels, and cffi, where either is
+    installed: 0.7 s of every start here (Numba's import and first refresh, 1.53 against
+    0.80 s without them). hslm's kernels call neither (a BLAS orders its sums its own way,
+    machine by machine: no bit may depend on one), so in hslm's own processes that refresh
+    runs with both hidden from import; a kernel that called np.dot would then fail to
+    compile, loudly. A program that imports hslm keeps Numba as it is."""
+    if not _an_hslm_process():
+        return
+    try:
+        from numba.core import cpu
+        load = cpu.CPUContext.load_additional_registries
+    except (ImportError, AttributeError):  # another Numba: leave it as it is
+        return
+    if getattr(load, "numba_load_additional_registries", None) is not None:
+        return
+    with _hidden_from_import("scipy.linalg", "cffi"):  # the modules that ask for them at import
+        from numba.core.typing import cffi_utils  # noqa: F401
+        from numba.np import arraymath  # noqa: F401
+
+    def load_additional_registries(self):
+        with _hidden_from_import("scipy.linalg", "cffi"):
+            try:
+                return load(self)
+            finally:
+                cpu.CPUContext.load_additional_registries = load  # the first refresh only
+
+    load_additional_registries.numba_load_additional_registries = load
+    cpu.CPUContext.load_additional_registries = load_additional_registries
+
+
 def _inlined_parts_not_copied():
     """Numba inlines each kernel part (inline="always", hslm/jit.py) into its caller with
     an IR it derives afresh from the part's bytecode (InlineWorker.inline_function), which
@@ -358,3 +417,4 @@ _kernel_caches_follow_the_whole_package()
 _kernel_cache_saves_may_fail()
 _faster_numba_flag_comparisons()
 _inlined_parts_not_copied()
+_numba_registries_without_blas_or_cffi()

@@ -1,5 +1,7 @@
 """hslm.jit: how the kernels are compiled (one copy per plain signature; inner kernels
 without Python entry points; reference counting only where a kernel allocates)."""
+import importlib.util
+import subprocess
 import sys
 
 import numpy as np
@@ -315,3 +317,23 @@ def test_an_inlined_part_is_not_copied_and_compiles_to_the_same_code():
     asm_numba, copied_numba = compiled(numba_inline_function)
     assert asm_ours == asm_numba and len(asm_ours) > 10
     assert copied_ours == 0 and copied_numba >= 4  # two copies of each block, two sites
+
+
+@pytest.mark.skipif(importlib.util.find_spec("scipy") is None
+                    or importlib.util.find_spec("cffi") is None,
+                    reason="needs SciPy and cffi installed (Numba loads them where they are)")
+def test_the_hslm_command_loads_no_blas_or_cffi_into_numba():
+    """Numba's first refresh imports SciPy's BLAS and cffi where installed (0.7 s of a
+    start); hslm's kernels use neither, so its own processes hide them: there Numba has
+    no BLAS. A program that imports hslm (the control) keeps Numba's as it is."""
+    probe = ("import sys\n{argv}import hslm\nfrom hslm import kernels\n"
+             "import numba.np.arraymath as a\n"
+             "print(a._HAVE_BLAS, 'cffi' in sys.modules, 'scipy.linalg' in sys.modules)")
+    out = {}
+    for name, argv in (("command", "sys.argv[0] = 'hslm'\n"), ("program", "")):
+        p = subprocess.run([sys.executable, "-c", probe.format(argv=argv)], capture_output=True,
+                           text=True, timeout=600)
+        assert p.returncode == 0, p.stderr
+        out[name] = p.stdout.split()
+    assert out["command"] == ["False", "False", "False"]
+    assert out["program"] == ["True", "True", "True"]
