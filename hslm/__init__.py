@@ -3,6 +3,9 @@ import os as _os
 import sys as _sys
 
 __version__ = "0.2.0"
+# Variables an MPI launcher sets in each rank (mpiexec of MPICH, Open MPI, PMIx, MVAPICH)
+MPI_LAUNCH_VARIABLES = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK",
+                        "MV2_COMM_WORLD_SIZE")
 
 
 def _the_hslm_command() -> bool:
@@ -30,7 +33,21 @@ def _early_signal(signum, frame):
     rank = _os.environ.get("PMI_RANK") or _os.environ.get("OMPI_COMM_WORLD_RANK") or "0"
     if rank == "0":  # under MPI (mpiexec forwards a signal to every rank) rank 0 says it
         _os.write(2, b"error: interrupted\n" if interrupted else b"error: terminated\n")
+    if _launched_by_mpi():
+        # die by the signal itself: an MPI launcher ends the other ranks when one is killed
+        # by a signal, but not when one exits with a status before joining MPI (then they
+        # waited forever in MPI's start for a rank that was gone)
+        signal.signal(signum, signal.SIG_DFL)
+        _os.kill(_os.getpid(), signum)
     _os._exit(130 if interrupted else 128 + 15)
+
+
+def _launched_by_mpi() -> bool:
+    """hslm.distributed.launched_by_mpi, without importing it (and numpy) in a handler."""
+    forced = _os.environ.get("HSLM_MPI")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return any(v in _os.environ for v in MPI_LAUNCH_VARIABLES)
 
 
 def _stop_quietly_while_starting():

@@ -471,7 +471,6 @@ def guard_streams():
 
 def main(argv=None):
     """Entry point: every error is one line on stderr and a non-zero exit."""
-    end_of_start_up()
     guard_streams()
     with keeping_dropped_interrupts():
         run_command(argv)
@@ -480,7 +479,13 @@ def main(argv=None):
 def run_command(argv):
     """The command itself, each way it can end: one line on stderr and an exit status."""
     try:
-        if distributed.init() is not None:  # launched by MPI with P > 1 (hslm/distributed.py)
+        # launched by MPI with P > 1 (hslm/distributed.py)? Until MPI is up a signal ends the
+        # start-up by itself (hslm/__init__.py: under MPI this rank dies by it, so that the
+        # launcher ends the others, which would wait in MPI's start for it); then the
+        # command's own handling takes over
+        world = distributed.init()
+        end_of_start_up()
+        if world is not None:
             distributed.run_main(cli, argv)
         rv = cli.main(args=argv, prog_name="hslm", standalone_mode=False)
         raise_dropped_interrupt()  # (a command that went on after one: it was interrupted)

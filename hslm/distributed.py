@@ -84,12 +84,12 @@ import time
 
 import numpy as np
 
+from . import MPI_LAUNCH_VARIABLES
 from .errors import HslmError, is_terminated
 
 # Environment variables that MPI launchers set (MPICH/Hydra and Intel MPI, Open MPI,
 # PMIx under Slurm, MVAPICH). HSLM_MPI=1 forces MPI, HSLM_MPI=0 ignores it.
-LAUNCH_VARIABLES = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK",
-                    "MV2_COMM_WORLD_SIZE")
+LAUNCH_VARIABLES = MPI_LAUNCH_VARIABLES
 CHECK_EVERY = 16            # steps between parameter digest comparisons (and at every save)
 CHUNK_ELEMENTS = 1 << 17    # about 1 MB of gradient per message of the pipeline
 TAG = 13
@@ -103,6 +103,8 @@ class AllRanksError(HslmError):
 
 
 def launched_by_mpi(env=None) -> bool:
+    """Whether an MPI launcher started this process (or HSLM_MPI says; hslm/__init__.py's
+    _launched_by_mpi, for a signal handler during start-up, is this without numpy)."""
     env = os.environ if env is None else env
     forced = env.get("HSLM_MPI")
     if forced in ("0", "1"):
@@ -730,14 +732,25 @@ class World:
             self.digest_check(run.state.theta, s)
         return agreed or None, bool(flags[1])
 
-    def start(self):
+    def start(self, identity=None):
         """Before the first step: did every rank get ready? If one failed, the
-        first failing rank has reported it; the others leave with its exit code."""
+        first failing rank has reported it; the others leave with its exit code. Then
+        is every rank's run the same (identity: {what: digest}, train.run_identity)?
+        Ranks that read different texts (a path naming other files on another node)
+        had trained one model on a mix of them, their parameters agreeing all along;
+        ranks given different --steps had waited on each other forever."""
         self._agree(None, 0)
         self.started = True
         if self.forced_reduction not in (None,) + REDUCTIONS:  # every rank: rank 0 reports
             raise AllRanksError(f"HSLM_MPI_REDUCTION must be one of {', '.join(REDUCTIONS)}, "
                                 f"got {self.forced_reduction!r}")
+        every = self.comm.allgather(identity)
+        odd = [r for r, x in enumerate(every) if x != every[0]]
+        if odd:
+            what = sorted({k for r in odd for k in set(every[0] or {}) | set(every[r] or {})
+                           if (every[0] or {}).get(k) != (every[r] or {}).get(k)})
+            raise AllRanksError(f"the ranks were not given the same run: rank(s) {odd} differ "
+                                f"from rank 0 in {', '.join(what)}; nothing trained")
 
     def _agree(self, msg, code):
         """Every rank's verdict before the first step: if any failed, the first failing
@@ -833,9 +846,9 @@ def close():
         _world.close()
 
 
-def start():
+def start(identity=None):
     if _world is not None:
-        _world.start()
+        _world.start(identity)
 
 
 def summary(echo):

@@ -1,6 +1,7 @@
 """The training run: data, model, steps, checkpoints, resume, validation."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -642,7 +643,8 @@ def train_run(o: TrainOptions, echo=None):
                  f"{threads_note(o.threads)} | batch {h.batch} x {cfg.window} | "
                  f"k {h.loss_positions}")
         try:
-            distributed.start()  # MPI: every rank is ready (else the first error is reported once)
+            # MPI: every rank is ready (else the first error is reported once), on one run
+            distributed.start(run_identity(run, o))
         except BaseException:  # another rank failed before the first step: as a failed text
             held.remove_created()
             raise
@@ -651,6 +653,19 @@ def train_run(o: TrainOptions, echo=None):
         lock.release()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def run_identity(run, o: "TrainOptions") -> dict:
+    """What every MPI rank's run must share, each as a short digest: the text, the
+    tokenizer, the model, the hyper-parameters, the step and stream it starts from, and
+    the flags that decide what the ranks do together."""
+    def digest(x) -> str:
+        return hashlib.sha256(str(x).encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    return {"text": run.corpus.text_sha256, "tokenizer": run.corpus.tokenizer.identity[:16],
+            "model": digest(run.cfg.to_json()), "hyper-parameters": digest(run.hyper.to_json()),
+            "step": str(run.step), "data stream": digest(run.rng.state_json()),
+            "--steps": str(o.steps), "--speed": str(o.speed),
+            "--save-every": str(o.save_every), "--eval-every": str(o.eval_every)}
 
 
 class StopRequest:

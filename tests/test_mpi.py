@@ -28,6 +28,7 @@ needs_mpi = pytest.mark.skipif(not (MPIEXEC and HAVE_MPI4PY),
                                reason="needs mpi4py and mpiexec: pip install 'hslm[mpi]'")
 
 TINY = ["--model", "hslm-tiny", "--seed", "1729", "-q"]
+TEXT_A = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(600))
 
 
 def env():
@@ -357,6 +358,32 @@ def test_one_rank_failing_before_the_first_step_stops_every_rank(tmp_path, bad):
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
     assert errors == [f"error: rank {bad} of 2: data file not found: {tmp_path / 'missing.txt'}"]
     assert not (tmp_path / "o").exists()  # rank 0's new folder is removed as for a bad text
+
+
+@needs_mpi
+@pytest.mark.parametrize("differ", ["text", "steps"])
+def test_ranks_given_different_runs_are_refused_before_training(tmp_path, differ):
+    """Each rank reads its own --data: a path naming other files on another node had
+    trained one model on a mix of texts (the ranks' parameters agreeing all along), and
+    ranks given different --steps had waited on each other forever. The ranks compare
+    what their runs are before the first step."""
+    (tmp_path / "a.txt").write_text(TEXT_A)
+    (tmp_path / "b.txt").write_text(TEXT_A.replace("e", "o"))
+    one = [sys.executable, str(ROOT / "cli.py"), "train", *TINY, "--batch", "2", "--threads",
+           "1", "--out", str(tmp_path / "o"), "--data", str(tmp_path / "a.txt")]
+    other = {"text": ["--steps", "3", "--data", str(tmp_path / "b.txt")],
+             "steps": ["--steps", "4"]}[differ]
+    cmd = [MPIEXEC, "-n", "1", *one, "--steps", "3", ":", "-n", "1", *one, *other]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env())
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert p.returncode == 2 and len(errors) == 1, p.stderr
+    assert "rank(s) [1] differ from rank 0 in" in errors[0]
+    assert ("text" in errors[0] and "tokenizer" in errors[0]) if differ == "text" else (
+        "--steps" in errors[0] and "text" not in errors[0])
+    assert not list((tmp_path / "o").glob("ckpt_*"))
+    cmd = [MPIEXEC, "-n", "2", *one, "--steps", "3"]  # control: the same run on both
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env())
+    assert p.returncode == 0 and (tmp_path / "o" / "ckpt_3.bin").exists(), p.stderr
 
 
 @needs_mpi
