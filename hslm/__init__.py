@@ -6,6 +6,7 @@ __version__ = "0.2.0"
 # Variables an MPI launcher sets in each rank (mpiexec of MPICH, Open MPI, PMIx, MVAPICH)
 MPI_LAUNCH_VARIABLES = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK",
                         "MV2_COMM_WORLD_SIZE")
+MPI_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
 
 
 def _the_hslm_command() -> bool:
@@ -30,7 +31,7 @@ def _early_signal(signum, frame):
     once with the CLI's one line and exit status, not a traceback from inside an import."""
     import signal
     interrupted = signum == signal.SIGINT
-    rank = _os.environ.get("PMI_RANK") or _os.environ.get("OMPI_COMM_WORLD_RANK") or "0"
+    rank = next((_os.environ[v] for v in MPI_RANK_VARIABLES if v in _os.environ), "0")
     if rank == "0":  # under MPI (mpiexec forwards a signal to every rank) rank 0 says it
         _os.write(2, b"error: interrupted\n" if interrupted else b"error: terminated\n")
     if _launched_by_mpi():

@@ -451,9 +451,10 @@ class ReaderGone:
 
 
 def guard_streams():
-    """Wrap the standard streams in ReaderGone where they are real files. A stream whose
-    encoding cannot hold every character (PYTHONIOENCODING=latin-1, say: a path or a
-    prompt in another script) writes those as backslash escapes instead of raising."""
+    """Wrap the standard streams in ReaderGone where they are real files. A character a
+    stream cannot encode no longer raises: a path's bytes that are not UTF-8 are written
+    as they are on a UTF-8 stream, and on another (PYTHONIOENCODING=latin-1, say) what it
+    cannot hold is written as a backslash escape."""
     for name, note in (("stdout", "hslm: the standard output was closed; going on without it"),
                        ("stderr", None)):
         stream = getattr(sys, name)
@@ -463,9 +464,11 @@ def guard_streams():
             stream.fileno()
         except (AttributeError, OSError, ValueError):  # not a real file (a test's capture)
             continue
-        if (hasattr(stream, "reconfigure") and stream.errors not in ("backslashreplace", "replace")
-                and codecs.lookup(stream.encoding or "ascii").name != "utf-8"):
-            stream.reconfigure(errors="backslashreplace")
+        if hasattr(stream, "reconfigure") and stream.errors == "strict":
+            utf8 = codecs.lookup(stream.encoding or "ascii").name == "utf-8"
+            # a name of bytes that are not UTF-8 (Python holds them as lone surrogates)
+            # goes out as those bytes on a UTF-8 stream, as an escape on another
+            stream.reconfigure(errors="surrogateescape" if utf8 else "backslashreplace")
         setattr(sys, name, ReaderGone(stream, note))
 
 

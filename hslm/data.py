@@ -58,8 +58,10 @@ def builtin_text() -> str:
 
 
 # A prompt is merged without bpe.run's tables where those would take more than
-# SHORT_TEXT_TABLES bytes (a vocabulary over 1,182).
+# SHORT_TEXT_TABLES bytes (a vocabulary over 1,182) and more than merging by rank, whose
+# Python lists and heap take about 113 bytes a byte of text (measured: 128 with room).
 SHORT_TEXT_TABLES = 64 << 20
+BY_RANK_BYTES_PER_BYTE = 128
 
 
 class Tokenizer:
@@ -83,7 +85,9 @@ class Tokenizer:
     def encode(self, text: str) -> np.ndarray:
         seq = _bytes_to_ids(text, self.vocab)
         need = bpe.memory_needed(self.vocab, seq.shape[0], learn=False)
-        if need > SHORT_TEXT_TABLES:
+        by_rank = BY_RANK_BYTES_PER_BYTE * seq.shape[0]
+        if need > SHORT_TEXT_TABLES and by_rank < need:
+            check_fits(by_rank, f"encoding {seq.shape[0]:,} bytes by merge rank")
             return np.array(self._merged_by_rank(seq.tolist()), np.int64)
         check_fits(need, f"encoding {seq.shape[0]:,} bytes with a vocabulary of {self.vocab:,}")
         _, n = bpe.run(seq, self.vocab, merges=self.merges)

@@ -554,6 +554,21 @@ def test_sample_writes_the_drawn_text_unchanged_as_utf8_whatever_the_stream(base
     assert p.returncode == 0 and b"t\\u20ac" in p.stdout, p.stderr
 
 
+def test_a_path_of_bytes_that_are_not_utf8_is_written_as_those_bytes(tmp_path):
+    """A --data name holding a byte that is not UTF-8 (Python keeps it as a lone
+    surrogate) had been a UnicodeEncodeError traceback from the run's header line on a
+    strict UTF-8 stdout, after the output folder was made; now the name's own bytes go out."""
+    from hslm.data import builtin_text
+    name = os.fsdecode(b"caf\xe9.txt")
+    (tmp_path / name).write_text(builtin_text()[:30000])
+    p = subprocess.run([sys.executable, str(ROOT / "cli.py"), "train", *TINY, "--steps", "1",
+                        "--data", str(tmp_path / name), "--out", str(tmp_path / "o")],
+                       capture_output=True, timeout=600,
+                       env={**os.environ, "PYTHONIOENCODING": "utf-8:strict"})
+    assert p.returncode == 0 and b"Traceback" not in p.stderr, p.stderr
+    assert b"caf\xe9.txt" in p.stdout
+
+
 def test_sample_stops_when_its_reader_goes(base):
     """`hslm sample ... | head -c 1`: sample's text is all it makes, so it stops drawing at
     the next token (exit 0, no note), where it had drawn every token into /dev/null."""
