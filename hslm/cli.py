@@ -128,6 +128,7 @@ def train(ctx, **opts):
 def diff(ctx, a, b):
     """Compare two checkpoints (.bin or .state): exit 0 if byte-identical, else 1."""
     from .inspect import diff_checkpoints
+    need_stdout("diff", required=False)
     same, lines = diff_checkpoints(a, b)
     for line in lines:
         click.echo(line)
@@ -139,6 +140,7 @@ def diff(ctx, a, b):
 def info(file):
     """Describe a checkpoint (config, step, checksum, ternary shares), a model config
     (a preset name or a JSON file), or, with no argument, list the presets."""
+    need_stdout("info")
     from .config import PRESETS
     if file is None or file in PRESETS or file.endswith(".json"):
         from .train import resolve_config
@@ -247,9 +249,7 @@ def sample(ckpt_path, prompt, n_tokens, temperature, top_k, seed, data):
     # the text as it is drawn: an incremental decoder holds a character's first bytes
     # until its last arrives, and ends with the same text as decoding all the ids at once
     text = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    out = sys.stdout
-    if isinstance(out, ReaderGone):
-        out.keep_going = False  # the text is all sample makes: a reader gone ends it
+    out = sys.stdout  # (need_stdout: a reader gone ends sample at its next token)
 
     def write(piece: str):
         """The text as drawn, UTF-8 whatever the locale (the same bytes on every machine),
@@ -372,6 +372,7 @@ def bench_compare(ctx, reports):
     PyTorch ratios, the profile's phases, and the checkpoint bytes (exit 1 if runs that
     should end with the same bytes did not)."""
     from .bench_report import compare_reports, load_report
+    need_stdout("bench-compare")
     if len(reports) < 2:
         raise HslmError("bench-compare needs two reports or more (hslm bench --json FILE)")
     named = [(str(p), load_report(p)) for p in reports]
@@ -393,11 +394,17 @@ def bench_compare(ctx, reports):
     ctx.exit(1 if differ else 0)
 
 
-def need_stdout(command: str):
-    """A command whose only product is its standard output refuses to start without one
-    (`>&-`: Python then has no sys.stdout, and eval had ended quietly with status 0)."""
+def need_stdout(command: str, required: bool = True):
+    """A command whose product is its standard output: without one (`>&-`: Python then has
+    no sys.stdout, and eval had ended quietly with status 0) it refuses to start where
+    required (diff's exit status is a product of its own), and a reader that goes (`|
+    head`) is not told the command is going on without it (ReaderGone.keep_going)."""
     if sys.stdout is None:
-        raise HslmError(f"the standard output is closed: {command} has nowhere to write")
+        if required:
+            raise HslmError(f"the standard output is closed: {command} has nowhere to write")
+        return
+    if isinstance(sys.stdout, ReaderGone):
+        sys.stdout.keep_going = False
 
 
 class ReaderGone:

@@ -594,6 +594,21 @@ def test_sample_and_eval_with_their_standard_output_closed_say_so(base):
         assert "standard output is closed" in line, line
 
 
+def test_a_command_whose_output_is_its_product_says_nothing_when_its_reader_goes(base):
+    """`hslm info CKPT | head -1` had added "the standard output was closed; going on
+    without it" (train's note: it goes on and saves). info's output is all it makes, so
+    it ends as quietly as its reader did; train's note stays (test above)."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "info",
+                             str(base / "ckpt_2.bin")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, bufsize=0)
+    with running(proc, timeout=600):
+        proc.stdout.read(1)
+        proc.stdout.close()
+        code = proc.wait(timeout=120)
+        err = proc.stderr.read().decode()
+    assert code == 0 and err == "", err
+
+
 def test_sample_never_draws_an_id_without_a_piece(base):
     """Ids from the tokenizer's last piece up (a text too short for the vocabulary's
     merges) stand for nothing: sample never draws them."""
