@@ -34,7 +34,7 @@ def _early_signal(signum, frame):
     rank = next((_os.environ[v] for v in MPI_RANK_VARIABLES if v in _os.environ), "0")
     if rank == "0":  # under MPI (mpiexec forwards a signal to every rank) rank 0 says it
         _os.write(2, b"error: interrupted\n" if interrupted else b"error: terminated\n")
-    if _launched_by_mpi():
+    if launched_by_mpi():
         # die by the signal itself: an MPI launcher ends the other ranks when one is killed
         # by a signal, but not when one exits with a status before joining MPI (then they
         # waited forever in MPI's start for a rank that was gone)
@@ -43,12 +43,15 @@ def _early_signal(signum, frame):
     _os._exit(130 if interrupted else 128 + 15)
 
 
-def _launched_by_mpi() -> bool:
-    """hslm.distributed.launched_by_mpi, without importing it (and numpy) in a handler."""
-    forced = _os.environ.get("HSLM_MPI")
+def launched_by_mpi(env=None) -> bool:
+    """Whether an MPI launcher started this process (HSLM_MPI=1 forces MPI, HSLM_MPI=0
+    ignores it). Here, not in hslm.distributed, so that _early_signal can ask without
+    importing numpy in a signal handler."""
+    env = _os.environ if env is None else env
+    forced = env.get("HSLM_MPI")
     if forced in ("0", "1"):
         return forced == "1"
-    return any(v in _os.environ for v in MPI_LAUNCH_VARIABLES)
+    return any(v in env for v in MPI_LAUNCH_VARIABLES)
 
 
 def _stop_quietly_while_starting():
@@ -315,6 +318,9 @@ class _hidden_from_import:
         return False
 
 
+_UNUSED_BY_KERNELS = ("scipy.linalg", "cffi")  # what Numba would import for kernels to call
+
+
 def _numba_registries_without_blas_or_cffi():
     """Numba's first context refresh (as the first kernel is loaded or compiled) imports
     SciPy's BLAS, to offer np.dot and np.linalg inside kernels, and cffi, where either is
@@ -332,12 +338,12 @@ def _numba_registries_without_blas_or_cffi():
         return
     if getattr(load, "numba_load_additional_registries", None) is not None:
         return
-    with _hidden_from_import("scipy.linalg", "cffi"):  # the modules that ask for them at import
+    with _hidden_from_import(*_UNUSED_BY_KERNELS):  # the modules that ask for them at import
         from numba.core.typing import cffi_utils  # noqa: F401
         from numba.np import arraymath  # noqa: F401
 
     def load_additional_registries(self):
-        with _hidden_from_import("scipy.linalg", "cffi"):
+        with _hidden_from_import(*_UNUSED_BY_KERNELS):
             try:
                 return load(self)
             finally:

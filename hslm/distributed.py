@@ -84,7 +84,7 @@ import time
 
 import numpy as np
 
-from . import MPI_LAUNCH_VARIABLES
+from . import MPI_LAUNCH_VARIABLES, launched_by_mpi
 from .errors import HslmError, is_terminated
 
 # Environment variables that MPI launchers set (MPICH/Hydra and Intel MPI, Open MPI,
@@ -100,16 +100,6 @@ _world = None
 
 class AllRanksError(HslmError):
     """An error every rank raises at the same point: rank 0 reports it, all exit."""
-
-
-def launched_by_mpi(env=None) -> bool:
-    """Whether an MPI launcher started this process (or HSLM_MPI says; hslm/__init__.py's
-    _launched_by_mpi, for a signal handler during start-up, is this without numpy)."""
-    env = os.environ if env is None else env
-    forced = env.get("HSLM_MPI")
-    if forced in ("0", "1"):
-        return forced == "1"
-    return any(v in env for v in LAUNCH_VARIABLES)
 
 
 def init():
@@ -744,11 +734,10 @@ class World:
         if self.forced_reduction not in (None,) + REDUCTIONS:  # every rank: rank 0 reports
             raise AllRanksError(f"HSLM_MPI_REDUCTION must be one of {', '.join(REDUCTIONS)}, "
                                 f"got {self.forced_reduction!r}")
-        every = self.comm.allgather(identity)
+        every = self.comm.allgather(identity or {})
         odd = [r for r, x in enumerate(every) if x != every[0]]
         if odd:
-            what = sorted({k for r in odd for k in set(every[0] or {}) | set(every[r] or {})
-                           if (every[0] or {}).get(k) != (every[r] or {}).get(k)})
+            what = [k for k in every[0] if any(every[r].get(k) != every[0][k] for r in odd)]
             raise AllRanksError(f"the ranks were not given the same run: rank(s) {odd} differ "
                                 f"from rank 0 in {', '.join(what)}; nothing trained")
 
