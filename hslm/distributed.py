@@ -114,7 +114,7 @@ def init():
     try:
         from mpi4py import MPI
     except ImportError:
-        raise HslmError("launched by MPI, but mpi4py is not installed: pip install 'hslm[mpi]' "
+        raise HslmError("launched by MPI, but mpi4py is not installed: pip install mpi4py mpich "
                         "(or set HSLM_MPI=0 to run each copy as one process)") from None
     if MPI.COMM_WORLD.Get_size() == 1:
         return None

@@ -61,7 +61,7 @@ def plot_metrics(path, output):
     try:
         import matplotlib
     except ImportError:
-        raise HslmError("hslm plot needs matplotlib: pip install 'hslm[plot]'") from None
+        raise HslmError("hslm plot needs matplotlib: pip install matplotlib") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -1,7 +1,7 @@
 """MPI data parallelism (hslm/distributed.py): `mpiexec -n P hslm train` writes the bytes
 of one process, for any P and batch; resume across P; faults end every rank.
 
-Skipped when mpi4py or mpiexec is missing (pip install 'hslm[mpi]')."""
+Skipped when mpi4py or mpiexec is missing (pip install '.[mpi]')."""
 import json
 import os
 import shutil
@@ -25,7 +25,7 @@ try:
 except ImportError:
     HAVE_MPI4PY = False
 needs_mpi = pytest.mark.skipif(not (MPIEXEC and HAVE_MPI4PY),
-                               reason="needs mpi4py and mpiexec: pip install 'hslm[mpi]'")
+                               reason="needs mpi4py and mpiexec: pip install '.[mpi]'")
 
 TINY = ["--model", "hslm-tiny", "--seed", "1729", "-q"]
 TEXT_A = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(600))

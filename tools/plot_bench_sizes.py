@@ -5,7 +5,7 @@
 Left: time per token against parameters, with the two-term fit of the README
 (seconds per token = a * P / (B L) + b * FLOPs per token: the work every step does
 on every parameter, plus the matrices). Right: each size's share of the core's
-f64 FMA peak. Needs matplotlib (pip install 'hslm[plot]').
+f64 FMA peak. Needs matplotlib (pip install matplotlib).
 """
 from __future__ import annotations
 
