@@ -65,10 +65,13 @@ def separate_add_pipes() -> bool:
 
 def checkpoint_digest(run: Run):
     """(sha256, size) of the .bin and .state bytes the run would write now."""
-    p = ckpt.params_blob(run.cfg, run.state.theta, run.step, run.corpus.tokenizer)
-    s = ckpt.state_blob(run.cfg, run.m, run.v, run.step, ckpt.params_sha256_of(p),
-                        {"rng": run.rng.state_json()})
-    return hashlib.sha256(p + s).hexdigest(), len(p) + len(s)
+    p = ckpt.params_parts(run.cfg, run.state.theta, run.step, run.corpus.tokenizer)
+    s = ckpt.state_parts(run.cfg, run.m, run.v, run.step, ckpt.params_sha256_of(p),
+                         {"rng": run.rng.state_json()})
+    digest = hashlib.sha256()
+    for part in p + s:
+        digest.update(part)
+    return digest.hexdigest(), sum(len(part) for part in p + s)
 
 
 def start_run(cfg, hyper, corpus, speed, threads):

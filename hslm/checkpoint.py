@@ -51,7 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import Config, canonical_json
-from .errors import HslmError, read_bytes, refuse_unless_file
+from .errors import HslmError, open_regular, refuse_unless_file
 from .validate import (MAX_JSON, Invalid, check_fits, check_rng_state, config_from_json, exact_keys,
                        hyper_from_json, is_hex64, parse_json)
 
@@ -73,26 +73,36 @@ def _canonical(header: dict) -> bytes:
     return canonical_json(header).encode("utf-8")
 
 
-def encode(tensors, metadata: dict) -> bytes:
-    """tensors: [(name, f64 array)] in data order -> the file's bytes."""
+def encode_parts(tensors, metadata: dict) -> list:
+    """tensors: [(name, f64 array)] in data order -> the file's bytes as parts to write
+    one after another: its length and header (bytes), then each tensor's bytes as a uint8
+    view of the array itself, hashed where it lies. Nothing is copied: saving a model of
+    P parameters had built the whole file in memory, tensor by tensor and then joined,
+    about 7 x 8P bytes beside the run (a run that fits memory could be killed by its first
+    save). The arrays must not change until the parts are written."""
     header = {}
-    chunks = []
+    views = []
+    data_hash = hashlib.sha256()
     off = 0
     for name, arr in tensors:
         a = np.ascontiguousarray(arr, dtype="<f8")
         header[name] = {"dtype": "F64", "shape": list(a.shape), "data_offsets": [off, off + a.nbytes]}
-        chunks.append(a.tobytes())
+        views.append(a.reshape(-1).view(np.uint8))
+        data_hash.update(views[-1])
         off += a.nbytes
-    data = b"".join(chunks)
     meta = dict(metadata)
-    meta.update(format=FORMAT, format_version=FORMAT_VERSION,
-                data_sha256=hashlib.sha256(data).hexdigest())
+    meta.update(format=FORMAT, format_version=FORMAT_VERSION, data_sha256=data_hash.hexdigest())
     meta.pop("header_sha256", None)
     header["__metadata__"] = {k: str(v) for k, v in meta.items()}
     header["__metadata__"]["header_sha256"] = hashlib.sha256(_canonical(header)).hexdigest()
     h = _canonical(header)
     h += b" " * (-len(h) % 8)
-    return struct.pack("<Q", len(h)) + h + data
+    return [struct.pack("<Q", len(h)) + h, *views]
+
+
+def encode(tensors, metadata: dict) -> bytes:
+    """The file's bytes in one piece (encode_parts joined)."""
+    return b"".join(encode_parts(tensors, metadata))
 
 
 def check_atomic_target(path: Path, flag: str):
@@ -220,14 +230,18 @@ def _write_atomic_in(dir_fd, path: Path, blob, what: str):
 
 
 class Checkpoint:
-    """A parsed checkpoint whose every byte and field has been checked."""
+    """A parsed checkpoint whose every byte and field has been checked. head: the file's
+    first bytes as written (the header's length and the header); data: its data section,
+    a uint8 array (None when read for its header alone: read(keep_data=False))."""
 
-    def __init__(self, path, raw: bytes, header: dict, data_start: int, config, hyper=None):
+    def __init__(self, path, head: bytes, header: dict, data, data_len: int, config,
+                 hyper=None):
         self.path = Path(path)
-        self.raw = raw
+        self.head = head
+        self.data = data
+        self.size = len(head) + data_len  # the file's bytes
         self.meta = header.pop("__metadata__")
         self.header = header
-        self.data_start = data_start
         self.kind = self.meta["kind"]
         self.step = int(self.meta["step"])
         self.config = config
@@ -236,15 +250,29 @@ class Checkpoint:
     def names(self):
         return sorted(self.header, key=lambda n: self.header[n]["data_offsets"][0])
 
+    def _values(self) -> np.ndarray:
+        if self.data is None:
+            raise ValueError(f"{self.path} was read for its header alone")
+        return self.data.view("<f8")
+
     def tensor(self, name) -> np.ndarray:
+        """A tensor's values: a view of the data (writable where the data is)."""
         h = self.header[name]
         a, b = h["data_offsets"]
-        arr = np.frombuffer(self.raw, "<f8", count=(b - a) // 8, offset=self.data_start + a)
-        return arr.reshape(h["shape"])
+        return self._values()[a // 8:b // 8].reshape(h["shape"])
 
     def flat(self) -> np.ndarray:
-        """All tensors' data as one f64 vector, in data order (a copy)."""
-        return np.frombuffer(self.raw, "<f8", offset=self.data_start).astype(np.float64)
+        """All tensors' data as one f64 vector, in data order: the data itself where read()
+        read it (no second copy of a model in memory), a copy where it is not writable
+        or not in this machine's byte order."""
+        values = self._values()
+        if values.flags.writeable and values.dtype.isnative:
+            return values
+        return values.astype(np.float64)
+
+    def same_bytes(self, other: "Checkpoint") -> bool:
+        """Whether the two files hold the same bytes."""
+        return self.head == other.head and np.array_equal(self.data, other.data)
 
     @property
     def data_sha256(self) -> str:
@@ -257,8 +285,7 @@ class Checkpoint:
 
     def check_finite(self):
         """HslmError naming the first tensor that holds a NaN or an infinity."""
-        flat = np.frombuffer(self.raw, "<f8", offset=self.data_start)
-        if np.isfinite(flat).all():
+        if np.isfinite(self._values()).all():
             return
         for name in self.names():
             x = self.tensor(name)
@@ -272,33 +299,84 @@ def _damaged(path, why):
     return HslmError(f"{path} is damaged ({why}); the file is corrupt or not an hslm checkpoint")
 
 
-def read(path, expect_kind=None) -> Checkpoint:
-    """Parse and verify a checkpoint; any defect is one clear HslmError.
+# The data section is read and hashed in pieces of this size.
+READ_CHUNK = 1 << 22
 
-    First integrity (every byte), then structure (every field): nothing in the
-    file is believed until all of it checks out."""
+
+def read(path, expect_kind=None, keep_data=True) -> Checkpoint:
+    """Read, then verify, a checkpoint; any defect is one clear HslmError.
+
+    First integrity (every byte), then structure (every field): nothing in the file
+    is believed until all of it checks out. The header is read and checked first; the
+    data section is then read straight into one array (or, with keep_data=False, only
+    hashed, a piece at a time: a .state read for its hyper-parameters), its sha256
+    taken as it comes, so the file's bytes are in memory once (they had been read
+    whole, then copied: three times a model's parameters to resume it)."""
     path = Path(path)
-    try:
-        size = os.stat(path).st_size
-    except OSError:
-        size = 0  # read_bytes words the error
-    check_fits(2 * size, f"reading {path} ({size:,} bytes)")
-    return parse(read_bytes(path, "checkpoint"), path, expect_kind)
+    f, size = open_regular(path, "checkpoint")
+    with f:
+        try:
+            head = f.read(8)
+            n = _header_length(head, size, path)
+            head += f.read(n)
+            data_len = size - len(head)
+            header = _checked_header(head, n, data_len, path)
+            if keep_data:
+                check_fits(data_len, f"reading {path} ({size:,} bytes)")
+                data = np.empty(data_len, np.uint8)
+            else:
+                data, piece = None, np.empty(min(data_len, READ_CHUNK), np.uint8)
+            digest = hashlib.sha256()
+            done = 0
+            while done < data_len:
+                k = min(READ_CHUNK, data_len - done)
+                into = data[done:done + k] if keep_data else piece[:k]
+                got = f.readinto(memoryview(into))
+                if not got:
+                    raise _damaged(path, f"it ended after {len(head) + done:,} of its "
+                                         f"{size:,} bytes while it was read")
+                digest.update(into[:got])
+                done += got
+            if f.read(1):
+                raise _damaged(path, "it grew while it was read")
+        except OSError as e:
+            raise HslmError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
+    if digest.hexdigest() != header["__metadata__"].get("data_sha256"):
+        raise _damaged(path, "data checksum mismatch")
+    return _checked(path, head, header, data, data_len, expect_kind)
 
 
 def parse(raw: bytes, path, expect_kind=None) -> Checkpoint:
     """read() on bytes already in memory; `path` names the file in messages."""
-    if len(raw) < 8:
-        raise _damaged(path, f"truncated to {len(raw)} bytes")
-    (n,) = struct.unpack("<Q", raw[:8])
+    n = _header_length(raw[:8], len(raw), path)
+    header = _checked_header(raw[:8 + n], n, len(raw) - 8 - n, path)
+    data = np.frombuffer(raw, np.uint8, offset=8 + n)
+    if hashlib.sha256(data).hexdigest() != header["__metadata__"].get("data_sha256"):
+        raise _damaged(path, "data checksum mismatch")
+    return _checked(path, raw[:8 + n], header, data, len(data), expect_kind)
+
+
+def _header_length(first: bytes, size: int, path) -> int:
+    """The header's length from the file's first 8 bytes, judged against its size."""
+    if len(first) < 8:
+        raise _damaged(path, f"truncated to {len(first)} bytes")
+    (n,) = struct.unpack("<Q", first)
     if n < 2:
         raise _damaged(path, f"its header length is {n}: no header")
-    if n > len(raw) - 8:
+    if n > size - 8:
         raise _damaged(path, f"its header length {n:,} reaches past the file's end "
-                             f"({len(raw):,} bytes)")
+                             f"({size:,} bytes)")
     if n > MAX_HEADER:
         raise _damaged(path, f"its header length {n:,} is more than the {MAX_HEADER:,} allowed")
-    hbytes = raw[8:8 + n]
+    return n
+
+
+def _checked_header(head: bytes, n: int, data_len: int, path) -> dict:
+    """The header (head: the file's first 8 + n bytes), its integrity checked: canonical
+    form, header_sha256, and the data's size against what it describes."""
+    hbytes = head[8:8 + n]
+    if len(hbytes) < n:
+        raise _damaged(path, "it ended inside its header while it was read")
     try:
         header = parse_json(hbytes, "the header", limit=MAX_HEADER)
     except Invalid as e:
@@ -318,21 +396,22 @@ def parse(raw: bytes, path, expect_kind=None) -> Checkpoint:
     rest = dict(header, __metadata__={k: v for k, v in meta.items() if k != "header_sha256"})
     if not isinstance(claimed, str) or hashlib.sha256(_canonical(rest)).hexdigest() != claimed:
         raise _damaged(path, "header checksum mismatch")
-    data = memoryview(raw)[8 + n:]
     described = _described_data_bytes(header)  # the header is as written: its sizes hold
-    if described is not None and described != len(data):
-        what = "truncated" if len(data) < described else "longer than written"
+    if described is not None and described != data_len:
+        what = "truncated" if data_len < described else "longer than written"
         raise _damaged(path, f"{what}: its header describes {described:,} bytes of data, the "
-                             f"file holds {len(data):,}")
-    if hashlib.sha256(data).hexdigest() != meta.get("data_sha256"):
-        raise _damaged(path, "data checksum mismatch")
-    # Every byte is as written. Now the structure must be exactly what we write.
-    bad = f"{path} is not a valid hslm checkpoint"
+                             f"file holds {data_len:,}")
+    return header
+
+
+def _checked(path, head, header, data, data_len, expect_kind) -> Checkpoint:
+    """Every byte is as written (both checksums hold): now the structure must be exactly
+    what we write."""
     try:
-        cfg, hyper = _check_meta(meta, path, header, len(data))
+        cfg, hyper = _check_meta(header["__metadata__"], path, header, data_len)
     except Invalid as e:
-        raise HslmError(f"{bad}: {e}") from None
-    ck = Checkpoint(path, raw, header, 8 + n, cfg, hyper)
+        raise HslmError(f"{path} is not a valid hslm checkpoint: {e}") from None
+    ck = Checkpoint(path, head, header, data, data_len, cfg, hyper)
     if expect_kind and ck.kind != expect_kind:
         raise HslmError(f"{path} is a '{ck.kind}' file, expected '{expect_kind}'")
     return ck
@@ -423,22 +502,25 @@ def _check_tensors(header, kind, cfg, data_len):
                               f"{_canonical(expect[k]).decode()}")
 
 
-def params_blob(cfg: Config, theta: np.ndarray, step: int, tokenizer) -> bytes:
-    """The .bin of a run; `tokenizer` (a data.Tokenizer) travels inside it."""
+def params_parts(cfg: Config, theta: np.ndarray, step: int, tokenizer) -> list:
+    """The .bin of a run as parts (encode_parts); `tokenizer` (a data.Tokenizer) travels
+    inside it."""
     offs = cfg.offsets()
     tensors = [(name, theta[offs[t]:offs[t + 1]].reshape(shape))
                for t, (name, shape, _) in enumerate(cfg.tensors())]
-    return encode(tensors, {"kind": "params", "config": cfg.to_json(), "step": step,
-                            "tokenizer": tokenizer.to_json()})
+    return encode_parts(tensors, {"kind": "params", "config": cfg.to_json(), "step": step,
+                                  "tokenizer": tokenizer.to_json()})
 
 
-def state_blob(cfg: Config, m, v, step: int, params_sha256: str, extra: dict) -> bytes:
+def state_parts(cfg: Config, m, v, step: int, params_sha256: str, extra: dict) -> list:
+    """The .state of a run as parts (encode_parts)."""
     meta = {"kind": "state", "config": cfg.to_json(), "step": step,
             "params_sha256": params_sha256}
     meta.update(extra)
-    return encode([("adam.m", m), ("adam.v", v)], meta)
+    return encode_parts([("adam.m", m), ("adam.v", v)], meta)
 
 
-def params_sha256_of(blob: bytes) -> str:
-    (n,) = struct.unpack("<Q", blob[:8])
-    return json.loads(blob[8:8 + n])["__metadata__"]["data_sha256"]
+def params_sha256_of(parts: list) -> str:
+    """The data_sha256 of the file whose parts (params_parts) these are."""
+    (n,) = struct.unpack("<Q", parts[0][:8])
+    return json.loads(parts[0][8:8 + n])["__metadata__"]["data_sha256"]

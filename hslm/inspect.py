@@ -22,8 +22,8 @@ def ternary_scale(W) -> float:
 def diff_checkpoints(a, b):
     """Returns (identical, lines). Elements are compared by their bits (so -0.0 != +0.0)."""
     A, B = ckpt.read(a), ckpt.read(b)
-    if A.raw == B.raw:
-        return True, [f"identical: {a} and {b} ({len(A.raw):,} bytes, sha256 of data "
+    if A.same_bytes(B):
+        return True, [f"identical: {a} and {b} ({A.size:,} bytes, sha256 of data "
                       f"{A.data_sha256[:16]}...)"]
     if A.kind != B.kind:
         raise HslmError(f"cannot compare a '{A.kind}' file with a '{B.kind}' file")

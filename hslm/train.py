@@ -191,11 +191,13 @@ class Run:
             raise HslmError(f"{bin_path} carries another tokenizer than {state_path} records")
         pb.check_finite()
         st.check_finite()
-        check_fits(memory_estimate(st.config, hyper.batch, threads, speed),
+        held = 3 * 8 * st.config.n_params  # theta, m and v: read already, the run's own
+        check_fits(memory_estimate(st.config, hyper.batch, threads, speed) - held,
                    f"resuming {state_path} (batch {hyper.batch}, {threads} thread(s))")
         corpus = corpus_for(st.config, hyper, st.meta["text_sha256"], tok, st.step)
-        return cls(st.config, hyper, corpus, pb.flat(), st.tensor("adam.m").copy(),
-                   st.tensor("adam.v").copy(), st.step, Stream.from_state_json(st.meta["rng"]), plain)
+        # the arrays read are the run's own: no second copy of the parameters or moments
+        return cls(st.config, hyper, corpus, pb.flat(), st.tensor("adam.m"), st.tensor("adam.v"),
+                   st.step, Stream.from_state_json(st.meta["rng"]), plain)
 
     def check_finite(self, loss):
         """An error naming the step and the first non-finite quantity: the loss, a
@@ -285,7 +287,7 @@ class Run:
         if problem == "unlocked":  # another run may hold the folder now: write nothing there
             raise HslmError(f"the lock file {lock.path} was removed during the run, so another "
                             f"run may hold {out}; step {self.step} not saved")
-        pblob = ckpt.params_blob(self.cfg, self.state.theta, self.step, self.corpus.tokenizer)
+        pblob = ckpt.params_parts(self.cfg, self.state.theta, self.step, self.corpus.tokenizer)
         extra = {
             "rng": self.rng.state_json(),
             "hyper": self.hyper.to_json(),
@@ -295,7 +297,7 @@ class Run:
             "data_source": (BUILTIN_SOURCE if self.corpus.source == BUILTIN_SOURCE
                             else "--data text"),
         }
-        sblob = ckpt.state_blob(self.cfg, self.m, self.v, self.step,
+        sblob = ckpt.state_parts(self.cfg, self.m, self.v, self.step,
                                 ckpt.params_sha256_of(pblob), extra)
         # through the folder locked, whatever its name now
         locked_dir_fd = lock.dir_fd if lock is not None else None
@@ -380,7 +382,7 @@ def load_for_inference(path, threads=1, warn=None, trained_on=None):
     st = path.with_suffix(".state")
     if st.exists():  # only for its default k: a damaged or foreign .state is set aside
         try:
-            sck = ckpt.read(st, expect_kind="state")
+            sck = ckpt.read(st, expect_kind="state", keep_data=False)  # (its header: verified)
         except HslmError as e:
             if named_state:
                 raise

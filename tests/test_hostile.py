@@ -85,7 +85,7 @@ def test_non_finite_checkpoint_is_refused_by_eval_and_sample(base, tmp_path):
     theta[-1] = np.inf
     d = tmp_path / "bad"
     d.mkdir()
-    (d / "ckpt_2.bin").write_bytes(ckpt.params_blob(ck.config, theta, 2, ck.tokenizer()))
+    (d / "ckpt_2.bin").write_bytes(b"".join(ckpt.params_parts(ck.config, theta, 2, ck.tokenizer())))
     for cmd in ("eval", "sample"):
         line = one_line_error(*hslm(cmd, d / "ckpt_2.bin"))
         assert "non-finite" in line and "bout" in line
@@ -772,7 +772,7 @@ def test_diff_names_params_sha256_and_not_the_header_checksum(base, tmp_path, mo
     def read(path, expect_kind=None):
         ck = real(a, expect_kind)
         if path == "other":
-            ck.raw += b"\0"
+            ck.head += b" "
             ck.meta["header_sha256"] = "f" * 64
         return ck
     monkeypatch.setattr(hslm_inspect.ckpt, "read", read)

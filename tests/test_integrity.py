@@ -321,7 +321,7 @@ def test_non_finite_checkpoint_is_named(files, tmp_path):
     run = files[2]
     theta = run.state.theta.copy()
     theta[5] = np.nan
-    raw = ckpt.params_blob(run.cfg, theta, 1, run.corpus.tokenizer)
+    raw = b"".join(ckpt.params_parts(run.cfg, theta, 1, run.corpus.tokenizer))
     ck = ckpt.parse(raw, "nan.bin")
     with pytest.raises(HslmError, match="non-finite.*of E"):
         ck.check_finite()
@@ -394,9 +394,70 @@ def test_diff_of_all_nan_tensors_and_of_deep_fields_is_plain(files, tmp_path):
         theta = run.state.theta.copy()
         theta[5] = value  # (two NaNs of other bits: the element differs, |diff| is NaN)
         paths.append(tmp_path / f"nan{i}.bin")
-        paths[-1].write_bytes(ckpt.params_blob(run.cfg, theta, 1, run.corpus.tokenizer))
+        paths[-1].write_bytes(b"".join(ckpt.params_parts(run.cfg, theta, 1, run.corpus.tokenizer)))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         same, lines = diff_checkpoints(*paths)
     assert not same and any("1 of" in line and "max |diff| nan" in line for line in lines)
     assert _json_dict("[" * 60000) is None and _json_dict('{"a": 1}') == {"a": 1}
+
+
+def test_saving_resuming_and_reading_a_state_hold_no_second_copy(files, tmp_path,
+                                                                 monkeypatch):
+    """A save writes each tensor from where it lies, a resume keeps the arrays it read,
+    and a .state read for its header alone (eval, sample) is hashed a piece at a time:
+    none holds another copy of the model in memory. A save had built both files whole
+    (about 7 copies of the parameters beside the run: a model that trained within memory
+    was killed by its first save) and a resume had read both files whole, then copied
+    them. Measured with tracemalloc (numpy's arrays are traced) as the peak above what
+    is held after, against one copy of the parameters; the control shows that the
+    measure sees a copy of the files made in one piece."""
+    import tracemalloc
+    run = files[2]
+    one_copy = 8 * run.cfg.n_params
+    monkeypatch.setattr(ckpt, "READ_CHUNK", 4096)  # (pieces as small against this model)
+
+    def transient(work):
+        tracemalloc.reset_peak()
+        result = work()
+        current, peak = tracemalloc.get_traced_memory()
+        return result, peak - current
+
+    tracemalloc.start()
+    try:
+        (b, s), saving = transient(lambda: run.save(tmp_path))
+        whole, joined = transient(lambda: len(b"".join(
+            ckpt.params_parts(run.cfg, run.state.theta, run.step, run.corpus.tokenizer))))
+        resumed, resuming = transient(lambda: Run.resume(
+            s, lambda cfg, hyper, text_sha256, tok, step: run.corpus))
+        header_only, reading = transient(lambda: ckpt.read(s, "state", keep_data=False))
+    finally:
+        tracemalloc.stop()
+    assert joined >= one_copy, (joined, one_copy)  # control: a copy is seen
+    assert saving < one_copy / 4, (saving, one_copy)
+    assert resuming < one_copy / 4, (resuming, one_copy)
+    assert reading < one_copy / 4, (reading, one_copy)
+    assert b.read_bytes() == files[0] and s.read_bytes() == files[1]  # the same bytes
+    assert resumed.state.theta.tobytes() == run.state.theta.tobytes()
+    assert resumed.m.tobytes() == run.m.tobytes() and resumed.v.tobytes() == run.v.tobytes()
+    assert header_only.hyper == run.hyper and header_only.data is None
+
+
+def test_a_checkpoint_that_changes_while_read_is_refused(files, tmp_path, monkeypatch):
+    """read() takes the file's size once: a file cut short or grown while it is read is
+    damage, said in one line (not believed, not a traceback)."""
+    path = tmp_path / "x.bin"
+    path.write_bytes(files[0])
+    real = ckpt.open_regular
+    for change, why in ((lambda: path.write_bytes(files[0][:-100]), "ended after"),
+                        (lambda: path.write_bytes(files[0] + b"\0"), "grew while")):
+        def opened(p, what, limit=None, change=change):
+            f, size = real(p, what, limit)
+            change()  # (the same inode, rewritten in place)
+            return f, size
+        monkeypatch.setattr(ckpt, "open_regular", opened)
+        with pytest.raises(HslmError, match=why):
+            ckpt.read(path)
+        path.write_bytes(files[0])
+    monkeypatch.setattr(ckpt, "open_regular", real)
+    assert ckpt.read(path).same_bytes(ckpt.parse(files[0], "x.bin"))  # (control)
