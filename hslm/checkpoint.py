@@ -30,10 +30,11 @@ __metadata__. Since the header holds data_sha256, the two checksums cover every
 byte of the file: a reader requires the header bytes to be exactly the
 canonical encoding of what they parse to (plus 0-7 spaces of padding), the
 header checksum to match, then the data checksum. Any change anywhere is
-refused as damage before a single field is believed. Only then is the
-structure checked against what the config implies: the exact tensor names,
-order, dtypes, shapes and offsets, the metadata keys, and every stored value
-exactly as the CLI checks its flags.
+refused as damage before a single field is believed. Between the two checksums
+the structure is checked, from the header alone, against what the config
+implies: the exact tensor names, order, dtypes, shapes and offsets, the metadata
+keys, and every stored value exactly as the CLI checks its flags (so the data's
+size is judged before the data is read or hashed).
 
 Files are written atomically: a temporary file in the same folder, flushed and
 fsynced, then renamed over the final name, so a reader never sees a half
@@ -251,28 +252,32 @@ class Checkpoint:
         return sorted(self.header, key=lambda n: self.header[n]["data_offsets"][0])
 
     def _values(self) -> np.ndarray:
+        """The data as f64 in this machine's byte order: a view of it (a converted copy
+        on a big-endian machine)."""
         if self.data is None:
             raise ValueError(f"{self.path} was read for its header alone")
-        return self.data.view("<f8")
+        values = self.data.view("<f8")
+        return values if values.dtype.isnative else values.astype(np.float64)
 
     def tensor(self, name) -> np.ndarray:
-        """A tensor's values: a view of the data (writable where the data is)."""
+        """A tensor's values, a view of the data: writable where read() read it (a resumed
+        run's moments are these arrays), and then changing it changes this checkpoint's
+        values, which its checksums no longer describe."""
         h = self.header[name]
         a, b = h["data_offsets"]
         return self._values()[a // 8:b // 8].reshape(h["shape"])
 
     def flat(self) -> np.ndarray:
         """All tensors' data as one f64 vector, in data order: the data itself where read()
-        read it (no second copy of a model in memory), a copy where it is not writable
-        or not in this machine's byte order."""
+        read it (a run's theta, with no second copy of the model; as for tensor(),
+        changing it changes this checkpoint's values), a copy of bytes parse() was given."""
         values = self._values()
-        if values.flags.writeable and values.dtype.isnative:
-            return values
-        return values.astype(np.float64)
+        return values if values.flags.writeable else values.copy()
 
     def same_bytes(self, other: "Checkpoint") -> bool:
-        """Whether the two files hold the same bytes."""
-        return self.head == other.head and np.array_equal(self.data, other.data)
+        """Whether the two files hold the same bytes: the same header holds the same
+        data_sha256, which each file's data was verified against."""
+        return self.head == other.head
 
     @property
     def data_sha256(self) -> str:
@@ -303,15 +308,18 @@ def _damaged(path, why):
 READ_CHUNK = 1 << 22
 
 
-def read(path, expect_kind=None, keep_data=True) -> Checkpoint:
+def read(path, expect_kind=None, keep_data=True, expect_config=None) -> Checkpoint:
     """Read, then verify, a checkpoint; any defect is one clear HslmError.
 
-    First integrity (every byte), then structure (every field): nothing in the file
-    is believed until all of it checks out. The header is read and checked first; the
-    data section is then read straight into one array (or, with keep_data=False, only
-    hashed, a piece at a time: a .state read for its hyper-parameters), its sha256
-    taken as it comes, so the file's bytes are in memory once (they had been read
-    whole, then copied: three times a model's parameters to resume it)."""
+    Nothing in the file is believed until all of it checks out: the header's integrity
+    (canonical form, its checksum, the data's size it describes), then the structure
+    the header gives (every field, exactly as written: judged before the data, so an
+    absurd size costs nothing), then the data's checksum. The data section is read
+    straight into one array (or, with keep_data=False, only hashed, a piece at a time:
+    a .state read for its hyper-parameters, whose config must be expect_config, so that
+    its size is judged before it is hashed), its sha256 taken as it comes, so the
+    file's bytes are in memory once (they had been read whole, then copied: three times
+    a model's parameters to resume it)."""
     path = Path(path)
     f, size = open_regular(path, "checkpoint")
     with f:
@@ -321,6 +329,11 @@ def read(path, expect_kind=None, keep_data=True) -> Checkpoint:
             head += f.read(n)
             data_len = size - len(head)
             header = _checked_header(head, n, data_len, path)
+            # (the structure, from the header alone, before the data: a header-only read
+            # of a file with an absurd data size is refused at once, not hashed for hours)
+            cfg, hyper = _checked_structure(path, header, data_len, expect_kind)
+            if expect_config is not None and cfg != expect_config:
+                raise HslmError(f"{path} is of another model ({cfg.to_json()})")
             if keep_data:
                 check_fits(data_len, f"reading {path} ({size:,} bytes)")
                 data = np.empty(data_len, np.uint8)
@@ -343,7 +356,7 @@ def read(path, expect_kind=None, keep_data=True) -> Checkpoint:
             raise HslmError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
     if digest.hexdigest() != header["__metadata__"].get("data_sha256"):
         raise _damaged(path, "data checksum mismatch")
-    return _checked(path, head, header, data, data_len, expect_kind)
+    return Checkpoint(path, head, header, data, data_len, cfg, hyper)
 
 
 def parse(raw: bytes, path, expect_kind=None) -> Checkpoint:
@@ -351,9 +364,10 @@ def parse(raw: bytes, path, expect_kind=None) -> Checkpoint:
     n = _header_length(raw[:8], len(raw), path)
     header = _checked_header(raw[:8 + n], n, len(raw) - 8 - n, path)
     data = np.frombuffer(raw, np.uint8, offset=8 + n)
+    cfg, hyper = _checked_structure(path, header, len(data), expect_kind)
     if hashlib.sha256(data).hexdigest() != header["__metadata__"].get("data_sha256"):
         raise _damaged(path, "data checksum mismatch")
-    return _checked(path, raw[:8 + n], header, data, len(data), expect_kind)
+    return Checkpoint(path, raw[:8 + n], header, data, len(data), cfg, hyper)
 
 
 def _header_length(first: bytes, size: int, path) -> int:
@@ -404,17 +418,18 @@ def _checked_header(head: bytes, n: int, data_len: int, path) -> dict:
     return header
 
 
-def _checked(path, head, header, data, data_len, expect_kind) -> Checkpoint:
-    """Every byte is as written (both checksums hold): now the structure must be exactly
-    what we write."""
+def _checked_structure(path, header, data_len, expect_kind):
+    """(config, hyper or None): the header is as written (its checksum holds); now its
+    structure must be exactly what we write, judged from the header and the data's size
+    alone, before the data's own checksum is taken."""
     try:
         cfg, hyper = _check_meta(header["__metadata__"], path, header, data_len)
     except Invalid as e:
         raise HslmError(f"{path} is not a valid hslm checkpoint: {e}") from None
-    ck = Checkpoint(path, head, header, data, data_len, cfg, hyper)
-    if expect_kind and ck.kind != expect_kind:
-        raise HslmError(f"{path} is a '{ck.kind}' file, expected '{expect_kind}'")
-    return ck
+    kind = header["__metadata__"]["kind"]
+    if expect_kind and kind != expect_kind:
+        raise HslmError(f"{path} is a '{kind}' file, expected '{expect_kind}'")
+    return cfg, hyper
 
 
 def _described_data_bytes(header):

@@ -382,7 +382,7 @@ def load_for_inference(path, threads=1, warn=None, trained_on=None):
     st = path.with_suffix(".state")
     if st.exists():  # only for its default k: a damaged or foreign .state is set aside
         try:
-            sck = ckpt.read(st, expect_kind="state", keep_data=False)  # (its header: verified)
+            sck = ckpt.read(st, expect_kind="state", keep_data=False, expect_config=cfg)
         except HslmError as e:
             if named_state:
                 raise

@@ -81,7 +81,7 @@ def test_sample_and_eval_flags(base):
 
 def test_non_finite_checkpoint_is_refused_by_eval_and_sample(base, tmp_path):
     ck = ckpt.read(base / "ckpt_2.bin")
-    theta = ck.flat()
+    theta = ck.flat().copy()
     theta[-1] = np.inf
     d = tmp_path / "bad"
     d.mkdir()

@@ -273,7 +273,7 @@ def set_json(header, key, **fields):
     (lambda h: h["__metadata__"].update(config="{}"), "config"),
     (lambda h: set_json(h, "config", blocks=1_000_000), "at most 1,024"),
     (lambda h: set_json(h, "config", vocab=10 ** 9), "at most 1,048,576"),
-    (lambda h: h["__metadata__"].pop("data_sha256"), "damaged"),
+    (lambda h: h["__metadata__"].pop("data_sha256"), "missing data_sha256"),
     (lambda h: h["__metadata__"].pop("kind"), "kind"),
     (lambda h: h.update(__metadata__="x"), "damaged"),
     (lambda h: h.update(Wnew=h.pop("Wout")), "tensor names"),
@@ -461,3 +461,35 @@ def test_a_checkpoint_that_changes_while_read_is_refused(files, tmp_path, monkey
         path.write_bytes(files[0])
     monkeypatch.setattr(ckpt, "open_regular", real)
     assert ckpt.read(path).same_bytes(ckpt.parse(files[0], "x.bin"))  # (control)
+
+
+def test_a_huge_state_read_for_its_header_is_refused_before_it_is_hashed(files, tmp_path):
+    """eval and sample read the .state beside a .bin for its hyper-parameters, hashing its
+    data a piece at a time: a hand-made one whose header is whole (its checksum
+    recomputed) but describes a terabyte (a sparse file) is refused from its header,
+    at once, not hashed for an hour; so is a well-formed one of another model."""
+    import time
+    from hslm.config import canonical_json
+    size = 1 << 40
+    header = {"adam.m": {"dtype": "F64", "shape": [size // 8], "data_offsets": [0, size]}}
+    header["__metadata__"] = {"format": "hslm", "format_version": "2", "kind": "state",
+                              "data_sha256": "0" * 64}
+    header["__metadata__"]["header_sha256"] = hashlib.sha256(
+        canonical_json(header).encode()).hexdigest()
+    h = canonical_json(header).encode()
+    h += b" " * (-len(h) % 8)
+    path = tmp_path / "huge.state"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h)
+        f.truncate(8 + len(h) + size)
+    start = time.monotonic()
+    with pytest.raises(HslmError, match="not a valid hslm checkpoint"):
+        ckpt.read(path, "state", keep_data=False)
+    assert time.monotonic() - start < 5
+    state = tmp_path / "x.state"
+    state.write_bytes(files[1])
+    other = PRESETS["hslm-test"] if files[2].cfg != PRESETS["hslm-test"] else PRESETS["hslm-3"]
+    with pytest.raises(HslmError, match="of another model"):
+        ckpt.read(state, "state", keep_data=False, expect_config=other)
+    ck = ckpt.read(state, "state", keep_data=False, expect_config=files[2].cfg)  # (control)
+    assert ck.hyper == files[2].hyper and ck.same_bytes(ckpt.parse(files[1], "x.state"))
