@@ -1,6 +1,8 @@
 """Text from a trained model: a sliding window of the last L tokens, one token at a time."""
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 from numba import njit
 
@@ -48,14 +50,16 @@ def next_token_logits(worker: Worker, model, vsa_table, context: np.ndarray, L: 
 def sample(worker, model, vsa_table, prompt_ids, n_tokens, temperature, top_k, seed, L,
            bos_id=1, each=None, drawable=None):
     """Returns the generated ids (the prompt excluded); each(t), if given, is called with
-    each id as it is drawn (the CLI prints as it goes). drawable: ids from it up are never
+    each id as it is drawn (the CLI prints as it goes), and then nothing is kept but the
+    window's context (a run of any length in constant memory), so it returns [].
+    drawable: ids from it up are never
     drawn (the tokenizer's pieces end there: a text too short for the vocabulary's merges
     leaves ids that stand for nothing, which training never made targets)."""
     rng = Stream.seeded("sample", seed)
-    ids = list(prompt_ids) if len(prompt_ids) else [bos_id]
+    ids = deque(list(prompt_ids) if len(prompt_ids) else [bos_id], maxlen=L)
     out = []
     for _ in range(n_tokens):
-        z = next_token_logits(worker, model, vsa_table, np.array(ids[-L:], np.int64), L)
+        z = next_token_logits(worker, model, vsa_table, np.array(ids, np.int64), L)
         z[:N_SPECIAL] = -np.inf  # PAD, BOS, EOS and UNK are never targets
         if drawable is not None:
             z[drawable:] = -np.inf
@@ -68,7 +72,8 @@ def sample(worker, model, vsa_table, prompt_ids, n_tokens, temperature, top_k, s
                 z = np.where(z >= cut, z, -np.inf)
             t = draw_index(z, rng.uniform(1)[0])
         ids.append(t)
-        out.append(t)
-        if each is not None:
+        if each is None:
+            out.append(t)
+        else:
             each(t)
     return out

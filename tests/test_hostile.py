@@ -979,3 +979,62 @@ def test_a_huge_small_file_is_refused_by_its_size_before_it_is_read(tmp_path, co
         f.truncate(3 << 30)  # (sparse: no disk used)
     line = one_line_error(*hslm(*command, big))
     assert f"is 3,221,225,472 bytes, more than the {allowed} allowed" in line, line
+
+
+def test_diff_sample_and_validation_windows_hold_no_copy_that_grows(base, monkeypatch):
+    """Memory that grew with the input, in no estimate (a review measured each): diff
+    compared whole tensors (a mask and three float64 copies of the differing elements:
+    2.4 GB for two .state files of 1.5 GB), sample kept every id it drew, and the
+    validation windows were a list of one view each (about 1 KB a window: 4.4 GB for a
+    large text). Now diff goes a chunk at a time with the same lines, sample keeps only the
+    window's context when it streams, and the windows are gathered by one index, with the
+    same values. Measured with tracemalloc; each has its control."""
+    import tracemalloc
+    from hslm import inspect as hslm_inspect
+    from hslm.data import Corpus
+    from hslm.sample import sample as sample_ids
+    from hslm.speeds import DEFAULT_SPEED
+    from hslm.step import Worker
+
+    def traced(work):
+        tracemalloc.start()
+        try:
+            result = work()
+            return result, tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    a, b = base / "ckpt_1.state", base / "ckpt_2.state"  # every moment differs
+    P = ckpt.read(a).config.n_params
+    whole, whole_peak = traced(lambda: hslm_inspect.diff_checkpoints(a, b))
+    monkeypatch.setattr(hslm_inspect, "DIFF_CHUNK", 1000)
+    chunked, chunked_peak = traced(lambda: hslm_inspect.diff_checkpoints(a, b))
+    assert chunked == whole and any(line.startswith("  adam.m: ") for line in whole[1])
+    assert chunked_peak < 2 * 16 * P + 4 * P, (chunked_peak, P)  # the two files, and a little
+    assert whole_peak > 2 * 16 * P + 12 * P, whole_peak  # (control: whole tensors' copies)
+
+    cfg, state, tok, _ = load_for_inference(base / "ckpt_2.bin")
+    worker = Worker(cfg, DEFAULT_SPEED)
+    drawn = {}
+    for n in (100, 1100):
+        seen = []
+        out, drawn[n] = traced(lambda: sample_ids(
+            worker, state.kernel_model(), state.tables.vsa, tok.encode("the "), n, 0.8, 40, 3,
+            cfg.window, each=seen.append))
+        assert out == [] and len(seen) == n
+    assert drawn[1100] - drawn[100] < 4096, drawn  # not 16-44 bytes a token
+    kept = sample_ids(worker, state.kernel_model(), state.tables.vsa, tok.encode("the "), 1100,
+                      0.8, 40, 3, cfg.window)
+    assert kept == seen  # (control: without each, the ids are returned, the same ones)
+
+    text = "".join(f"line {i}: the quick brown fox {i % 7} jumps over {i % 13} lazy dogs.\n"
+                   for i in range(30000))
+    corpus = Corpus(text, cfg.vocab, cfg.window, "test text", tokenizer=tok)
+    L = cfg.window
+    windows, peak = traced(lambda: corpus.validation_windows(10 ** 9, L))
+    c = len(windows)
+    assert c > 5000 and peak < 20 * c * (L + 1), (c, peak)  # (a list of views: 30)
+    n_win = (len(corpus.valid) - 1) // L
+    assert c == n_win and windows.dtype == np.int64
+    old = np.stack([corpus.valid[i * L:i * L + L + 1] for i in range(c)]).astype(np.int64)
+    assert np.array_equal(windows, old)  # (control: the list of views gave these values)
