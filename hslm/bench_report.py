@@ -63,7 +63,8 @@ def format_report(report):
             ratios = torch_ratios(e)
             if ratios:
                 line += (f"; speed 3 is {ratios[0]:.2f}x torch f64, {ratios[1]:.2f}x torch "
-                         "f32")
+                         "f32" + (" (the medians of the rounds' ratios)" if "ratio_f64" in t
+                                  else ""))
             out.append(line)
         elif "torch" in e:
             out.append("PyTorch baseline: torch not installed (pip install torch==2.13.0)")
@@ -186,6 +187,21 @@ def machine_of(report):
             report.get("vector_lanes"))
 
 
+def same_machine(a, b) -> bool:
+    """Whether reports a and b are of one machine and build: machine_of, the cores'
+    family and model where both reports name them (reports since 2026-12-04), else
+    measured FMA peaks within 1.5x of each other (a Zen 4 and a Zen 5 have the same name,
+    stated clock and width, and peaks 2x apart)."""
+    if machine_of(a) != machine_of(b):
+        return False
+    if a.get("cpu") and b.get("cpu"):
+        return a["cpu"] == b["cpu"]
+    pa, pb = a.get("peak_gflops_per_core"), b.get("peak_gflops_per_core")
+    if isinstance(pa, (int, float)) and isinstance(pb, (int, float)) and pa > 0 and pb > 0:
+        return max(pa / pb, pb / pa) <= 1.5
+    return True
+
+
 def compare_reports(named) -> list:
     """(lines, differ) comparing bench reports [(name, report)], each against the first:
     tok/s of every row they share, the PyTorch ratios, the profile's phases, and whether
@@ -203,7 +219,7 @@ def compare_reports(named) -> list:
 
     out = [f"comparing {len(named)} bench reports, each against the first ({base_name}):",
            "  " + describe(base_name, base)] + ["  " + describe(n, r) for n, r in rest]
-    if any(machine_of(r) != machine_of(base) for _, r in rest):
+    if any(not same_machine(r, base) for _, r in rest):
         out.append("  (the machines differ: the ratios below compare machines, not versions)")
     for name, r in rest:
         out.append(f"{name} against {base_name}:")

@@ -655,6 +655,48 @@ def test_bench_efficiency_is_against_the_fewest_threads_and_values_run_once():
     assert _split(("3,3", "1", "3"), int, "--speed") == [3, 1]
 
 
+def test_bench_counts_the_work_each_position_does_whatever_k():
+    """FLOPs per token, counted position by position from what a step runs: the forward at
+    every position (an unscored one needs only the last block's keys and values, and no
+    head), the input and weight gradients at the k scored ones. The formula had counted
+    a whole forward at unscored positions (6.50 MFLOP at k = 9 for hslm-3, 5.63 done).
+    The optimiser moves 56 bytes a parameter and writes 2 a ternary weight."""
+    from hslm.bench import flops_per_token, phase_work
+    from hslm.config import PRESETS
+    from hslm.hyper import Hyper
+    cfg = PRESETS["hslm-3"]
+    d, F, V, nb, L = cfg.width, cfg.mlp, cfg.vocab, cfg.blocks, cfg.window
+    block = 4 * d * d + 2 * d * F
+    for k in (27, 9, 3, 1):
+        macs = 0
+        for p in range(L):
+            scored = p >= L - k
+            forward = (nb - 1) * block + (block + d * V if scored else 2 * d * d)
+            macs += forward + (2 * (nb * block + d * V) if scored else 0)
+        assert flops_per_token(cfg, k) == 2 * macs / L, k
+        work = phase_work(cfg, Hyper(batch=8, loss_positions=k))
+        assert work["forward"][0] == 2 * 8 * sum(
+            (nb - 1) * block + (block + d * V if p >= L - k else 2 * d * d) for p in range(L))
+    assert abs(flops_per_token(cfg, 9) / 1e6 - 5.629) < 1e-3
+    assert flops_per_token(cfg, 27) == 11_691_702  # (control: the figure of the reports)
+    ternary = sum(int(np.prod(sh)) for _, sh, kind in cfg.tensors() if kind == "ternary")
+    assert work["optimiser + requantise"][0] == 56 * cfg.n_params + 2 * ternary
+
+
+def test_bench_compare_tells_machines_apart_by_their_cores():
+    """The Zen 4 and Zen 5 reports share a name, stated clock and width ("AMD EPYC, 2.60
+    GHz", 8 wide): bench-compare had taken one for the other. Reports now name the core
+    (family, model); older ones are told apart by their measured peaks."""
+    from hslm.bench_report import load_report, same_machine
+    zen4, zen5, zen4_avx2 = (load_report(ROOT / "docs" / "bench" / f"{n}.json")
+                             for n in ("zen4", "zen5", "zen4-avx2"))
+    assert not same_machine(zen4, zen5) and not same_machine(zen4, zen4_avx2)
+    assert same_machine(zen4, dict(zen4))  # (control)
+    a = dict(zen4, cpu="AuthenticAMD family 19h model 11h stepping 1")
+    assert same_machine(a, dict(a)) and not same_machine(a, dict(a, cpu="AuthenticAMD "
+                                                                   "family 1ah model 2h"))
+
+
 def _bench_readme_tool():
     import importlib.util
     spec = importlib.util.spec_from_file_location("bench_readme",
