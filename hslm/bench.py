@@ -6,6 +6,7 @@ so the checkpoints they end with must be byte-identical; the benchmark checks it
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import platform
 import time
 
@@ -194,6 +195,17 @@ def torch_trainer(cfg, hyper, corpus, dtype_name, steps):
 
     step()  # warm-up
     return step
+
+
+def torch_memory_estimate(cfg, batch: int) -> int:
+    """Bytes versus_torch holds at once, roughly: its own speed-3 run, and PyTorch's f64
+    and f32 trainers (parameters, gradients, AdamW's moments, the straight-through copies:
+    about 60 and 30 bytes a parameter, measured for a model of 51 million) with their
+    autograd records (taken as three times a speed-3 run's records of the batch)."""
+    from .validate import memory_estimate
+    ours = memory_estimate(cfg, batch, 1, 3)
+    records = ours - memory_estimate(cfg, 0, 1, 3)
+    return ours + 90 * cfg.n_params + 3 * records
 
 
 def versus_torch(cfg, hyper, corpus, steps, rounds=TORCH_ROUNDS):
@@ -446,6 +458,10 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
                        f"bench --model {name} --batch {batch} --threads "
                        f"{','.join(str(t) for t in sorted({t for _, t in combos}))} (its "
                        f"{len(combos)} run{'s' if len(combos) != 1 else ''} side by side)")
+        if with_torch and importlib.util.find_spec("torch") is not None:  # (after the runs)
+            check_fits(torch_memory_estimate(cfg, batches[0]),
+                       f"bench's PyTorch baseline for --model {name} --batch {batches[0]} "
+                       "(--no-torch leaves it out)")
     for name, cfg, k in plan:
         corpus = None
         entry = {"model": name, "params": cfg.n_params, "k": k, "window": cfg.window,
@@ -479,6 +495,7 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
                              f"thread(s): {r['tok_s']:.1f} tok/s")
             entry["groups"].append({"batch": batch, "identical": len(digests) == 1
                                     and len(losses) == 1, "digest": sorted(digests)[0]})
+            runs = None  # (freed before the next batch's runs or PyTorch's are made)
         if with_torch:
             try:
                 import torch

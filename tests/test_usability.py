@@ -697,6 +697,29 @@ def test_bench_compare_tells_machines_apart_by_their_cores():
                                                                    "family 1ah model 2h"))
 
 
+def test_bench_checks_memory_for_its_pytorch_baseline(monkeypatch):
+    """The PyTorch baseline (its own speed-3 run, the f64 and f32 trainers: about 90
+    bytes a parameter) was in no memory check: a bench whose runs fit peaked at 3x its
+    check for a 51-million-parameter model. With memory for the runs alone, bench now
+    refuses before timing anything, naming the baseline; without it (--no-torch) it gets
+    past its checks."""
+    pytest.importorskip("torch")
+    from hslm import validate
+    from hslm.bench import run_bench, torch_memory_estimate
+    from hslm.config import PRESETS
+    from hslm.errors import HslmError
+    cfg = PRESETS["hslm-tiny"]
+    runs = validate.memory_estimate(cfg, 2, 1, 3)
+    assert torch_memory_estimate(cfg, 2) > runs + 80 * cfg.n_params
+    monkeypatch.setattr(validate, "available_memory", lambda: runs + 1)
+    args = (["hslm-tiny"], [3], [1], [2], 1, None, None)
+    with pytest.raises(HslmError, match="PyTorch baseline.*--no-torch"):
+        run_bench(*args, True, False)
+    with pytest.raises(HslmError) as refused:  # (control: the runs alone pass the checks,
+        run_bench(*args, False, False)      # and the next thing short of memory is the text's)
+    assert "PyTorch" not in str(refused.value) and "tokenizer" in str(refused.value)
+
+
 def _bench_readme_tool():
     import importlib.util
     spec = importlib.util.spec_from_file_location("bench_readme",
