@@ -345,10 +345,9 @@ def phase_work(cfg, hyper):
     macs = cfg.matrix_macs_per_position()
     tokens = hyper.batch * cfg.window
     scored = hyper.batch * hyper.loss_positions
-    unscored = tokens - scored
     P = cfg.n_params
     ternary = sum(int(np.prod(s)) for _, s, kind in cfg.tensors() if kind == "ternary")
-    return {"forward": (2.0 * (macs * tokens - cfg.unscored_skip() * unscored), "FLOP"),
+    return {"forward": (2.0 * cfg.forward_macs(tokens, scored), "FLOP"),
             "backward through the layers' inputs": (2.0 * macs * scored, "FLOP"),
             WEIGHT_GRADIENTS: (2.0 * macs * scored, "unfused FLOP"),
             "optimiser + requantise": (7.0 * 8 * P + 2 * 1 * ternary, "B")}
@@ -495,7 +494,6 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
                              f"thread(s): {r['tok_s']:.1f} tok/s")
             entry["groups"].append({"batch": batch, "identical": len(digests) == 1
                                     and len(losses) == 1, "digest": sorted(digests)[0]})
-            runs = None  # (freed before the next batch's runs or PyTorch's are made)
         if with_torch:
             try:
                 import torch

@@ -189,9 +189,11 @@ def machine_of(report):
 
 def same_machine(a, b) -> bool:
     """Whether reports a and b are of one machine and build: machine_of, the cores'
-    family and model where both reports name them (reports since 2026-12-04), else
-    measured FMA peaks within 1.5x of each other (a Zen 4 and a Zen 5 have the same name,
-    stated clock and width, and peaks 2x apart)."""
+    vendor, family, model and stepping where both reports name them (reports since
+    2026-12-04), else measured FMA peaks within 1.5x of each other (the 8-wide builds of
+    a Zen 4 and a Zen 5 have the same name, stated clock and width, and peaks 2x apart;
+    their AVX2 builds' peaks are 1.08x apart, so older reports of those two are not told
+    apart)."""
     if machine_of(a) != machine_of(b):
         return False
     if a.get("cpu") and b.get("cpu"):

@@ -30,7 +30,8 @@ __metadata__. Since the header holds data_sha256, the two checksums cover every
 byte of the file: a reader requires the header bytes to be exactly the
 canonical encoding of what they parse to (plus 0-7 spaces of padding), the
 header checksum to match, then the data checksum. Any change anywhere is
-refused as damage before a single field is believed. Between the two checksums
+refused before a single field is believed: as damage, or, in a header whose
+checksum was made anew, by the structure check. Between the two checksums
 the structure is checked, from the header alone, against what the config
 implies: the exact tensor names, order, dtypes, shapes and offsets, the metadata
 keys, and every stored value exactly as the CLI checks its flags (so the data's
@@ -304,6 +305,10 @@ def _damaged(path, why):
     return HslmError(f"{path} is damaged ({why}); the file is corrupt or not an hslm checkpoint")
 
 
+class OtherModel(HslmError):
+    """read(expect_config=...): the file is of another model."""
+
+
 # The data section is read and hashed in pieces of this size.
 READ_CHUNK = 1 << 22
 
@@ -333,7 +338,7 @@ def read(path, expect_kind=None, keep_data=True, expect_config=None) -> Checkpoi
             # of a file with an absurd data size is refused at once, not hashed for hours)
             cfg, hyper = _checked_structure(path, header, data_len, expect_kind)
             if expect_config is not None and cfg != expect_config:
-                raise HslmError(f"{path} is of another model ({cfg.to_json()})")
+                raise OtherModel(f"{path} is of another model ({cfg.to_json()})")
             if keep_data:
                 check_fits(data_len, f"reading {path} ({size:,} bytes)")
                 data = np.empty(data_len, np.uint8)

@@ -151,9 +151,15 @@ class Config:
         The input and weight gradients run at the scored positions (scored_share of them);
         the forward at every position, less what an unscored one skips (unscored_skip: it
         had been counted, 15% too many FLOPs at k = 9 of 27)."""
-        M = self.matrix_macs_per_position()
-        return (2.0 * (M - (1.0 - scored_share) * self.unscored_skip())
-                + 4.0 * scored_share * M)
+        L = self.window
+        k = scored_share * L
+        return (2.0 * self.forward_macs(L, k) + 4.0 * k * self.matrix_macs_per_position()) / L
+
+    def forward_macs(self, positions, scored) -> float:
+        """Multiply-adds of the ternary matrices in the forward over `positions`, of which
+        `scored` are scored (the others skip unscored_skip)."""
+        return self.matrix_macs_per_position() * positions - self.unscored_skip() * (
+            positions - scored)
 
     def unscored_skip(self) -> int:
         """Multiply-adds of a position's forward that an unscored position skips: it needs

@@ -383,22 +383,26 @@ def load_for_inference(path, threads=1, warn=None, trained_on=None):
     if st.exists():  # only for its default k: a damaged or foreign .state is set aside
         try:
             sck = ckpt.read(st, expect_kind="state", keep_data=False, expect_config=cfg)
+            foreign = sck.meta["params_sha256"] != ck.data_sha256
+        except ckpt.OtherModel:  # (known from its header: its parameters are not these)
+            foreign = True
         except HslmError as e:
             if named_state:
                 raise
             warn(f"ignoring {st}: {e}")
-        else:
-            if sck.meta["params_sha256"] == ck.data_sha256:
-                hyper = sck.hyper
-                if trained_on is not None:  # the run's text: its sha256 and where it came from
-                    trained_on.update(sha256=sck.meta.get("text_sha256"),
-                                      source=sck.meta.get("data_source"))
-            elif named_state:
-                raise HslmError(f"{st} belongs to other parameters than {path} (not the "
-                                "same checkpoint's pair); name the .bin to use it alone")
-            else:
-                warn(f"ignoring {st}: it belongs to other parameters than {path}")
-    check_fits(memory_estimate(cfg, threads=threads, training=False),
+            foreign = None
+        if foreign and named_state:
+            raise HslmError(f"{st} belongs to other parameters than {path} (not the "
+                            "same checkpoint's pair); name the .bin to use it alone")
+        if foreign:
+            warn(f"ignoring {st}: it belongs to other parameters than {path}")
+        elif foreign is False:
+            hyper = sck.hyper
+            if trained_on is not None:  # the run's text: its sha256 and where it came from
+                trained_on.update(sha256=sck.meta.get("text_sha256"),
+                                  source=sck.meta.get("data_source"))
+    held = 8 * cfg.n_params  # theta: the data read, already held
+    check_fits(memory_estimate(cfg, threads=threads, training=False) - held,
                f"evaluating {path} ({cfg.n_params:,} parameters)")
     state = ModelState(cfg, ck.flat(), Tables(cfg), plain=False)
     return cfg, state, tok, hyper

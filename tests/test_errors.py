@@ -150,6 +150,16 @@ def test_a_named_state_of_other_parameters_is_refused(tmp_path, good):
     # and a matching pair named by its .state is used as before
     code, out, err = hslm("eval", good / "ckpt_1.state")
     assert code == 0 and "warning" not in err, err
+    # another model's .state: the same words (its header says so before its data is read)
+    third = tmp_path / "third"
+    small = tmp_path / "small.json"
+    small.write_text('{"vocab": 300, "width": 18, "heads": 2, "head_width": 9, "mlp": 54, '
+                     '"blocks": 1, "window": 9, "vsa_dim": 128}')
+    assert hslm("train", *TINY, "--model", small, "--out", third)[0] == 0
+    (mix / "ckpt_1.state").write_bytes((third / "ckpt_1.state").read_bytes())
+    assert "belongs to other parameters" in one_line_error(*hslm("eval", mix / "ckpt_1.state"))
+    code, out, err = hslm("eval", mix / "ckpt_1.bin")
+    assert code == 0 and "valid loss" in out and "warning: ignoring" in err
 
 
 def test_a_folder_where_a_checkpoint_goes_is_refused_before_the_run(tmp_path, good):

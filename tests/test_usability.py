@@ -673,7 +673,7 @@ def test_bench_counts_the_work_each_position_does_whatever_k():
             scored = p >= L - k
             forward = (nb - 1) * block + (block + d * V if scored else 2 * d * d)
             macs += forward + (2 * (nb * block + d * V) if scored else 0)
-        assert flops_per_token(cfg, k) == 2 * macs / L, k
+        assert flops_per_token(cfg, k) == pytest.approx(2 * macs / L, rel=1e-14), k
         work = phase_work(cfg, Hyper(batch=8, loss_positions=k))
         assert work["forward"][0] == 2 * 8 * sum(
             (nb - 1) * block + (block + d * V if p >= L - k else 2 * d * d) for p in range(L))

@@ -8,10 +8,10 @@
 # repository root; needs about 2 GB of memory and, on a 16-core machine, 2-4 minutes with
 # empty kernel caches. (Prepared for the lent 16-core machine, which none of these sessions
 # could start yet.)
-set -u
+set -u -o pipefail
 out=${1:-thread-scaling}
 threads=${2:-1,2,4,8,16}
-most=${threads##*,}
+most=$(tr , '\n' <<< "$threads" | sort -n | tail -1)
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 py=${PYTHON:-python3}
