@@ -127,6 +127,9 @@ def main():
     if args.one_order:
         args.first, args.second = args.tree_a, args.tree_b
         return one_order(args)
+    for tree in (args.tree_a, args.tree_b):
+        if not os.path.isfile(os.path.join(tree, "hslm", "__init__.py")):
+            sys.exit(f"ab_steps: {tree} holds no hslm package (hslm/__init__.py)")
     ab = run_order(args.tree_a, args.tree_b, args)  # B loaded second: B / A
     ba = run_order(args.tree_b, args.tree_a, args)  # A loaded second: A / B
     print(f"{args.model}, batch {args.batch}, {args.threads} thread(s), {args.steps} pairs of "
