@@ -834,3 +834,24 @@ def test_a_validation_loss_past_exps_range_gives_perplexity_inf_and_null(tmp_pat
     assert "valid 800.0000 (perplexity inf)" in out + err
     evals = [json.loads(line) for line in m.read_text().splitlines() if "valid_loss" in line]
     assert evals and all(e["valid_loss"] == 800.0 and e["perplexity"] is None for e in evals)
+
+
+def test_ab_steps_times_two_trees_in_turns_and_compares_their_bytes(tmp_path):
+    """tools/ab_steps.py: the same tree twice (warm kernels) steps in turns, prints B / A
+    for the step and each phase and says the parameters are the same bytes (exit 0);
+    told they should differ, it exits 1; a folder without hslm is one line."""
+    tool = [sys.executable, str(ROOT / "tools" / "ab_steps.py"), str(ROOT), str(ROOT),
+            "--steps", "3", "--model", "hslm-tiny", "--batch", "2"]
+    r = subprocess.run(tool, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = {line.split()[0]: line.split() for line in r.stdout.splitlines()[2:-1]}
+    assert set(rows) == {"step", "forward", "backward", "windows", "weight", "optimiser"}
+    assert 0.2 < float(rows["step"][3]) < 5.0  # the same code: B / A near 1
+    assert r.stdout.splitlines()[-1] == "parameters after the steps: the same bytes"
+    r = subprocess.run(tool + ["--bits-differ"], capture_output=True, text=True, timeout=600,
+                       cwd=tmp_path)
+    assert r.returncode == 1, r.stdout + r.stderr
+    r = subprocess.run(tool[:2] + [str(tmp_path), str(ROOT)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 1 and r.stderr.strip().endswith("holds no hslm package "
+                                                           "(hslm/__init__.py)"), r.stderr
