@@ -43,7 +43,7 @@ def worker(tree, model, batch, threads):
     sys.path.insert(0, os.path.abspath(tree))
     import hslm
     if not os.path.abspath(hslm.__file__).startswith(os.path.abspath(tree) + os.sep):
-        sys.exit(f"ab_steps: {tree}'s hslm could not be imported before {hslm.__file__}")
+        sys.exit(f"ab_steps: not {tree}'s hslm but {hslm.__file__} was imported")
     from hslm import hyper, step, train
     cfg = train.resolve_config(model)
     h = hyper.Hyper(batch=batch, seed=1729, loss_positions=cfg.window)
