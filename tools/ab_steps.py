@@ -36,6 +36,8 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
 
 def worker(tree, model, batch, threads):
     """A worker: the run of `tree`'s hslm, stepped on each "step" line of stdin; answers
@@ -66,7 +68,7 @@ def worker(tree, model, batch, threads):
 
 class Worker:
     def __init__(self, tree, args):
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", tree, tree,
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", tree,
                "--model", args.model, "--batch", str(args.batch), "--threads", str(args.threads)]
         self.tree = tree
         self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -84,16 +86,10 @@ class Worker:
         return self.answer()
 
 
-def quartiles(values):
-    v = sorted(values)
-    at = lambda q: v[min(len(v) - 1, int(round(q * (len(v) - 1))))]  # noqa: E731
-    return at(0.25), at(0.5), at(0.75)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("tree_a")
-    ap.add_argument("tree_b")
+    ap.add_argument("tree_b", nargs="?" if "--worker" in sys.argv else None)
     ap.add_argument("--steps", type=int, default=30, help="pairs of steps (default 30)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
@@ -120,10 +116,10 @@ def main():
           "steps in turns; B / A, the median over the pairs (and its quartiles):")
     print(f"  {'phase':<18} {'A ms':>8} {'B ms':>8} {'B / A':>7}   (quartiles)")
     for phase in times[0][0]:
-        ta = [t[phase] for t in times[0]]
-        tb = [t[phase] for t in times[1]]
-        q1, ratio, q3 = quartiles([y / x for x, y in zip(ta, tb)])
-        print(f"  {phase:<18} {1e3 * quartiles(ta)[1]:8.2f} {1e3 * quartiles(tb)[1]:8.2f} "
+        ta = np.array([t[phase] for t in times[0]])
+        tb = np.array([t[phase] for t in times[1]])
+        q1, ratio, q3 = np.quantile(tb / ta, [0.25, 0.5, 0.75])
+        print(f"  {phase:<18} {1e3 * np.median(ta):8.2f} {1e3 * np.median(tb):8.2f} "
               f"{ratio:7.4f}   ({q1:.4f}-{q3:.4f})")
     same = thetas[0] == thetas[1]
     print("parameters after the steps: " + ("the same bytes" if same else "DIFFERENT bytes"))
