@@ -110,7 +110,7 @@ def _prefer_512_bit_vectors():
         return
     if not features.get("avx512f"):
         return
-    if "numba" in _sys.modules:
+    if _sys.modules.get("numba") is not None:  # (None: an import of it is blocked)
         import warnings
         warnings.warn("numba was imported before hslm, so hslm's kernels use 256-bit vectors "
                       "on this AVX-512 core: slower, the same results. Import hslm first "

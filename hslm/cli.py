@@ -479,6 +479,11 @@ def guard_streams():
         setattr(sys, name, ReaderGone(stream, note))
 
 
+# pyproject.toml's run-time dependencies, by the names they are imported as (llvmlite comes
+# with numba)
+RUN_TIME_PACKAGES = frozenset({"numba", "llvmlite", "numpy", "click"})
+
+
 def main(argv=None):
     """Entry point: every error is one line on stderr and a non-zero exit."""
     guard_streams()
@@ -524,6 +529,14 @@ def run_command(argv):
         # long, a folder that may not be searched) is still one line
         where = f"{e.filename}: " if e.filename is not None else ""
         click.echo(f"error: {where}{e.strerror or e}", err=True)
+        sys.exit(2)
+    except ModuleNotFoundError as e:
+        if e.name not in RUN_TIME_PACKAGES:  # a module of hslm's own, say: a bug, shown whole
+            raise
+        # hslm run from a checkout without `pip install` (python -m hslm): the cause, plainly
+        click.echo(f"error: hslm needs the Python package {e.name}, which is not installed "
+                   f"for {sys.executable} (pip install . installs hslm with numba, numpy and "
+                   "click)", err=True)
         sys.exit(2)
     except MemoryError:  # a safety net: sizes are judged before allocating, but estimates err
         click.echo("error: out of memory (try a smaller --batch, model or corpus, or fewer "

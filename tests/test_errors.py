@@ -1,5 +1,7 @@
 """Bad input: one clear line on stderr, a non-zero exit, no traceback, nothing half-written."""
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -243,3 +245,24 @@ def test_a_data_folders_subfolders_are_named_not_skipped_silently(tmp_path):
     (d / "a.txt").write_text((ROOT / "README.md").read_text())  # varied enough for BPE
     code, _, err = hslm("train", *TINY, "--data", d, "--out", tmp_path / "o", "-q")
     assert code == 0 and "1 folder(s) in it are not read (sub)" in err, err
+
+
+def run_without(module, *args):
+    """The CLI in a fresh process where importing `module` fails as if it were not
+    installed: (exit code, stdout, stderr)."""
+    code = ("import sys; sys.modules[%r] = None; sys.argv[0] = 'hslm'\n"
+            "from hslm.cli import main; main(sys.argv[1:])" % module)
+    p = subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    return p.returncode, p.stdout, p.stderr
+
+
+def test_a_missing_run_time_package_is_one_line_that_says_how_to_install(tmp_path):
+    # `python -m hslm` from a checkout that pip never installed: numba is imported lazily,
+    # by the command
+    line = one_line_error(*run_without("numba", "train", *TINY, "--out", tmp_path / "o"))
+    assert "Python package numba" in line and "pip install" in line
+    assert no_checkpoints(tmp_path / "o")
+    # control: a module of hslm's own that fails to import is a bug, shown whole
+    code, _, err = run_without("hslm.train", "train", *TINY, "--out", tmp_path / "p")
+    assert code != 0 and "Traceback" in err and "hslm.train" in err
