@@ -6,9 +6,18 @@ and the next tensors' sum of squares for their norms, each in element order) can
 since reordering them would change their bits. As separate passes the core ran the
 serial additions after the vector work, not beside it (AdamW alone took 10.0 ms a
 step on the 2-core Xeon of docs/performance-history.md, 6.0 ms in this loop). Here
-each iteration updates `lanes` elements as one vector and then adds them, lane by
-lane in element order, to the three running sums, so the out-of-order core overlaps
-the additions' latency with the next elements' loads, divisions and square roots.
+each iteration updates `lanes` elements as one vector and then adds them, element by
+element in order, to the three running sums, so the out-of-order core overlaps the
+additions' latency with the next elements' loads, divisions and square roots. The three
+sums are the lanes of one vector [sum 0, sum 1, sum 2, 0.0], and an element's three
+terms are gathered into [term 0, term 1, term 2, 0.0] (shuffles), so one vector addition
+an element carries all three chains: each lane is its own IEEE addition, in the same
+order, so the bits are those of three scalar chains. The loop is bound by the divider
+(two divisions and a square root an element) and by how many iterations the core holds
+in flight while they wait on it; with three scalar additions and their lane extracts
+an element it held fewer (on an AMD Zen 4, steps taken in turns: built for AVX2, 4 lanes,
+the step's optimiser 6.49 to 6.06 ms; as built, 8 lanes, 5.74 to 5.07; the same bytes:
+docs/performance-history.md, 2026-12-04).
 
 Every operation is the IEEE one the scalar code does, in the same order: fmul, fadd,
 fsub, fdiv and llvm.sqrt (correctly rounded), llvm.fabs, never contracted into an FMA.
@@ -67,9 +76,32 @@ def make_adam_loop(lanes: int):
         scalar = [builder.load(builder.gep(params, [ir.Constant(i64, k)]))
                   for k in range(N_PARAMS)]
         sum_ptrs = [builder.gep(sums_ptr, [ir.Constant(i64, k)]) for k in range(3)]
-        sums0 = [builder.load(p) for p in sum_ptrs]
+        s4 = ir.VectorType(f64, 4)
+        sums0 = ir.Constant(s4, [0.0] * 4)  # [sum 0, sum 1, sum 2, 0.0]: a lane a sum
+        for k, p in enumerate(sum_ptrs):
+            sums0 = builder.insert_element(sums0, builder.load(p), ir.Constant(i32, k))
         n_vec = builder.mul(builder.sdiv(n, ir.Constant(i64, lanes)), ir.Constant(i64, lanes))
         ahead = ir.Constant(i64, PREFETCH_AHEAD)
+
+        def element_terms(terms, width):
+            """[terms[0][e], terms[1][e], terms[2][e], 0.0] for each element e of the
+            vectors: the three sums' terms of one element, a lane each."""
+            if width == 1:
+                out = ir.Constant(s4, [0.0] * 4)
+                for k, x in enumerate(terms):
+                    out = builder.insert_element(out, x, ir.Constant(i32, k))
+                return [out]
+            vt = terms[0].type
+
+            def interleave(x, y):  # [x0, y0, x1, y1, ...]
+                mask = [j for e in range(width) for j in (e, width + e)]
+                return builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(i32, 2 * width),
+                                                                mask))
+            ab = interleave(terms[0], terms[1])
+            c0 = interleave(terms[2], ir.Constant(vt, [0.0] * width))
+            return [builder.shuffle_vector(ab, c0, ir.Constant(ir.VectorType(i32, 4), [
+                2 * e, 2 * e + 1, 2 * width + 2 * e, 2 * width + 2 * e + 1]))
+                for e in range(width)]
 
         def loop(width, start, stop, sums_in):
             """Elements start .. stop-1, `width` at a time; returns the sums at the exit."""
@@ -80,7 +112,7 @@ def make_adam_loop(lanes: int):
             builder.cbranch(builder.icmp_signed("<", start, stop), body, done)
             builder.position_at_end(body)
             i = builder.phi(i64)
-            sums = [builder.phi(f64) for _ in range(3)]
+            sums = builder.phi(s4)
             c = [splat(builder, x, vt) for x in scalar]
             addr = [builder.bitcast(builder.gep(p, [i]), vt.as_pointer()) for p in ptr]
             if width > 1:  # each stream PREFETCH_AHEAD elements ahead (m, v, w to be written)
@@ -100,27 +132,24 @@ def make_adam_loop(lanes: int):
             fabs = llvm_intrinsic(builder, "fabs", vt, 1)
             aw = builder.call(fabs, [w])
             terms = (aw, builder.fadd(builder.call(fabs, [m]), v), builder.fmul(h, h))
-            nxt = list(sums)
-            for lane in range(width):  # the sums, one element at a time, in order
-                for k in range(3):
-                    x = terms[k] if width == 1 else builder.extract_element(
-                        terms[k], ir.Constant(i32, lane))
-                    nxt[k] = builder.fadd(nxt[k], x)
+            nxt = sums
+            for e in element_terms(terms, width):  # the sums, one element at a time, in order
+                nxt = builder.fadd(nxt, e)
             i_next = builder.add(i, ir.Constant(i64, width))
-            for phi, first, last in zip([i] + sums, [start] + sums_in, [i_next] + nxt):
+            for phi, first, last in ((i, start, i_next), (sums, sums_in, nxt)):
                 phi.add_incoming(first, pre)
                 phi.add_incoming(last, body)
             builder.cbranch(builder.icmp_signed("<", i_next, stop), body, done)
             builder.position_at_end(done)
-            out = [builder.phi(f64) for _ in range(3)]
-            for phi, first, last in zip(out, sums_in, nxt):
-                phi.add_incoming(first, pre)
-                phi.add_incoming(last, body)
+            out = builder.phi(s4)
+            out.add_incoming(sums_in, pre)
+            out.add_incoming(nxt, body)
             return out
 
         sums1 = loop(lanes, ir.Constant(i64, 0), n_vec, sums0)
-        for p, x in zip(sum_ptrs, loop(1, n_vec, n, sums1)):
-            builder.store(x, p)
+        sums2 = loop(1, n_vec, n, sums1)
+        for k, p in enumerate(sum_ptrs):
+            builder.store(builder.extract_element(sums2, ir.Constant(i32, k)), p)
         return context.get_dummy_value()
 
     def adam(typingctx, g, m, v, w, n, params, sums, h):

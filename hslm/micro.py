@@ -68,15 +68,19 @@ def half_width_avx2(info) -> bool:
 
 def adam_lanes(info=None, wide=None) -> int:
     """Doubles a vector in AdamW's loop (hslm/adam_loop.py), for this core (its cpu_info,
-    and whether Numba builds 512-bit vectors): 8 where 512-bit operations run on
-    full-width pipes on AMD (Zen 5, family 1Ah: the optimiser 3.7-4.0 ms a step at 4,
-    3.1-3.3 at 8, four alternations); 4 elsewhere (on the AVX-512 Xeon of the README 8
-    ran 15% slower, 6.9 against 6.0 ms; Zen 4 runs a 512-bit operation as two halves).
+    and whether Numba builds 512-bit vectors): 8 where Numba builds 512-bit vectors on
+    AMD (Zen 5, family 1Ah, full-width pipes: the optimiser 3.7-4.0 ms a step at 4,
+    3.1-3.3 at 8, four alternations; Zen 4, family 19h, which runs a 512-bit operation
+    as two halves but holds more of the loop's iterations in flight while they wait on
+    the divider: 6.28 against 7.19 ms at 4, steps taken in turns, docs/performance-
+    history.md 2026-12-04); 4 elsewhere (on the AVX-512 Xeon of the
+    README 8 ran 15% slower, 6.9 against 6.0 ms, before the loop's sums were vectors; 8
+    built for AVX2, as two 4-lane halves, timed the same as 4 on the Zen 4).
     The bits do not depend on it: each element is updated on its own and the sums take
     the elements one at a time, in order (tests/test_optim.py)."""
     info = cpu_info() if info is None else info
     wide = wide_vectors() if wide is None else wide
-    return 8 if wide and amd_family(info) >= 0x1A else 4
+    return 8 if wide and amd_family(info) >= 0x19 else 4
 
 
 # The ternary kernels' tile, for this machine's registers (tools/gen_panel_kernels.py);

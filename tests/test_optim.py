@@ -146,10 +146,11 @@ def test_adamw_loop_gives_the_same_bits_at_every_width():
     assert pairwise.tobytes() != in_order.tobytes()
 
 
-def test_adam_lanes_are_8_only_on_full_width_amd_512_bit_pipes():
+def test_adam_lanes_are_8_only_on_amd_512_bit_builds():
     from hslm.micro import adam_lanes
     cores = {("AuthenticAMD", "26", True): 8, ("AuthenticAMD", "26", False): 4,
-             ("AuthenticAMD", "25", True): 4, ("GenuineIntel", "6", True): 4,
+             ("AuthenticAMD", "25", True): 8, ("AuthenticAMD", "25", False): 4,
+             ("AuthenticAMD", "23", False): 4, ("GenuineIntel", "6", True): 4,
              ("AuthenticAMD", "x", True): 4}
     for (vendor, family, wide), lanes in cores.items():
         assert adam_lanes({"vendor_id": vendor, "cpu family": family}, wide) == lanes
