@@ -373,6 +373,9 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, f
     B = tokens.shape[0]
     M = np.empty((B, (k + 63) // 64, D.mlp), np.int64)  # relu_weight_grads' masks ...
     masks_of = np.full(1, -1, np.int64)  # ... of block [0], every column
+    # what XT[slot] holds: the input's address and its columns ra, rb (Wq, Wk and Wv of a
+    # block share their input, so the two after the first reuse its columns)
+    xt_of = np.full((XT.shape[0], 3), -1, np.int64)
     timed = model.clock.shape[0] > 2  # hslm bench's profile (Model.clock [2] and [3])
     u = u0
     while u < u1:
@@ -399,7 +402,10 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, f
                 for w in range(w0, w1):
                     _, X, DY, _, _ = weight_grad_operands(model, A, R, w, t, s, k)
                     output_grad_panels(DY, WG[w - w0])
-                    input_columns(X, ra, rb, XT[w - w0])
+                    held = xt_of[w - w0]
+                    if held[0] != X.ctypes.data or held[1] != ra or held[2] != rb:
+                        input_columns(X, ra, rb, XT[w - w0])
+                        held[0], held[1], held[2] = X.ctypes.data, ra, rb
                 if timed:
                     model.clock[3] += CYCLES() - c0
                 npan = (n + WGRAD_PANEL - 1) // WGRAD_PANEL

@@ -11,7 +11,9 @@ running while the other waits. So a neighbour who slows the machine for a minute
 both alike: on these shared machines `hslm bench` runs minutes apart differ by 10-20%,
 while the ratio of steps taken in turns moves by about 1%. For the whole step and each
 phase the step times (the windows' forward and backward, the weight gradients, the
-optimiser) it prints B / A, the median over the pairs of steps of their ratio, with the
+optimiser; on one thread also the parts `hslm bench` times by the cycle counter: the
+forward's and backward's products, W_up and W_down's gradients, the dense matrices'
+operands) it prints B / A, the median over the pairs of steps of their ratio, with the
 quartiles; and whether both runs ended with the same parameters, byte for byte (exit 1
 where they differ, unless --bits-differ says they should).
 
@@ -51,6 +53,14 @@ def worker(tree, model, batch, threads):
     h = hyper.Hyper(batch=batch, seed=1729, loss_positions=cfg.window)
     run = train.Run.fresh(cfg, h, train.load_corpus(None, cfg), plain=False)
     runner = step.StepRunner(cfg, 3, threads)
+    try:  # the parts `hslm bench` times by the cycle counter, where the tree has them
+        from hslm.bench import cycles_per_second
+        hz = cycles_per_second() if threads == 1 else 0
+    except ImportError:
+        hz = 0
+    clock = np.zeros(4)
+    if hz:
+        run.state.clock = clock
     run.train_step(runner)  # compiles or loads the kernels, untimed
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
@@ -59,9 +69,14 @@ def worker(tree, model, batch, threads):
                   flush=True)
             break
         runner.timings = {}
+        clock[:] = 0.0
         t0 = time.perf_counter()
         run.train_step(runner)
         times = {"step": time.perf_counter() - t0, **runner.timings}
+        if hz:
+            for k, name in enumerate(("forward-products", "backward-products", "Wup-Wdown",
+                                      "dense-operands")):
+                times[name] = clock[k] / hz
         print(json.dumps(times), flush=True)
     runner.close()
 
