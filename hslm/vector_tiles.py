@@ -411,38 +411,37 @@ def make_trits(lanes: int):
     dst[i] = 1 if src[i] > half, -1 if src[i] < -half, else 0 (a NaN gives 0), as int8
     from float64, `lanes` at a time. Built for AVX2, Numba's own loop packed the
     compares to bytes one element at a time (0.094 ms for a 243 x 729 tensor against
-    0.021 built for AVX-512); written as vectors, 0.049, and 0.022 for AVX-512."""
+    0.021 built for AVX-512); written as vectors, 0.049, and 0.022 for AVX-512. Each
+    trit is now the byte (src > half) | -(src < -half) (half > 0, so at most one holds)
+    and the zeros are counted from the byte compare's bit mask: the two compares'
+    masks packed to bytes once, not twice and blended (built for AVX2 on an AMD Zen 4,
+    43.7 to 34.8 us for 243 x 729, the same trits; AVX-512 as before)."""
 
     def codegen(context, builder, signature, args):
         src, n, half, dst = args
-        i8, i32, i64, f64 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.DoubleType()
-        vt, bt, ct = (ir.VectorType(x, lanes) for x in (f64, i8, i32))
+        i8, i64, f64 = ir.IntType(8), ir.IntType(64), ir.DoubleType()
+        vt, bt, mt = ir.VectorType(f64, lanes), ir.VectorType(i8, lanes), ir.IntType(lanes)
         sp = builder.inttoptr(src, f64.as_pointer())
         dp = builder.inttoptr(dst, i8.as_pointer())
         hi = splat(builder, half, vt)
         lo = splat(builder, builder.fneg(half), vt)
+        ctpop = declare(builder, f"llvm.ctpop.i{lanes}", mt, [mt])
         count = builder.mul(builder.sdiv(n, ir.Constant(i64, lanes)), ir.Constant(i64, lanes))
-        zero = ir.Constant(ct, [0] * lanes)
         with CountedLoop(builder, count, lanes, "trits") as loop:
-            zeros = builder.phi(ct)
+            zeros = builder.phi(i64)
             v = builder.load(builder.bitcast(builder.gep(sp, [loop.i]), vt.as_pointer()), align=8)
-            t = builder.select(builder.fcmp_ordered(">", v, hi), ir.Constant(bt, [1] * lanes),
-                               builder.select(builder.fcmp_ordered("<", v, lo),
-                                              ir.Constant(bt, [-1] * lanes),
-                                              ir.Constant(bt, [0] * lanes)))
+            t = builder.or_(builder.zext(builder.fcmp_ordered(">", v, hi), bt),
+                            builder.sext(builder.fcmp_ordered("<", v, lo), bt))
             builder.store(t, builder.bitcast(builder.gep(dp, [loop.i]), bt.as_pointer()), align=1)
-            is_zero = builder.icmp_signed("==", t, ir.Constant(bt, [0] * lanes))
-            zeros_next = builder.add(zeros, builder.zext(is_zero, ct))
-        zeros.add_incoming(zero, loop.entry)
+            is_zero = builder.bitcast(builder.icmp_signed("==", t, ir.Constant(bt, [0] * lanes)),
+                                      mt)
+            zeros_next = builder.add(zeros, builder.zext(builder.call(ctpop, [is_zero]), i64))
+        zeros.add_incoming(ir.Constant(i64, 0), loop.entry)
         zeros.add_incoming(zeros_next, loop.latch)
-        total = builder.phi(ct)
-        total.add_incoming(zero, loop.entry)
+        total = builder.phi(i64)
+        total.add_incoming(ir.Constant(i64, 0), loop.entry)
         total.add_incoming(zeros_next, loop.latch)
-        out = ir.Constant(i64, 0)
-        for k in range(lanes):
-            out = builder.add(out, builder.zext(builder.extract_element(
-                total, ir.Constant(i32, k)), i64))
-        return out
+        return total
 
     def trits(typingctx, src_addr, n, half, dst_addr):
         return types.intp(types.intp, types.intp, types.float64, types.intp), codegen
