@@ -8,16 +8,27 @@ serial additions after the vector work, not beside it (AdamW alone took 10.0 ms 
 step on the 2-core Xeon of docs/performance-history.md, 6.0 ms in this loop). Here
 each iteration updates `lanes` elements as one vector and then adds them, element by
 element in order, to the three running sums, so the out-of-order core overlaps the
-additions' latency with the next elements' loads, divisions and square roots. The three
-sums are the lanes of one vector [sum 0, sum 1, sum 2, 0.0], and an element's three
-terms are gathered into [term 0, term 1, term 2, 0.0] (shuffles), so one vector addition
-an element carries all three chains: each lane is its own IEEE addition, in the same
-order, so the bits are those of three scalar chains. The loop is bound by the divider
-(two divisions and a square root an element) and by how many iterations the core holds
-in flight while they wait on it; with three scalar additions and their lane extracts
-an element it held fewer (on an AMD Zen 4, steps taken in turns: built for AVX2, 4 lanes,
-the step's optimiser 6.49 to 6.06 ms; as built, 8 lanes, 5.74 to 5.07; the same bytes:
-docs/performance-history.md, 2026-12-04).
+additions' latency with the next elements' loads, divisions and square roots. How an
+element's three terms reach the sums (each sum one chain, in element order, so the bits
+are those of three scalar chains whatever the vectors) depends on the width:
+
+* 8 lanes (AVX-512 on AMD): the sums are the lanes of one vector [sum 0, sum 1, sum 2,
+  0.0] and each element's terms are gathered into one (shuffles across the vector): one
+  vector addition an element (VectorSums);
+* 4 lanes (and the loop's tail of 1): sum |w| is a scalar chain (its terms wait on the
+  divider) and the other two a pair [sum 1, sum 2] (their terms are ready early), fed by
+  unpacks within 128-bit halves and extracts of halves (PairedSums): no shuffle that
+  crosses 128 bits, which cores with 128-bit pipes (the first-generation Zen) pay for
+  several times over.
+
+The loop is bound by the divider (two divisions and a square root an element) and by
+how many iterations the core holds in flight while they wait on it; the three scalar
+chains with their twelve lane extracts for four elements held fewer. On an AMD Zen 4,
+steps taken in turns against those (docs/performance-history.md, 2026-12-04): as
+built, 8 lanes, the optimiser 5.74 to 5.07 ms (and 0.95x PairedSums' time there);
+built for AVX2, 4 lanes, 6.49 to 6.06 ms with VectorSums, the same or better with
+PairedSums (llvm-mca: 70 cycles for four elements on the first-generation Zen, as the
+scalar chains, against 118 with VectorSums); the same bytes.
 
 Every operation is the IEEE one the scalar code does, in the same order: fmul, fadd,
 fsub, fdiv and llvm.sqrt (correctly rounded), llvm.fabs, never contracted into an FMA.
@@ -53,6 +64,99 @@ def prefetch(builder, address, for_write: bool):
                       ir.Constant(i32, 3), ir.Constant(i32, 1)])
 
 
+class VectorSums:
+    """The three sums as the lanes of one vector [s0, s1, s2, 0.0]; an element's terms
+    gathered into [t0, t1, t2, 0.0] and added: one vector addition an element."""
+
+    def __init__(self, builder):
+        self.b = builder
+        self.vt = ir.VectorType(ir.DoubleType(), 4)
+
+    def types(self):
+        return [self.vt]
+
+    def load(self, ptrs):
+        out = ir.Constant(self.vt, [0.0] * 4)
+        for k, p in enumerate(ptrs):
+            out = self.b.insert_element(out, self.b.load(p), ir.Constant(ir.IntType(32), k))
+        return [out]
+
+    def store(self, sums, ptrs):
+        for k, p in enumerate(ptrs):
+            self.b.store(self.b.extract_element(sums[0], ir.Constant(ir.IntType(32), k)), p)
+
+    def add(self, sums, terms, width):
+        b, i32 = self.b, ir.IntType(32)
+        if width == 1:
+            gathered = ir.Constant(self.vt, [0.0] * 4)
+            for k, x in enumerate(terms):
+                gathered = b.insert_element(gathered, x, ir.Constant(i32, k))
+            each = [gathered]
+        else:
+            zero = ir.Constant(terms[0].type, [0.0] * width)
+
+            def interleave(x, y):  # [x0, y0, x1, y1, ...]
+                return b.shuffle_vector(x, y, ir.Constant(ir.VectorType(i32, 2 * width), [
+                    j for e in range(width) for j in (e, width + e)]))
+            ab, c0 = interleave(terms[0], terms[1]), interleave(terms[2], zero)
+            each = [b.shuffle_vector(ab, c0, ir.Constant(ir.VectorType(i32, 4), [
+                2 * e, 2 * e + 1, 2 * width + 2 * e, 2 * width + 2 * e + 1]))
+                for e in range(width)]
+        total = sums[0]
+        for e in each:  # one element at a time, in order
+            total = b.fadd(total, e)
+        return [total]
+
+
+class PairedSums:
+    """sum |w| as a scalar chain and the other two sums as a pair [s1, s2]; an element's
+    pair of terms taken from unpacks within 128-bit halves, no shuffle across them."""
+
+    def __init__(self, builder):
+        self.b = builder
+        self.pt = ir.VectorType(ir.DoubleType(), 2)
+
+    def types(self):
+        return [ir.DoubleType(), self.pt]
+
+    def load(self, ptrs):
+        pair = ir.Constant(self.pt, [0.0] * 2)
+        for k in (1, 2):
+            pair = self.b.insert_element(pair, self.b.load(ptrs[k]),
+                                         ir.Constant(ir.IntType(32), k - 1))
+        return [self.b.load(ptrs[0]), pair]
+
+    def store(self, sums, ptrs):
+        self.b.store(sums[0], ptrs[0])
+        for k in (1, 2):
+            self.b.store(self.b.extract_element(sums[1], ir.Constant(ir.IntType(32), k - 1)),
+                         ptrs[k])
+
+    def add(self, sums, terms, width):
+        b, i32 = self.b, ir.IntType(32)
+        w_sum, pair = sums
+        if width == 1:
+            pairs = [b.insert_element(b.insert_element(ir.Constant(self.pt, [0.0] * 2),
+                                                       terms[1], ir.Constant(i32, 0)),
+                                      terms[2], ir.Constant(i32, 1))]
+            lanes = [terms[0]]
+        else:
+            half = width // 2
+            lo, hi = (b.shuffle_vector(terms[1], terms[2], ir.Constant(
+                ir.VectorType(i32, width),
+                [j for k in range(half) for j in (2 * k + o, width + 2 * k + o)]))
+                for o in (0, 1))  # [x0 y0 x2 y2 ...], [x1 y1 x3 y3 ...]
+            pairs = [b.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, 2),
+                                                        [2 * k, 2 * k + 1]))
+                     for k in range(half) for v in (lo, hi)]  # elements 0, 1, 2, ...
+            lanes = [b.extract_element(terms[0], ir.Constant(i32, e)) for e in range(width)]
+        for x in lanes:  # one element at a time, in order
+            w_sum = b.fadd(w_sum, x)
+        for x in pairs:
+            pair = b.fadd(pair, x)
+        return [w_sum, pair]
+
+
 def make_adam_loop(lanes: int):
     """An intrinsic adam(g, m, v, w, n, params, sums, h), all intp addresses of float64
     but n.
@@ -76,32 +180,10 @@ def make_adam_loop(lanes: int):
         scalar = [builder.load(builder.gep(params, [ir.Constant(i64, k)]))
                   for k in range(N_PARAMS)]
         sum_ptrs = [builder.gep(sums_ptr, [ir.Constant(i64, k)]) for k in range(3)]
-        s4 = ir.VectorType(f64, 4)
-        sums0 = ir.Constant(s4, [0.0] * 4)  # [sum 0, sum 1, sum 2, 0.0]: a lane a sum
-        for k, p in enumerate(sum_ptrs):
-            sums0 = builder.insert_element(sums0, builder.load(p), ir.Constant(i32, k))
+        sums_of = (VectorSums if lanes >= 8 else PairedSums)(builder)
+        sums0 = sums_of.load(sum_ptrs)
         n_vec = builder.mul(builder.sdiv(n, ir.Constant(i64, lanes)), ir.Constant(i64, lanes))
         ahead = ir.Constant(i64, PREFETCH_AHEAD)
-
-        def element_terms(terms, width):
-            """[terms[0][e], terms[1][e], terms[2][e], 0.0] for each element e of the
-            vectors: the three sums' terms of one element, a lane each."""
-            if width == 1:
-                out = ir.Constant(s4, [0.0] * 4)
-                for k, x in enumerate(terms):
-                    out = builder.insert_element(out, x, ir.Constant(i32, k))
-                return [out]
-            vt = terms[0].type
-
-            def interleave(x, y):  # [x0, y0, x1, y1, ...]
-                mask = [j for e in range(width) for j in (e, width + e)]
-                return builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(i32, 2 * width),
-                                                                mask))
-            ab = interleave(terms[0], terms[1])
-            c0 = interleave(terms[2], ir.Constant(vt, [0.0] * width))
-            return [builder.shuffle_vector(ab, c0, ir.Constant(ir.VectorType(i32, 4), [
-                2 * e, 2 * e + 1, 2 * width + 2 * e, 2 * width + 2 * e + 1]))
-                for e in range(width)]
 
         def loop(width, start, stop, sums_in):
             """Elements start .. stop-1, `width` at a time; returns the sums at the exit."""
@@ -112,7 +194,7 @@ def make_adam_loop(lanes: int):
             builder.cbranch(builder.icmp_signed("<", start, stop), body, done)
             builder.position_at_end(body)
             i = builder.phi(i64)
-            sums = builder.phi(s4)
+            sums = [builder.phi(t) for t in sums_of.types()]
             c = [splat(builder, x, vt) for x in scalar]
             addr = [builder.bitcast(builder.gep(p, [i]), vt.as_pointer()) for p in ptr]
             if width > 1:  # each stream PREFETCH_AHEAD elements ahead (m, v, w to be written)
@@ -130,26 +212,23 @@ def make_adam_loop(lanes: int):
             for a, x in zip(addr[1:4], (m, v, w)):
                 builder.store(x, a, align=8)
             fabs = llvm_intrinsic(builder, "fabs", vt, 1)
-            aw = builder.call(fabs, [w])
-            terms = (aw, builder.fadd(builder.call(fabs, [m]), v), builder.fmul(h, h))
-            nxt = sums
-            for e in element_terms(terms, width):  # the sums, one element at a time, in order
-                nxt = builder.fadd(nxt, e)
+            terms = (builder.call(fabs, [w]), builder.fadd(builder.call(fabs, [m]), v),
+                     builder.fmul(h, h))
+            nxt = sums_of.add(sums, terms, width)
             i_next = builder.add(i, ir.Constant(i64, width))
-            for phi, first, last in ((i, start, i_next), (sums, sums_in, nxt)):
+            for phi, first, last in zip([i] + sums, [start] + sums_in, [i_next] + nxt):
                 phi.add_incoming(first, pre)
                 phi.add_incoming(last, body)
             builder.cbranch(builder.icmp_signed("<", i_next, stop), body, done)
             builder.position_at_end(done)
-            out = builder.phi(s4)
-            out.add_incoming(sums_in, pre)
-            out.add_incoming(nxt, body)
+            out = [builder.phi(t) for t in sums_of.types()]
+            for phi, first, last in zip(out, sums_in, nxt):
+                phi.add_incoming(first, pre)
+                phi.add_incoming(last, body)
             return out
 
         sums1 = loop(lanes, ir.Constant(i64, 0), n_vec, sums0)
-        sums2 = loop(1, n_vec, n, sums1)
-        for k, p in enumerate(sum_ptrs):
-            builder.store(builder.extract_element(sums2, ir.Constant(i32, k)), p)
+        sums_of.store(loop(1, n_vec, n, sums1), sum_ptrs)
         return context.get_dummy_value()
 
     def adam(typingctx, g, m, v, w, n, params, sums, h):
