@@ -144,6 +144,18 @@ def test_adamw_loop_gives_the_same_bits_at_every_width():
             pairwise = np.array([np.sum(np.abs(w)), np.sum(np.abs(m) + v), np.sum(h * h)])
     assert out[4] == out[1] and out[8] == out[1]
     assert pairwise.tobytes() != in_order.tobytes()
+    # and the formula of its docstring, element by element in Python (IEEE doubles)
+    clip, decay, step, sqrt_bc2, b1, omb1, b2, omb2, eps = (float(p) for p in params)
+    m, v, w = ([float(x) for x in a] for a in (m0, v0, w0))
+    sums = [0.0] * 3
+    for i in range(n):
+        gi = float(g[i]) * clip
+        m[i] = b1 * m[i] + omb1 * gi
+        v[i] = b2 * v[i] + omb2 * (gi * gi)
+        w[i] = w[i] * decay - step * (m[i] / (math.sqrt(v[i]) / sqrt_bc2 + eps))
+        sums = [sums[0] + abs(w[i]), sums[1] + (abs(m[i]) + v[i]),
+                sums[2] + float(h[i]) * float(h[i])]
+    assert out[1] == b"".join(np.array(a).tobytes() for a in (m, v, w, sums))
 
 
 def test_adam_lanes_are_8_only_on_amd_512_bit_builds():
