@@ -16,7 +16,13 @@ compiles for (so an AVX2 build measures AVX2), runs long enough to settle the cl
   measured 47.5-53.9 GFLOP/s on a core whose weight-gradient tile ran at 55.)
 
 Each uses 12 independent vector accumulators, enough to cover the latency of the
-pipes of every x86 core these machines have, and no more than 16 registers hold.
+pipes of every x86 core these machines have, and no more than 16 registers hold, but
+for the unfused loop built for 16 registers (4-wide, AVX2): its accumulators each have a
+multiplicand of their own, and 12 of each spilled to 32-byte stack slots that LLVM does
+not align, so it measured 41 or 53-55 GFLOP/s on the same AMD Zen 4 by where the
+caller's stack happened to lie (2026-12-04: 41.0-41.3 in four runs of one process,
+52.7-53.1 in another). There it uses UNFUSED_ACCUMULATORS_16, whose chains and
+multiplicands fill the 16 registers with the broadcast and the product (52.5-53.1).
 """
 from __future__ import annotations
 
@@ -24,14 +30,23 @@ import ctypes
 import time
 
 ACCUMULATORS = 12
+UNFUSED_ACCUMULATORS_16 = 7  # the unfused loop's, built for 16 vector registers
+
+
+def accumulators(lanes: int, fused: bool) -> int:
+    """The loop's independent chains: ACCUMULATORS, or for the unfused loop built 4-wide
+    (16 registers) UNFUSED_ACCUMULATORS_16, which leaves nothing to spill."""
+    return ACCUMULATORS if fused or lanes >= 8 else UNFUSED_ACCUMULATORS_16
 
 
 XS = 64  # the unfused loop's multiplicands, loaded in turn (an L1-resident array)
 
 
 def _loop_ir(lanes: int, fused: bool) -> str:
-    """double @peak(i64 n, double x, double c, double* xs): n iterations of ACCUMULATORS
-    vector multiply-adds; returns a sum of the accumulators (so none is dead code)."""
+    """double @peak(i64 n, double x, double c, double* xs): n iterations of
+    accumulators(lanes, fused) vector multiply-adds; returns a sum of the accumulators
+    (so none is dead code)."""
+    chains = accumulators(lanes, fused)
     vt = f"<{lanes} x double>"
     splat = [f"  %{v}0 = insertelement {vt} undef, double %{v}s, i32 0\n"
              f"  %{v} = shufflevector {vt} %{v}0, {vt} undef, <{lanes} x i32> zeroinitializer"
@@ -39,21 +54,21 @@ def _loop_ir(lanes: int, fused: bool) -> str:
     # distinct starting values, or LLVM would merge identical accumulators into one
     inits = [f"  %init{k} = fadd {vt} %x, <"
              + ", ".join(f"double {1.0 + 0.001 * (k * lanes + j)}" for j in range(lanes)) + ">"
-             for k in range(ACCUMULATORS)]
+             for k in range(chains)]
     phis = [f"  %a{k} = phi {vt} [ %init{k}, %entry ], [ %b{k}, %loop ]"
-            for k in range(ACCUMULATORS)]
+            for k in range(chains)]
     if fused:
         ops = [f"  %b{k} = call {vt} @llvm.fmuladd.v{lanes}f64({vt} %a{k}, {vt} %x, {vt} %c)"
-               for k in range(ACCUMULATORS)]
+               for k in range(chains)]
     else:  # a product off the chain, then the add on it: acc_k += xs[i mod XS] * c_k
         ops = [f"  %slot = and i64 %i, {XS - 1}", "  %xp = getelementptr double, double* %xv, "
                "i64 %slot", "  %xl = load double, double* %xp",
                f"  %xi0 = insertelement {vt} undef, double %xl, i32 0",
                f"  %xi = shufflevector {vt} %xi0, {vt} undef, <{lanes} x i32> zeroinitializer"]
         ops += [f"  %p{k} = fmul {vt} %xi, %init{k}\n  %b{k} = fadd {vt} %a{k}, %p{k}"
-                for k in range(ACCUMULATORS)]
+                for k in range(chains)]
     sums = [f"  %s1 = fadd {vt} %b0, %b1"] + [f"  %s{k} = fadd {vt} %s{k - 1}, %b{k}"
-                                              for k in range(2, ACCUMULATORS)]
+                                              for k in range(2, chains)]
     return "\n".join([
         f"declare {vt} @llvm.fmuladd.v{lanes}f64({vt}, {vt}, {vt})",
         "define double @peak(i64 %n, double %xs, double %cs, double* %xv) {",
@@ -61,7 +76,7 @@ def _loop_ir(lanes: int, fused: bool) -> str:
         "loop:", *phis, "  %i = phi i64 [ 0, %entry ], [ %inext, %loop ]", *ops,
         "  %inext = add i64 %i, 1", "  %done = icmp eq i64 %inext, %n",
         "  br i1 %done, label %exit, label %loop",
-        "exit:", *sums, f"  %e = extractelement {vt} %s{ACCUMULATORS - 1}, i32 0",
+        "exit:", *sums, f"  %e = extractelement {vt} %s{chains - 1}, i32 0",
         "  ret double %e", "}"])
 
 
@@ -100,11 +115,11 @@ def _iterations(fn, xs, seconds: float) -> int:
     return max(int(n * seconds / max(dt, 1e-9)), 1)
 
 
-def _rate(fn, xs, n: int, lanes: int) -> float:
-    """GFLOP/s of one run of n iterations (2 flops per lane and accumulator each)."""
+def _rate(fn, xs, n: int, lanes: int, chains: int) -> float:
+    """GFLOP/s of one run of n iterations (2 flops per lane and chain each)."""
     t = time.perf_counter()
     fn(n, 0.9999999, 1e-9, ctypes.addressof(xs))
-    return 2.0 * lanes * ACCUMULATORS * n / (time.perf_counter() - t) / 1e9
+    return 2.0 * lanes * chains * n / (time.perf_counter() - t) / 1e9
 
 
 # Each rate is the best of ROUNDS runs, the two loops taking turns: a neighbour busy for a
@@ -131,7 +146,8 @@ def measured_peaks(seconds: float = 0.1):
         rates = {name: 0.0 for name in loops}
         for _ in range(ROUNDS):
             for name, (_, fn) in loops.items():
-                rates[name] = max(rates[name], _rate(fn, xs, sizes[name], lanes))
+                rates[name] = max(rates[name], _rate(fn, xs, sizes[name], lanes,
+                                                        accumulators(lanes, name == "fma")))
     except Exception:  # noqa: BLE001 - any failure: the bench falls back to the nominal peak
         return None
     return {**rates, "lanes": lanes}

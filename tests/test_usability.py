@@ -544,6 +544,36 @@ def test_measured_peaks_are_physical():
         == ACCUMULATORS
 
 
+def test_the_unfused_peak_loop_fits_16_registers():
+    """Built 4-wide for an AVX2 core (16 vector registers), the unfused loop keeps its
+    chains and multiplicands in registers: with 12 of each it spilled them to 32-byte
+    stack slots LLVM does not align, and its rate depended on where the caller's stack
+    lay (41 or 53 GFLOP/s on one core). The control: 12 chains do spill."""
+    import llvmlite.binding as llvm
+
+    from hslm import peak
+
+    def stack_operands(chains):
+        old = peak.UNFUSED_ACCUMULATORS_16
+        peak.UNFUSED_ACCUMULATORS_16 = chains
+        try:
+            mod = llvm.parse_assembly(peak._loop_ir(4, False))
+        finally:
+            peak.UNFUSED_ACCUMULATORS_16 = old
+        llvm.initialize_native_target()
+        llvm.initialize_native_asmprinter()
+        tm = llvm.Target.from_default_triple().create_target_machine(cpu="haswell", features="",
+                                                                    opt=3)
+        asm = tm.emit_assembly(mod)
+        loop = asm[asm.index("vmulpd"):asm.rindex("vaddpd")]
+        return loop.count("(%rsp)")
+
+    assert peak.accumulators(4, False) == peak.UNFUSED_ACCUMULATORS_16 < peak.ACCUMULATORS
+    assert peak.accumulators(4, True) == peak.accumulators(8, False) == peak.ACCUMULATORS
+    assert stack_operands(peak.UNFUSED_ACCUMULATORS_16) == 0
+    assert stack_operands(peak.ACCUMULATORS) > 0
+
+
 def test_nominal_peak_counts_the_lanes_the_pipes_hold(monkeypatch):
     """AMD Zen 4 (family 19h with AVX-512) runs a 512-bit operation as two halves on its
     256-bit pipes: 16 f64 flops a cycle, as Zen 3 (family 19h, AVX2) and an AVX2 build;
