@@ -72,10 +72,10 @@ def adam_lanes(info=None, wide=None) -> int:
     AMD (Zen 5, family 1Ah, full-width pipes: the optimiser 3.7-4.0 ms a step at 4,
     3.1-3.3 at 8, four alternations; Zen 4, family 19h, which runs a 512-bit operation
     as two halves but holds more of the loop's iterations in flight while they wait on
-    the divider: 6.28 against 7.19 ms at 4, steps taken in turns, docs/performance-
-    history.md 2026-12-04); 4 elsewhere (on the AVX-512 Xeon of the
-    README 8 ran 15% slower, 6.9 against 6.0 ms, before the loop's sums were vectors; 8
-    built for AVX2, as two 4-lane halves, timed the same as 4 on the Zen 4).
+    the divider: 6.28 against 7.19 ms at 4, steps taken in turns, 2026-12-04 in
+    docs/performance-history.md); 4 elsewhere (on the AVX-512 Xeon of the README 8 ran
+    15% slower, 6.9 against 6.0 ms, before the loop's sums were vectors; 8 built for
+    AVX2, as two 4-lane halves, timed the same as 4 on the Zen 4).
     The bits do not depend on it: each element is updated on its own and the sums take
     the elements one at a time, in order (tests/test_optim.py)."""
     info = cpu_info() if info is None else info
