@@ -1,5 +1,5 @@
 """Run hslm from a checkout: `python cli.py train ...` is `hslm train ...`."""
-from hslm.cli import main
+from hslm import main_or_missing_package
 
 if __name__ == "__main__":
-    main()
+    main_or_missing_package()()

@@ -7,6 +7,33 @@ __version__ = "0.2.0"
 MPI_LAUNCH_VARIABLES = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK",
                         "MV2_COMM_WORLD_SIZE")
 MPI_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+# pyproject.toml's run-time dependencies, by the names they are imported as (llvmlite comes
+# with numba)
+RUN_TIME_PACKAGES = frozenset({"numba", "llvmlite", "numpy", "click"})
+
+
+def missing_package_line(error: ModuleNotFoundError):
+    """The command's one error line for a run-time package that is not installed (hslm
+    run from a checkout that pip never installed), or None for any other module (one of
+    hslm's own, say: a bug, to be shown whole)."""
+    if error.name not in RUN_TIME_PACKAGES:
+        return None
+    return (f"error: hslm needs the Python package {error.name}, which is not installed for "
+            f"{_sys.executable} (pip install . installs hslm with numba, numpy and click)")
+
+
+def main_or_missing_package():
+    """hslm.cli.main, imported; a run-time package missing at that import (click and numpy
+    are imported by the CLI's modules, numba later, by the command) is the one line."""
+    try:
+        from .cli import main
+    except ModuleNotFoundError as e:
+        line = missing_package_line(e)
+        if line is None:
+            raise
+        print(line, file=_sys.stderr)
+        _sys.exit(2)
+    return main
 
 
 def _the_hslm_command() -> bool:

@@ -1,3 +1,3 @@
-from .cli import main
+from . import main_or_missing_package
 
-main()
+main_or_missing_package()()

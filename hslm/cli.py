@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from . import _the_hslm_command, distributed, end_of_start_up
+from . import _the_hslm_command, distributed, end_of_start_up, missing_package_line
 from .errors import (HslmError, is_terminated, keeping_dropped_interrupts, quiet_after_interrupt,
                      raise_dropped_interrupt)
 from .speeds import DEFAULT_SPEED, SPEEDS, speed_help
@@ -479,11 +479,6 @@ def guard_streams():
         setattr(sys, name, ReaderGone(stream, note))
 
 
-# pyproject.toml's run-time dependencies, by the names they are imported as (llvmlite comes
-# with numba)
-RUN_TIME_PACKAGES = frozenset({"numba", "llvmlite", "numpy", "click"})
-
-
 def main(argv=None):
     """Entry point: every error is one line on stderr and a non-zero exit."""
     guard_streams()
@@ -530,13 +525,11 @@ def run_command(argv):
         where = f"{e.filename}: " if e.filename is not None else ""
         click.echo(f"error: {where}{e.strerror or e}", err=True)
         sys.exit(2)
-    except ModuleNotFoundError as e:
-        if e.name not in RUN_TIME_PACKAGES:  # a module of hslm's own, say: a bug, shown whole
+    except ModuleNotFoundError as e:  # numba, imported by the command, not installed
+        line = missing_package_line(e)
+        if line is None:  # a module of hslm's own, say: a bug, shown whole
             raise
-        # hslm run from a checkout without `pip install` (python -m hslm): the cause, plainly
-        click.echo(f"error: hslm needs the Python package {e.name}, which is not installed "
-                   f"for {sys.executable} (pip install . installs hslm with numba, numpy and "
-                   "click)", err=True)
+        click.echo(line, err=True)
         sys.exit(2)
     except MemoryError:  # a safety net: sizes are judged before allocating, but estimates err
         click.echo("error: out of memory (try a smaller --batch, model or corpus, or fewer "

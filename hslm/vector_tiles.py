@@ -411,11 +411,11 @@ def make_trits(lanes: int):
     dst[i] = 1 if src[i] > half, -1 if src[i] < -half, else 0 (a NaN gives 0), as int8
     from float64, `lanes` at a time. Built for AVX2, Numba's own loop packed the
     compares to bytes one element at a time (0.094 ms for a 243 x 729 tensor against
-    0.021 built for AVX-512); written as vectors, 0.049, and 0.022 for AVX-512. Each
-    trit is now the byte (src > half) | -(src < -half) (half > 0, so at most one holds)
-    and the zeros are counted from the byte compare's bit mask: the two compares'
-    masks packed to bytes once, not twice and blended (built for AVX2 on an AMD Zen 4,
-    43.7 to 34.8 us for 243 x 729, the same trits; AVX-512 as before)."""
+    0.021 built for AVX-512); written as vectors, 0.049, and 0.022 for AVX-512. A trit
+    is the byte (src > half) | -(src < -half) (half > 0, so at most one holds: the two
+    compares' masks go to bytes once, where a select had packed each and blended them),
+    and the zeros are counted by popcount of the byte compare's mask (built for AVX2,
+    34.8 us for 243 x 729: docs/performance-history.md, 2026-12-04)."""
 
     def codegen(context, builder, signature, args):
         src, n, half, dst = args

@@ -374,7 +374,8 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, f
     M = np.empty((B, (k + 63) // 64, D.mlp), np.int64)  # relu_weight_grads' masks ...
     masks_of = np.full(1, -1, np.int64)  # ... of block [0], every column
     # what XT[slot] holds: the input's address and its columns ra, rb (Wq, Wk and Wv of a
-    # block share their input, so the two after the first reuse its columns)
+    # block share their input, so the two after the first reuse its columns, where the
+    # batch is one group of windows, at most WGRAD_WINDOWS, and the same rows come again)
     xt_of = np.full((XT.shape[0], 3), -1, np.int64)
     timed = model.clock.shape[0] > 2  # hslm bench's profile (Model.clock [2] and [3])
     u = u0

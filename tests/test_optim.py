@@ -135,19 +135,21 @@ def test_adamw_loop_gives_the_same_bits_at_every_width():
     params = np.array([0.7, 0.99, 0.003 / 0.3, math.sqrt(0.05), 0.9, 0.1, 0.999, 0.001, 1e-8])
     assert params.shape[0] == N_PARAMS
     out = {}
+    sums0 = np.array([1.5, 2.75, 4.0])  # running sums from earlier calls, a lane each
     for lanes in (1, 4, 8):
-        m, v, w, sums = m0.copy(), v0.copy(), w0.copy(), np.zeros(3)
+        m, v, w, sums = m0.copy(), v0.copy(), w0.copy(), sums0.copy()
         runner(lanes)(g, m, v, w, params, sums, h)
         out[lanes] = b"".join(a.tobytes() for a in (m, v, w, sums))
         if lanes == 1:
             in_order = sums
-            pairwise = np.array([np.sum(np.abs(w)), np.sum(np.abs(m) + v), np.sum(h * h)])
+            pairwise = sums0 + np.array([np.sum(np.abs(w)), np.sum(np.abs(m) + v),
+                                         np.sum(h * h)])
     assert out[4] == out[1] and out[8] == out[1]
     assert pairwise.tobytes() != in_order.tobytes()
     # and the formula of its docstring, element by element in Python (IEEE doubles)
     clip, decay, step, sqrt_bc2, b1, omb1, b2, omb2, eps = (float(p) for p in params)
     m, v, w = ([float(x) for x in a] for a in (m0, v0, w0))
-    sums = [0.0] * 3
+    sums = [float(x) for x in sums0]
     for i in range(n):
         gi = float(g[i]) * clip
         m[i] = b1 * m[i] + omb1 * gi
@@ -156,6 +158,15 @@ def test_adamw_loop_gives_the_same_bits_at_every_width():
         sums = [sums[0] + abs(w[i]), sums[1] + (abs(m[i]) + v[i]),
                 sums[2] + float(h[i]) * float(h[i])]
     assert out[1] == b"".join(np.array(a).tobytes() for a in (m, v, w, sums))
+    # NaN, infinities and -0.0 take the same way at every width (the sums then NaN)
+    g[[3, 10, 17]] = [np.nan, np.inf, -0.0]
+    w0[[5, 12]] = [-np.inf, -0.0]
+    special = set()
+    for lanes in (1, 4, 8):
+        m, v, w, sums = m0.copy(), v0.copy(), w0.copy(), sums0.copy()
+        runner(lanes)(g, m, v, w, params, sums, h)
+        special.add(b"".join(a.tobytes() for a in (m, v, w, sums)))
+    assert len(special) == 1 and np.isnan(w[3]) and np.isnan(sums[0])
 
 
 def test_adam_lanes_are_8_only_on_amd_512_bit_builds():

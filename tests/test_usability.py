@@ -549,7 +549,11 @@ def test_the_unfused_peak_loop_fits_16_registers():
     chains and multiplicands in registers: with 12 of each it spilled them to 32-byte
     stack slots LLVM does not align, and its rate depended on where the caller's stack
     lay (41 or 53 GFLOP/s on one core). The control: 12 chains do spill."""
+    import platform
+
     import llvmlite.binding as llvm
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the loop's registers are checked in x86 code")
 
     from hslm import peak
 
@@ -877,7 +881,8 @@ def test_ab_steps_times_two_trees_in_turns_and_compares_their_bytes(tmp_path):
     rows = {line.split()[0]: line.split() for line in r.stdout.splitlines()[2:-1]}
     phases = {"step", "forward", "backward", "windows", "weight", "optimiser"}
     cycle_counted = {"forward-products", "backward-products", "Wup-Wdown", "dense-operands"}
-    assert phases <= set(rows) <= phases | cycle_counted  # the latter where a clock counts
+    from hslm.bench import cycles_per_second
+    assert set(rows) == (phases | cycle_counted if cycles_per_second() else phases)
     assert 0.2 < float(rows["step"][3]) < 5.0  # the same code: B / A near 1
     assert r.stdout.splitlines()[-1] == "parameters after the steps: the same bytes"
     r = subprocess.run(tool + ["--bits-differ"], capture_output=True, text=True, timeout=600,

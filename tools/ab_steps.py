@@ -130,7 +130,8 @@ def main():
     print(f"{args.model}, batch {args.batch}, {args.threads} thread(s), {args.steps} pairs of "
           "steps in turns; B / A, the median over the pairs (and its quartiles):")
     print(f"  {'phase':<18} {'A ms':>8} {'B ms':>8} {'B / A':>7}   (quartiles)")
-    for phase in times[0][0]:
+    phases = [p for p in times[0][0] if p in times[1][0]]  # an older tree may time fewer
+    for phase in phases:
         ta = np.array([t[phase] for t in times[0]])
         tb = np.array([t[phase] for t in times[1]])
         q1, ratio, q3 = np.quantile(tb / ta, [0.25, 0.5, 0.75])
