@@ -15,11 +15,10 @@ are those of three scalar chains whatever the vectors) depends on the width:
 * 8 lanes (AVX-512 on AMD): the sums are the lanes of one vector [sum 0, sum 1, sum 2,
   0.0] and each element's terms are gathered into one (shuffles across the vector): one
   vector addition an element (VectorSums);
-* 4 lanes: sum |w| is a scalar chain (its terms wait on the
-  divider) and the other two a pair [sum 1, sum 2] (their terms are ready early), fed by
-  unpacks within 128-bit halves and extracts of halves (PairedSums): no shuffle that
-  crosses 128 bits, which cores with 128-bit pipes (the first-generation Zen) pay for
-  several times over.
+* 4 lanes: sum |w| is a scalar chain (its terms wait on the divider) and the other two
+  a pair [sum 1, sum 2] (their terms are ready early), fed by unpacks within 128-bit
+  halves and extracts of halves (PairedSums): no shuffle that crosses 128 bits, which
+  cores with 128-bit pipes (the first-generation Zen) pay for several times over.
 
 The loop's tail, one element at a time, keeps its main loop's way.
 

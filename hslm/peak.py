@@ -16,13 +16,13 @@ compiles for (so an AVX2 build measures AVX2), runs long enough to settle the cl
   measured 47.5-53.9 GFLOP/s on a core whose weight-gradient tile ran at 55.)
 
 Each uses 12 independent vector accumulators, enough to cover the latency of the
-pipes of every x86 core these machines have, and no more than 16 registers hold, but
-for the unfused loop built for 16 registers (4-wide, AVX2): its accumulators each have a
-multiplicand of their own, and 12 of each spilled to 32-byte stack slots that LLVM does
-not align, so it measured 41 or 53-55 GFLOP/s on the same AMD Zen 4 by where the
-caller's stack happened to lie (2026-12-04: 41.0-41.3 in four runs of one process,
-52.7-53.1 in another). There it uses UNFUSED_ACCUMULATORS_16, whose chains and
-multiplicands fill the 16 registers with the broadcast and the product (52.5-53.1).
+pipes of every x86 core these machines have, except the unfused loop built 4-wide (16
+registers, AVX2), which uses UNFUSED_ACCUMULATORS_16 (`accumulators`). Its chains each
+have a multiplicand of their own; 12 of each spilled to 32-byte stack slots that LLVM
+does not align, so the reading depended on where the caller's stack lay (on one AMD
+Zen 4, 2026-12-04: 41.0-41.3 GFLOP/s in one process, 52.7-53.1 in another). Seven
+chains and their multiplicands fill the 16 registers with the broadcast and the
+product, and nothing spills (52.5-53.1).
 """
 from __future__ import annotations
 
