@@ -23,7 +23,7 @@ from numba import njit
 from .jit import kernel_entry, kernel_inner
 from .micro import (ACTIVE_LANES, ACTIVE_VECS, MICRO_KERNELS, TERNARY_PANEL, WGRAD_PANEL,
                     compile_micro, panel_matmul_add, ternary_panel_matmul)
-from .vector_tiles import make_active_rows_tile, make_prefetch_for_reading, make_prefetch_to_l2
+from .vector_tiles import make_active_rows_tile, make_prefetch_to_l2
 
 COL_TILE = 256  # columns per tile: a pass's 4 matrix-row slices (8 KB) stay in L1
 
@@ -146,7 +146,6 @@ def column_sum_rows(DY, g):
 ACTIVE_ROW = make_active_rows_tile(ACTIVE_VECS, ACTIVE_LANES)
 ACTIVE_ROW_LESS = make_active_rows_tile(ACTIVE_VECS - 1, ACTIVE_LANES)
 ACTIVE_ROW_ANY = make_active_rows_tile(ACTIVE_VECS, ACTIVE_LANES, exact=False)
-PREFETCH_FOR_READING = make_prefetch_for_reading()
 PREFETCH_TO_L2 = make_prefetch_to_l2()
 
 
@@ -191,14 +190,16 @@ def active_span(n, q):
 
 @kernel_inner
 def active_rows_grad(M, S, D, c0, c1, j0, j1, O, fresh):
-    """O[j, c - c0] = base + sum_t S[t, j] D[t, c] for j0 <= j < j1, c0 <= c < c1 (at
-    least ACTIVE_LANES columns), base O[j, c - c0] or, where fresh, 0.0: one window's
+    """O[j - j0, c - c0] = base + sum_t S[t, j] D[t, c] for j0 <= j < j1, c0 <= c < c1 (at
+    least ACTIVE_LANES columns), base what O held or, where fresh, 0.0: one window's
     weight-gradient rows of a matrix beside the ReLU, summed over the positions t where
     unit j is active (M, active_masks) in increasing order from 0.0, the product
     rounded and then added. The positions left out add S[t, j] D[t, c] = +-0.0, which
     changes no bit of such a sum (vector_tiles.make_active_rows_tile), so these are
     the dense sums' bits. S [k, F] (its column j: unit j's factor), D [k, >= c1] rows
-    contiguous, O [>= j1, >= c1 - c0] rows contiguous.
+    contiguous, O [>= j1 - j0, >= c1 - c0] rows contiguous (rows starting on 64 bytes
+    where they can: a vector split across two cache lines costs 10-20% of the tile's
+    time here).
 
     Tiles of up to ACTIVE_VECS vectors; for each, every row j (D's columns of the tile,
     27 x 128 doubles, stay in L1 while the rows pass). S's column j is a load from each
@@ -208,44 +209,48 @@ def active_rows_grad(M, S, D, c0, c1, j0, j1, O, fresh):
     docs/performance-history.md)."""
     words, F = M.shape
     n = c1 - c0
-    if (n < ACTIVE_LANES or D.shape[1] < c1 or O.shape[1] < n or O.shape[0] < j1 or j1 > F
+    if (n < ACTIVE_LANES or D.shape[1] < c1 or O.shape[1] < n or O.shape[0] < j1 - j0
+            or j0 < 0 or j1 > F
             or S.shape[1] != F or words * 64 < S.shape[0] or D.shape[0] < S.shape[0]
             or (D.size > 0 and D.strides[1] != 8) or (O.size > 0 and O.strides[1] != 8)
             or (S.size > 0 and S.strides[1] != 8)):
         raise ValueError("active_rows_grad: the operands' shapes do not agree")  # raw addresses
     xs, ds, os = S.strides[0] // 8, D.strides[0] // 8, O.strides[0] // 8
+    m, x, rows, k = M.ctypes.data + j0 * 8, S.ctypes.data + j0 * 8, j1 - j0, S.shape[0]
     for q in range(active_tiles(n)):
         a, b = active_span(n, q)
         d = D.ctypes.data + (c0 + a) * 8
+        o = O.ctypes.data + a * 8
         vecs = (b - a + ACTIVE_LANES - 1) // ACTIVE_LANES
         last, first = b - a - ACTIVE_LANES, 1 if fresh else 0
-        for j in range(j0, j1):
-            m, x = M.ctypes.data + j * 8, S.ctypes.data + j * 8
-            if q == 0 and (j - j0) % 8 == 0 and j + 8 < F:  # (a hint: no value changes)
-                for t in range(S.shape[0]):
-                    PREFETCH_FOR_READING(x + (t * xs + 8) * 8, 8)
-            o = O.ctypes.data + (j * os + a) * 8
-            if vecs == ACTIVE_VECS:
-                ACTIVE_ROW(m, F, words, x, xs, d, ds, last, o, first)
-            elif vecs == ACTIVE_VECS - 1:
-                ACTIVE_ROW_LESS(m, F, words, x, xs, d, ds, last, o, first)
-            else:
-                ACTIVE_ROW_ANY(m, F, words, x, xs, d, ds, last, o, first)
+        ahead = F - 8 - j0 if q == 0 else 0  # the first tile asks for the next x lines
+        if vecs == ACTIVE_VECS:
+            ACTIVE_ROW(m, F, words, x, xs, d, ds, last, o, os, rows, ahead, k, first)
+        elif vecs == ACTIVE_VECS - 1:
+            ACTIVE_ROW_LESS(m, F, words, x, xs, d, ds, last, o, os, rows, ahead, k, first)
+        else:
+            ACTIVE_ROW_ANY(m, F, words, x, xs, d, ds, last, o, os, rows, ahead, k, first)
 
 
 @kernel_inner(allocates=True)
-def aligned_rows(X, flat, start):
-    """X [k, n] copied into flat from element `start` on, each row starting on 64 bytes,
-    rows a multiple of 8 elements apart and not of 64 (so that rows do not share L1
-    sets); returns the [k, n] view. The tile's vector loads from records' rows (243
-    doubles apart) split cache lines: 1.24 against 0.99-1.03 ms for Wdown's gradient.
-    Uses at most k * (n + 15) + 7 elements of flat past start."""
-    k, n = X.shape
+def aligned_view(flat, start, k, n):
+    """The [k, n] view of flat that aligned_rows(X [k, n], flat, start) fills: from element
+    `start` on, each row starting on 64 bytes, rows a multiple of 8 elements apart and not
+    of 64 (so that rows do not share L1 sets). Takes at most k * (n + 15) + 7 elements."""
     stride = (n + 7) // 8 * 8
     if stride % 64 == 0:
         stride += 8
     a = start + (-(flat.ctypes.data // 8 + start)) % 8
-    out = flat[a:a + k * stride].reshape((k, stride))[:, :n]
+    return flat[a:a + k * stride].reshape((k, stride))[:, :n]
+
+
+@kernel_inner(allocates=True)
+def aligned_rows(X, flat, start):
+    """X [k, n] copied into flat's aligned_view(flat, start, k, n), which it returns. The
+    tile's vector loads from records' rows (243 doubles apart) split cache lines: 1.24
+    against 0.99-1.03 ms for Wdown's gradient."""
+    k, n = X.shape
+    out = aligned_view(flat, start, k, n)
     for r in range(k):
         for c in range(n):
             out[r, c] = X[r, c]

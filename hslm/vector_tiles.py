@@ -452,35 +452,41 @@ def make_trits(lanes: int):
 
 def make_active_rows_tile(vecs: int, lanes: int, exact: bool = True):
     """An intrinsic tile(m_addr, m_stride, words, x_addr, x_stride, d_addr, d_stride, last,
-    out_addr, fresh), all intp: one row of a weight gradient over the positions where
-    its sparse factor is active (the ReLU's units: half of them are 0.0 at any position).
+    out_addr, out_stride, rows, prefetch_below, positions, fresh), all intp: `rows`
+    consecutive rows r of a weight gradient, each over the positions where its sparse
+    factor is active (the ReLU's units: half of them are 0.0 at any position).
 
-    The set bits t of the int64 words at m_addr, m_stride apart (bit b of word w is
-    position 64 w + b), in increasing order, add x[t x_stride] D[t d_stride + c] into
-    acc[c] from 0.0, the product rounded and then added, as the dense tile does; then
-    out[c] = base + acc[c], base out[c] or, where fresh is nonzero, 0.0. The columns are
-    `vecs` vectors at 0, lanes, 2 lanes, ..., the last at `last` (the last full vector of
-    the row, at least (vecs - 2) lanes: it may overlap the one before it). exact=False:
-    a row of fewer vectors, down to one, each vector clamped to `last` (those past it
-    repeat it); its runtime offsets take a register each, and the loop is slower.
-    Every vector's `out` is loaded before any is stored, so overlapping lanes get the
-    same bits twice.
+    Row r: the set bits t of the int64 words at m_addr + 8 r, m_stride words apart (bit b
+    of word w is position 64 w + b), in increasing order, add x[t x_stride + r]
+    D[t d_stride + c] into acc[c] from 0.0, the product rounded and then added, as the
+    dense tile does; then out[r out_stride + c] = base + acc[c], base what it held or,
+    where fresh is nonzero, 0.0. The columns are `vecs` vectors at 0, lanes, 2 lanes,
+    ..., the last at `last` (the last full vector of the row, at least (vecs - 2) lanes:
+    it may overlap the one before it, so its base is loaded before that one is stored;
+    overlapping lanes get the same bits twice). exact=False: a row of fewer vectors, down
+    to one, each vector clamped to `last` (those past it repeat it, every base loaded
+    before any is stored); its runtime offsets take a register each, and the loop is
+    slower. At each row r < prefetch_below with r % 8 == 0, the next 8 rows' x lines are
+    asked for (positions of them: x's column r + 8 at every position).
+
+    The rows loop here, not in Numba: per row the mask, x and out addresses step in
+    registers, and a sum is stored straight from its register (built for 16 registers,
+    loading all 13 bases before the first store had spilled 9 of them to the stack).
 
     Skipping a position where x is 0.0 changes no bit: x D is then +-0.0 (D finite),
     and a sum that starts from +0.0 is never -0.0, so adding +-0.0 leaves it as it
     was. (A step with a non-finite D has a non-finite loss or norm and is stopped.)"""
 
     def codegen(context, builder, signature, args):
-        ma, ms, words, xa, xs, da, ds, last, oa, fresh = args
-        f64, i64 = ir.DoubleType(), ir.IntType(64)
+        ma, ms, words, xa, xs, da, ds, last, oa, os_, rows, pf_below, positions, fresh = args
+        f64, i64, i8, i32 = ir.DoubleType(), ir.IntType(64), ir.IntType(8), ir.IntType(32)
         vt = ir.VectorType(f64, lanes)
         zero = ir.Constant(vt, [0.0] * lanes)
-        one, c64 = ir.Constant(i64, 1), ir.Constant(i64, 64)
-        mptr = builder.inttoptr(ma, i64.as_pointer())
-        xptr = builder.inttoptr(xa, f64.as_pointer())
+        one, c8, c64 = ir.Constant(i64, 1), ir.Constant(i64, 8), ir.Constant(i64, 64)
         dptr = builder.inttoptr(da, f64.as_pointer())
-        optr = builder.inttoptr(oa, f64.as_pointer())
         cttz = declare(builder, "llvm.cttz.i64", i64, [i64, ir.IntType(1)])
+        prefetch = declare(builder, "llvm.prefetch.p0i8", ir.VoidType(),
+                           [i8.as_pointer(), i32, i32, i32])
         offsets = []
         for v in range(vecs):
             at = ir.Constant(i64, v * lanes)
@@ -490,68 +496,118 @@ def make_active_rows_tile(vecs: int, lanes: int, exact: bool = True):
                 offsets.append(at)
             else:
                 offsets.append(builder.select(builder.icmp_signed("<", at, last), at, last))
+        is_fresh = builder.icmp_signed("!=", fresh, ir.Constant(i64, 0))
         entry = builder.block
-        word = builder.function.append_basic_block("active.word")
-        bits = builder.function.append_basic_block("active.bits")
-        latch = builder.function.append_basic_block("active.latch")
-        sums = builder.function.append_basic_block("active.sums")
-        builder.cbranch(builder.icmp_signed(">", words, ir.Constant(i64, 0)), word, sums)
+        blocks = {name: builder.function.append_basic_block(f"active.{name}")
+                  for name in ("row", "ask", "start", "word", "bits", "latch", "sums", "add",
+                               "fresh", "next", "done")}
+        builder.cbranch(builder.icmp_signed(">", rows, ir.Constant(i64, 0)), blocks["row"],
+                        blocks["done"])
 
-        builder.position_at_end(word)  # one int64 word of the mask (64 positions)
+        builder.position_at_end(blocks["row"])  # row r: its mask words, x's column, out's row
+        r = builder.phi(i64)
+        mptr = builder.inttoptr(builder.add(ma, builder.mul(r, c8)), i64.as_pointer())
+        x_r = builder.add(xa, builder.mul(r, c8))
+        xptr = builder.inttoptr(x_r, f64.as_pointer())
+        optr = builder.inttoptr(builder.add(oa, builder.mul(r, builder.mul(os_, c8))),
+                                f64.as_pointer())
+        due = builder.and_(builder.icmp_signed("<", r, pf_below),
+                           builder.icmp_signed("==", builder.and_(r, ir.Constant(i64, 7)),
+                                               ir.Constant(i64, 0)))
+        builder.cbranch(due, blocks["ask"], blocks["start"])
+
+        builder.position_at_end(blocks["ask"])  # (a hint: no value changes)
+        ahead = builder.inttoptr(builder.add(x_r, c64), f64.as_pointer())
+        with CountedLoop(builder, positions, 1, "active.ask") as loop:
+            line = builder.bitcast(builder.gep(ahead, [builder.mul(loop.i, xs)]),
+                                   i8.as_pointer())
+            builder.call(prefetch, [line, ir.Constant(i32, 0), ir.Constant(i32, 3),
+                                    ir.Constant(i32, 1)])
+        builder.branch(blocks["start"])
+
+        builder.position_at_end(blocks["start"])
+        builder.cbranch(builder.icmp_signed(">", words, ir.Constant(i64, 0)), blocks["word"],
+                        blocks["sums"])
+
+        builder.position_at_end(blocks["word"])  # one int64 word of the mask (64 positions)
         w = builder.phi(i64)
         acc_w = [builder.phi(vt) for _ in range(vecs)]
         mask = builder.load(builder.gep(mptr, [builder.mul(w, ms)]), align=8)
         t0 = builder.mul(w, c64)
-        builder.cbranch(builder.icmp_signed("!=", mask, ir.Constant(i64, 0)), bits, latch)
+        builder.cbranch(builder.icmp_signed("!=", mask, ir.Constant(i64, 0)), blocks["bits"],
+                        blocks["latch"])
 
-        builder.position_at_end(bits)  # one set bit, the lowest first: position t
+        builder.position_at_end(blocks["bits"])  # one set bit, the lowest first: position t
         m = builder.phi(i64)
         acc = [builder.phi(vt) for _ in range(vecs)]
         t = builder.add(t0, builder.call(cttz, [m, ir.Constant(ir.IntType(1), 1)]))
         m_next = builder.and_(m, builder.sub(m, one))
         xv = splat(builder, builder.load(builder.gep(xptr, [builder.mul(t, xs)]), align=8), vt)
-        row = builder.mul(t, ds)
+        d_row = builder.mul(t, ds)
         new = []
         for v in range(vecs):
-            p = builder.bitcast(builder.gep(dptr, [builder.add(row, offsets[v])]), vt.as_pointer())
+            p = builder.bitcast(builder.gep(dptr, [builder.add(d_row, offsets[v])]),
+                                vt.as_pointer())
             new.append(builder.fadd(acc[v], builder.fmul(xv, builder.load(p, align=8))))
-        m.add_incoming(mask, word)
-        m.add_incoming(m_next, bits)
+        m.add_incoming(mask, blocks["word"])
+        m.add_incoming(m_next, blocks["bits"])
         for v in range(vecs):
-            acc[v].add_incoming(acc_w[v], word)
-            acc[v].add_incoming(new[v], bits)
-        builder.cbranch(builder.icmp_signed("!=", m_next, ir.Constant(i64, 0)), bits, latch)
+            acc[v].add_incoming(acc_w[v], blocks["word"])
+            acc[v].add_incoming(new[v], blocks["bits"])
+        builder.cbranch(builder.icmp_signed("!=", m_next, ir.Constant(i64, 0)), blocks["bits"],
+                        blocks["latch"])
 
-        builder.position_at_end(latch)
+        builder.position_at_end(blocks["latch"])
         acc_l = [builder.phi(vt) for _ in range(vecs)]
         for v in range(vecs):
-            acc_l[v].add_incoming(acc_w[v], word)
-            acc_l[v].add_incoming(new[v], bits)
+            acc_l[v].add_incoming(acc_w[v], blocks["word"])
+            acc_l[v].add_incoming(new[v], blocks["bits"])
         w_next = builder.add(w, one)
-        w.add_incoming(ir.Constant(i64, 0), entry)
-        w.add_incoming(w_next, latch)
+        w.add_incoming(ir.Constant(i64, 0), blocks["start"])
+        w.add_incoming(w_next, blocks["latch"])
         for v in range(vecs):
-            acc_w[v].add_incoming(zero, entry)
-            acc_w[v].add_incoming(acc_l[v], latch)
-        builder.cbranch(builder.icmp_signed("<", w_next, words), word, sums)
+            acc_w[v].add_incoming(zero, blocks["start"])
+            acc_w[v].add_incoming(acc_l[v], blocks["latch"])
+        builder.cbranch(builder.icmp_signed("<", w_next, words), blocks["word"], blocks["sums"])
 
-        builder.position_at_end(sums)  # every vector's base loaded, then all stored
+        builder.position_at_end(blocks["sums"])
         total = [builder.phi(vt) for _ in range(vecs)]
         for v in range(vecs):
-            total[v].add_incoming(zero, entry)
-            total[v].add_incoming(acc_l[v], latch)
-        is_fresh = builder.icmp_signed("!=", fresh, ir.Constant(i64, 0))
+            total[v].add_incoming(zero, blocks["start"])
+            total[v].add_incoming(acc_l[v], blocks["latch"])
         ptrs = [builder.bitcast(builder.gep(optr, [offsets[v]]), vt.as_pointer())
                 for v in range(vecs)]
-        values = [builder.fadd(builder.select(is_fresh, zero, builder.load(p, align=8)), s)
-                  for p, s in zip(ptrs, total)]
-        for p, value in zip(ptrs, values):
-            builder.store(value, p, align=8)
+        builder.cbranch(is_fresh, blocks["fresh"], blocks["add"])
+
+        builder.position_at_end(blocks["fresh"])  # 0.0 + sum, as a zeroed out added to
+        for p, value in zip(ptrs, total):
+            builder.store(builder.fadd(zero, value), p, align=8)
+        builder.branch(blocks["next"])
+
+        builder.position_at_end(blocks["add"])
+        if exact:  # only the last vector overlaps another (the one before it)
+            base_last = builder.load(ptrs[-1], align=8)
+            for p, value in zip(ptrs[:-1], total[:-1]):
+                builder.store(builder.fadd(builder.load(p, align=8), value), p, align=8)
+            builder.store(builder.fadd(base_last, total[-1]), ptrs[-1], align=8)
+        else:  # clamped vectors may repeat: every base loaded before any is stored
+            values = [builder.fadd(builder.load(p, align=8), s) for p, s in zip(ptrs, total)]
+            for p, value in zip(ptrs, values):
+                builder.store(value, p, align=8)
+        builder.branch(blocks["next"])
+
+        builder.position_at_end(blocks["next"])
+        r_next = builder.add(r, one)
+        r.add_incoming(ir.Constant(i64, 0), entry)
+        r.add_incoming(r_next, blocks["next"])
+        builder.cbranch(builder.icmp_signed("<", r_next, rows), blocks["row"], blocks["done"])
+
+        builder.position_at_end(blocks["done"])
         return context.get_dummy_value()
 
     def tile(typingctx, m_addr, m_stride, words, x_addr, x_stride, d_addr, d_stride, last,
-             out_addr, fresh):
-        return types.void(*[types.intp] * 10), codegen
+             out_addr, out_stride, rows, prefetch_below, positions, fresh):
+        return types.void(*[types.intp] * 14), codegen
 
     tile.__name__ = f"active_rows_tile_{vecs * lanes}" + ("" if exact else "_clamped")
     return intrinsic(tile)

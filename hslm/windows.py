@@ -29,7 +29,7 @@ import numpy as np
 
 from .config import TENSORS_PER_BLOCK
 from .jit import kernel_entry, kernel_inner, kernel_part
-from .kernels import (active_masks, active_rows_grad, aligned_rows, column_sum_rows,
+from .kernels import (active_masks, active_rows_grad, aligned_rows, aligned_view, column_sum_rows,
                       input_columns, output_grad_panels, transpose_rows)
 from .micro import WGRAD_PANEL, panel_matmul_add, panel_matmul_add2
 from .layers import (CYCLES, COLUMN_SUM, MATRIX, RELU_INPUT, block_backward, block_forward,
@@ -293,6 +293,23 @@ def mean_losses(row_losses, k, first, step, losses):
         losses[w] = total / k
 
 
+# Rows of a W_up or W_down gradient summed over a group's windows before the next rows:
+# the rows stay in L2 while the windows pass (relu_weight_grads).
+RELU_ROW_BLOCK = 36
+
+
+@kernel_inner(allocates=True)
+def windows_scratch(flat, room, rest, B):
+    """Scratch for relu_weight_grads: (buffer, windows) where the buffer holds `windows`
+    (at most B) parts of `room` elements and `rest` elements after them: flat where it
+    holds at least one window's, else a new array of one window's (a model with windows
+    too long for the scratch: not a preset)."""
+    n = min(B, (flat.size - rest) // room)
+    if n >= 1:
+        return flat, n
+    return np.empty(room + rest), 1
+
+
 @kernel_part
 def relu_weight_grads(model, A, R, B, t, s, k, units, u0, u1, out, WG, fresh, M, masks_of):
     """gradients_from_records' units u0..u1-1 of tensor t, the Wup or Wdown of a block,
@@ -301,8 +318,11 @@ def relu_weight_grads(model, A, R, B, t, s, k, units, u0, u1, out, WG, fresh, M,
     of all. G's rows j for Wdown (input relu [k, F]); for Wup (output gradient d_u,
     0.0 wherever relu is) its columns j, each unit's rows i0..i1 summed as rows of
     T = G[i0:i1]^T in scratch and copied into G when every window has added. The dense
-    factor's rows go through aligned scratch (kernels.aligned_rows). Each element gets
-    the windows in window order, as in the dense tiles.
+    factor's rows go through aligned scratch (kernels.aligned_rows), every window's of a
+    group at once; then RELU_ROW_BLOCK rows of G (or T) at a time take the group's
+    windows, so that they stay in cache while the windows pass, where G (1.4 MB for
+    hslm-3's Wdown) had gone to L3 and back for each window. Each element gets the
+    windows in window order, as in the dense tiles.
 
     M [B, words, F] holds the windows' masks of active positions (active_masks), every
     column's, for block masks_of[0]: W_up makes them and W_down, the block's next
@@ -312,17 +332,30 @@ def relu_weight_grads(model, A, R, B, t, s, k, units, u0, u1, out, WG, fresh, M,
     d, F = D.width, D.mlp
     b = (t - 1) // TENSORS_PER_BLOCK
     flat = WG.reshape(WG.size)
-    room = k * (max(d, F) + 15) + 7  # aligned_rows' part of flat; T after it
     ra, rb = units[u0, 1], units[u1 - 1, 2]
     if relu_side(D, t) == RELU_INPUT:  # Wdown, G [F, d]: the units are its rows j
         G = view2(out, model.offs, t, F, d)
         known = masks_of[0] == b
-        for w in range(B):
-            relu = A.relu[w, b, s:]
-            if not known:
-                active_masks(relu, ra, rb, M[w])
-            dy = aligned_rows(R.d_block_out[w, b, :k], flat, 0)
-            active_rows_grad(M[w], relu, dy, 0, d, ra, rb, G, fresh and w == 0)
+        room = k * (d + 15) + 7  # aligned_rows' part of the scratch, a window's
+        buf, nw = windows_scratch(flat, room, RELU_ROW_BLOCK * (d + 15) + 7, B)
+        for w0 in range(0, B, nw):
+            w1 = min(w0 + nw, B)
+            for w in range(w0, w1):
+                if not known:
+                    active_masks(A.relu[w, b, s:], ra, rb, M[w])
+                aligned_rows(R.d_block_out[w, b, :k], buf, (w - w0) * room)
+            for j0 in range(ra, rb, RELU_ROW_BLOCK):
+                j1 = min(j0 + RELU_ROW_BLOCK, rb)
+                # G's rows (243 doubles apart) summed in rows that start on 64 bytes
+                O = aligned_view(buf, nw * room, j1 - j0, d)
+                first = fresh and w0 == 0
+                if not first:
+                    copy_rows(G[j0:j1], O)
+                for w in range(w0, w1):
+                    dy = aligned_view(buf, (w - w0) * room, k, d)
+                    active_rows_grad(M[w], A.relu[w, b, s:], dy, 0, d, j0, j1, O,
+                                     first and w == w0)
+                copy_rows(O, G[j0:j1])
         return
     G = view2(out, model.offs, t, d, F)  # Wup, G [d, F]: the units are its rows i
     if masks_of[0] != b:
@@ -331,16 +364,31 @@ def relu_weight_grads(model, A, R, B, t, s, k, units, u0, u1, out, WG, fresh, M,
         masks_of[0] = b
     for v in range(u0, u1):
         i0, i1 = units[v, 1], units[v, 2]
-        if room + F * (i1 - i0) <= flat.size:
-            T = flat[room:room + F * (i1 - i0)].reshape((F, i1 - i0))
-        else:  # a model with windows too short for the scratch (not a preset)
-            T = np.empty((F, i1 - i0))
+        n = i1 - i0
+        room = k * (n + 15) + 7
+        buf, nw = windows_scratch(flat, room, F * (n + 15) + 7, B)
+        T = aligned_view(buf, nw * room, F, n)  # rows on 64 bytes, as the h rows
         if not fresh:  # go on from G's sums: T = G[i0:i1]^T
             transpose_rows(G[i0:i1], T)
-        for w in range(B):
-            h = aligned_rows(A.h[w, b, s:, i0:i1], flat, 0)
-            active_rows_grad(M[w], R.d_u[w, b, :k], h, 0, i1 - i0, 0, F, T, fresh and w == 0)
+        for w0 in range(0, B, nw):
+            w1 = min(w0 + nw, B)
+            for w in range(w0, w1):
+                aligned_rows(A.h[w, b, s:, i0:i1], buf, (w - w0) * room)
+            for j0 in range(0, F, RELU_ROW_BLOCK):
+                j1 = min(j0 + RELU_ROW_BLOCK, F)
+                for w in range(w0, w1):
+                    h = aligned_view(buf, (w - w0) * room, k, n)
+                    active_rows_grad(M[w], R.d_u[w, b, :k], h, 0, n, j0, j1, T[j0:j1],
+                                     fresh and w == 0)
         transpose_rows(T, G[i0:i1])
+
+
+@kernel_inner
+def copy_rows(X, Y):
+    """Y[:] = X, both [n, m] with rows contiguous."""
+    for r in range(X.shape[0]):
+        for c in range(X.shape[1]):
+            Y[r, c] = X[r, c]
 
 
 @kernel_entry(allocates=True)

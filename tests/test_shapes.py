@@ -464,7 +464,7 @@ def test_the_relu_weight_gradient_over_active_positions_is_the_dense_sum(k, F, n
                 s += S[t][:, None] * D[t, c0:c0 + n][None, :]
             O0 = rng.standard_normal((F, n + 3))
             O = O0.copy()
-            active_rows_grad(M, S, D, c0, c0 + n, 1, F, O, False)
+            active_rows_grad(M, S, D, c0, c0 + n, 1, F, O[1:], False)
             assert O[1:, :n].tobytes() == (O0[1:, :n] + s[1:]).tobytes(), name
             assert O[0].tobytes() == O0[0].tobytes() and O[:, n:].tobytes() == O0[:, n:].tobytes()
             O = np.full((F, n), np.nan)
