@@ -175,6 +175,11 @@ def _tolerate_stale_kernel_caches():
     caching.IndexDataCacheFile._load_index = tolerant_load_index
 
 
+# The files of the kernels hslm.jit made, wherever they lie: their caches are stamped
+# with the package's digest (_kernel_caches_follow_the_whole_package).
+KERNEL_FILES = set()
+
+
 def _kernel_caches_follow_the_whole_package():
     """Numba's cache of a kernel is stamped with the kernel's own source file only (its
     documentation: cache invalidation "fails to recognize changes in symbols defined in
@@ -183,7 +188,9 @@ def _kernel_caches_follow_the_whole_package():
     checkout, an editable install) the cached kernels of windows.py ran the old
     kernels.py. So each of hslm's kernels is stamped with a digest of every .py file of
     the package as well, taken at import: any change to hslm's source compiles them all
-    again (as an upgrade does)."""
+    again (as an upgrade does). So is every kernel hslm.jit makes in a file outside the
+    package (the tests' entry points, tests/kernel_entries.py, which hold hslm's kernels
+    inside them: after a change to kernels.py alone a test had run the old code)."""
     import hashlib
 
     try:
@@ -207,7 +214,8 @@ def _kernel_caches_follow_the_whole_package():
 
     def get_source_stamp(self):
         stamp = numba_stamp(self)
-        if _os.path.dirname(_os.path.abspath(self._py_file)) == here:
+        path = _os.path.abspath(self._py_file)
+        if _os.path.dirname(path) == here or path in KERNEL_FILES:
             return stamp, package
         return stamp
 

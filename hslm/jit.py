@@ -31,10 +31,14 @@ compiles (KernelDispatcher).
 """
 from __future__ import annotations
 
+import os
+
 from numba import config, types
 from numba.core.errors import TypingError
 from numba.core.registry import CPUDispatcher
 from numba.core.targetconfig import ConfigStack
+
+from . import KERNEL_FILES
 
 # njit's own options (nopython, no bounds check) and ours. No C entry point
 # (no_cfunc_wrapper): Numba's C-callable wrapper of a kernel serves only a kernel used as
@@ -97,6 +101,8 @@ def _decorator(dispatcher_class, **options):
             return py_func
         kernel = dispatcher_class(py_func=py_func, locals={},
                                   targetoptions={**OPTIONS, **options, "_nrt": allocates})
+        # (its cache stamped with hslm's source as well, wherever its file lies: hslm/__init__)
+        KERNEL_FILES.add(os.path.abspath(py_func.__code__.co_filename))
         kernel.enable_caching()
         return kernel
     return decorate

@@ -284,6 +284,55 @@ def test_a_change_in_one_file_recompiles_the_cached_kernels_of_the_others(tmp_pa
     assert run() == (10 if stamps == "hslm's stamps" else 2)
 
 
+OUTSIDE_PROBE = """from hslm._probe_callee import value
+from hslm.jit import kernel_entry
+
+
+@kernel_entry
+def twice():
+    return 2 * value()
+"""
+PLAIN_PROBE = """from numba import njit
+
+from hslm._probe_callee import value
+
+
+@njit(cache=True)
+def thrice():  # the control: a plain Numba kernel, in a file of its own
+    return 3 * value()
+"""
+
+
+def test_kernels_made_outside_the_package_follow_its_source_too(tmp_path):
+    """The tests' entry points (tests/kernel_entries.py) are hslm.jit kernels in a file
+    outside the package, holding its kernels' code: after a change to one of hslm's
+    files alone, such a cached kernel had run the old code (a test of the old
+    active_rows_grad passed). hslm.jit's kernels get the package's stamp wherever their
+    file lies (the whole file's kernels); a plain njit kernel of another file keeps
+    Numba's own stamp and runs the old code (the control)."""
+    pkg = tmp_path / "pkg" / "hslm"
+    pkg.mkdir(parents=True)
+    for f in (ROOT / "hslm").glob("*.py"):
+        (pkg / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "pkg" / "outside_probe.py").write_text(OUTSIDE_PROBE)
+    (tmp_path / "pkg" / "plain_probe.py").write_text(PLAIN_PROBE)
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"),
+           "PYTHONPATH": str(tmp_path / "pkg")}
+
+    def run():
+        code = "import hslm, outside_probe, plain_probe as p; print(outside_probe.twice(), " \
+               "p.thrice())"
+        p = subprocess.run([sys.executable, "-c", code], env=env, text=True,
+                           capture_output=True, timeout=300, cwd=tmp_path)
+        assert p.returncode == 0, p.stderr
+        return [int(v) for v in p.stdout.split()]
+
+    (pkg / "_probe_callee.py").write_text(PROBE_CALLEE.format(value=1))
+    assert run() == [2, 3] and run() == [2, 3]  # compiled, then loaded from the cache
+    (pkg / "_probe_callee.py").write_text(PROBE_CALLEE.format(value=5))
+    assert run() == [10, 3]  # hslm.jit's kernel compiled again; the plain one is stale
+
+
 SAVE_FAILS = """import resource, sys
 import hslm
 if sys.argv[1] == "numba's save":  # the negative control
