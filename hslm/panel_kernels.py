@@ -31,6 +31,7 @@ TILE_6x16 = make_tile(6, 2, 8, resume=True)
 TILE_3x16 = make_tile(3, 2, 8, resume=True)
 ROW_16 = make_tile(1, 2, 8, resume=True)
 WIDEN_16 = make_widen(16)
+TILE_9x8_OF_16 = make_tile(9, 1, 8, resume=True, p_stride=16)
 
 
 @KERNEL
@@ -74,6 +75,10 @@ def ternary_panel_matmul_9x16(X, P, b, alpha, Y):
             WIDEN_16(p + 16 * k0, kn, wide)
             more = 1 if k0 > 0 else 0
             r = 0
+            if b - j <= 8:  # a last panel of one vector's columns
+                while r + 9 <= n:
+                    TILE_9x8_OF_16(x + 8 * (r * xs + k0), xs, wide, kn, s + 8 * 16 * r, more)
+                    r += 9
             while r + 9 <= n:
                 TILE_9x16(x + 8 * (r * xs + k0), xs, wide, kn, s + 8 * 16 * r, more)
                 r += 9
@@ -99,6 +104,7 @@ TILE_4x12 = make_tile(4, 3, 4, resume=True)
 TILE_3x12 = make_tile(3, 3, 4, resume=True)
 ROW_12 = make_tile(1, 3, 4, resume=True)
 WIDEN_12 = make_widen(12)
+TILE_8x4_OF_12 = make_tile(8, 1, 4, resume=True, p_stride=12)
 
 
 @KERNEL
@@ -142,6 +148,10 @@ def ternary_panel_matmul_4x12(X, P, b, alpha, Y):
             WIDEN_12(p + 12 * k0, kn, wide)
             more = 1 if k0 > 0 else 0
             r = 0
+            if b - j <= 4:  # a last panel of one vector's columns
+                while r + 8 <= n:
+                    TILE_8x4_OF_12(x + 8 * (r * xs + k0), xs, wide, kn, s + 8 * 12 * r, more)
+                    r += 8
             while r + 4 <= n:
                 TILE_4x12(x + 8 * (r * xs + k0), xs, wide, kn, s + 8 * 12 * r, more)
                 r += 4

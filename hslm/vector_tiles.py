@@ -99,14 +99,15 @@ def make_tile(rows: int, vecs: int, lanes: int, ternary: bool = True, add_into: 
     int8 by make_widen). For
     i = 0 .. a-1 in order: acc[r, c] = acc[r, c] + X[r, i] P[i, c], from 0.0 (fused
     for trits, else the product rounded and then added); then
-    out[r * vecs * lanes + c] = acc[r, c] (float64 at out_addr).
+    out[r * width + c] = acc[r, c] (float64 at out_addr; width vecs * lanes, or p_stride).
 
     add_into (the weight gradient, G += X . D): the intrinsic takes two more arguments,
     tile(x_addr, x_stride, p_addr, a, out_addr, out_stride, fresh), and adds the sums
     into out's rows, out_stride elements apart: out[r, c] = base + acc[r, c], base
     out[r, c] or, where fresh is nonzero, 0.0 (the bits of zeroed memory added to).
     p_stride: elements from one row of P to the next when the tile is narrower than
-    its panels (vecs * lanes by default).
+    its panels (vecs * lanes by default), and (but with add_into) from one row of out to
+    the next: a narrow tile's sums lie where a full one's would.
 
     resume (a sum over i in chunks): the intrinsic takes one more argument, tile(x_addr,
     x_stride, p_addr, a, out_addr, more), and where more is nonzero the sums start from
@@ -141,7 +142,7 @@ def make_tile(rows: int, vecs: int, lanes: int, ternary: bool = True, add_into: 
         if resume:  # go on from the earlier chunk's sums, or start from 0.0
             more = builder.icmp_signed("!=", args[5], ir.Constant(i64, 0))
             start = [[builder.select(more, builder.load(builder.bitcast(
-                builder.gep(optr, [ir.Constant(i64, (r * vecs + v) * lanes)]), vt.as_pointer()),
+                builder.gep(optr, [ir.Constant(i64, r * width + v * lanes)]), vt.as_pointer()),
                 align=8), zero) for v in range(vecs)] for r in range(rows)]
         else:
             start = [[zero] * vecs for _ in range(rows)]
@@ -152,14 +153,14 @@ def make_tile(rows: int, vecs: int, lanes: int, ternary: bool = True, add_into: 
         done = builder.function.append_basic_block("tile.done")
         builder.cbranch(builder.icmp_signed(">", n, ir.Constant(i64, 0)), loop, zeros)
 
-        def store_all(values):  # out[(r * vecs + v) * lanes ...] = values[0][r][v]
+        def store_all(values):  # out[r * width + v * lanes ...] = values[0][r][v]
             for r in range(rows):
                 for v in range(vecs):
                     if add_into:  # out[r * out_stride + v * lanes ...] = base + values[r][v]
                         at = builder.add(builder.mul(ir.Constant(i64, r), args[5]),
                                          ir.Constant(i64, v * lanes))
                     else:
-                        at = ir.Constant(i64, (r * vecs + v) * lanes)
+                        at = ir.Constant(i64, r * width + v * lanes)
                     p = builder.bitcast(builder.gep(optr, [at]), vt.as_pointer())
                     value = values[0][r][v]
                     if add_into:

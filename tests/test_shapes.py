@@ -67,13 +67,15 @@ def test_the_shapes_reach_the_kernels_edges():
 @pytest.mark.parametrize("n,a,b", [(27, 243, 729), (7, 33, 101), (2, 10, 9), (13, 50, 17),
                                    (26, 20, 40), (12, 5, 16), (9, 0, 16), (15, 40, 33),
                                    (14, 7, 20), (5, 96, 20), (4, 97, 33), (3, 192, 16),
-                                   (6, 729, 17)])
+                                   (6, 729, 17), (27, 243, 243)])
 def test_every_ternary_tile_gives_the_plain_sums_bit_for_bit(n, a, b):
     """Each machine runs one tile; all must give the bits of the plain loop (each sum
     over i in order from 0.0), whatever rows and columns are left over (the 9-row tile's
-    remainders run in tiles of 6 and 3 rows, then single rows), and whatever the input
-    length against the chunks the panels are widened in (panel_kernels.TERNARY_CHUNK:
-    96, 97, 192, 243 and 729 inputs end at, just past and inside a chunk)."""
+    remainders run in tiles of 6 and 3 rows, then single rows; a last panel of one
+    vector's columns runs the narrow tile, 9 or 8 rows, then the full ones: 17, 20, 33,
+    40 and 243 columns), and whatever the input length against the chunks the panels
+    are widened in (panel_kernels.TERNARY_CHUNK: 96, 97, 192, 243 and 729 inputs end
+    at, just past and inside a chunk)."""
     rng = np.random.default_rng(n * a + b)
     X = rng.standard_normal((n, a))
     T = rng.integers(-1, 2, (a, b)).astype(np.float64)

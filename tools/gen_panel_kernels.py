@@ -44,9 +44,14 @@ PAIR_TILES = {24: True, 12: False}
 # The weight gradient's last panel, when its real columns fit in one vector (EDGES[panel]
 # of them), runs a tile that narrow instead of summing zeros: 243 = 10 x 24 + 3, so the
 # model's 243-column gradients did 8.6% more work than needed (the phase ran 2-4% faster).
-# Not for the ternary kernels: in their earlier SLP form the extra path made LLVM compile
-# the main tile worse (the forward ran 40% slower); their IR form has not tried one.
 EDGES = {24: 8, 12: 4}
+# The ternary kernels likewise (243 = 15 x 16 + 3 = 20 x 12 + 3): a last panel whose
+# columns fit in one vector runs a one-vector tile of NARROW_ROWS[panel] rows, its sums
+# where the full tile's would lie (the rows left over, fewer than that, take the full
+# tiles). In their earlier SLP form the extra path had made LLVM compile the main tile
+# worse (the forward ran 40% slower); in IR the main tile is untouched. With 4 lanes a
+# tile of 8 rows keeps 8 FMAs in flight (4 rows would wait on the FMA's latency).
+NARROW_ROWS = {16: 9, 12: 8}
 # The ternary tiles read their panel widened to float64 (hslm/vector_tiles.py,
 # make_widen), TERNARY_CHUNK input indices at a time: a chunk is widened once for every
 # row tile, and each tile goes on from the sums the chunk before left (make_tile's
@@ -258,9 +263,16 @@ def ternary_kernel(rows, panel):
     lanes = VECTOR_LANES[panel]
     sizes = remainder_tiles(rows)
     names = {m: (f"TILE_{m}x{panel}" if m > 1 else f"ROW_{panel}") for m in sizes}
+    nrows = NARROW_ROWS[panel]
+    narrow = f"TILE_{nrows}x{lanes}_OF_{panel}"
     defs = "".join(f"{names[m]} = make_tile({m}, {panel // lanes}, {lanes}, resume=True)\n"
                    for m in sizes) + f"WIDEN_{panel} = make_widen({panel})\n"
-    loops = ""
+    defs += f"{narrow} = make_tile({nrows}, 1, {lanes}, resume=True, p_stride={panel})\n"
+    loops = f"""            if b - j <= {lanes}:  # a last panel of one vector's columns
+                while r + {nrows} <= n:
+                    {narrow}(x + 8 * (r * xs + k0), xs, wide, kn, s + 8 * {panel} * r, more)
+                    r += {nrows}
+"""
     for m in sizes:
         loops += f"""            while r + {m} <= n:
                 {names[m]}(x + 8 * (r * xs + k0), xs, wide, kn, s + 8 * {panel} * r, more)
