@@ -369,10 +369,56 @@ def panel_matmul_add_3x12(X, P, b, G, fresh):
             r += 1
 
 
+WGRAD_2x12_PAIR = make_tile(2, 3, 4, ternary=False, add_into=True, pair=True)
+
+
 @KERNEL
 def panel_matmul_add2_3x12(X, X2, P, P2, b, G, fresh):
     """panel_matmul_add_3x12(X, P, b, G, fresh), then (X2, P2, b, G, False): two
-    windows' sums added into G in window order. (A pair tile would need 18
-    accumulators, more than the 16 registers: it spilled and ran 15-25% slower.)"""
-    panel_matmul_add_3x12(X, P, b, G, fresh)
-    panel_matmul_add_3x12(X2, P2, b, G, False)
+    windows' sums added into G in window order (X2 and P2 shaped as X and P). Every
+    full tile of both windows is summed in one loop (the pair tile: a tile is loaded,
+    added to and stored once for the two, and its loop exits once), the same bits."""
+    n, a = X.shape
+    if X2.shape != X.shape or X2.strides != X.strides or P2.shape != P.shape or P2.strides != P.strides:
+        raise ValueError("panel_matmul_add2: the two windows' operands differ in shape")
+    n_full = n - n % 6
+    q_full = b // 12
+    x, xb, xs = X.ctypes.data, X.strides[0], X.strides[0] // 8
+    x_off = (X2.ctypes.data - x) // 8
+    p_off = (P2.ctypes.data - P.ctypes.data) // 8
+    g, gs = G.ctypes.data, G.strides[0] // 8
+    from_zero = 1 if fresh else 0
+    for q in range(q_full):  # a panel pair is reused by every row while it is in cache
+        p = P.ctypes.data + q * P.strides[0]
+        for r in range(0, n_full, 2):
+            if r + 6 <= n_full:  # (a hint: no value changes)
+                for rr in range(r + 4, r + 6):
+                    PREFETCH_FOR_WRITING(g + (rr * gs + q * 12) * 8, 96)
+            WGRAD_2x12_PAIR(x + r * xb, xs, x_off, p, p_off, a, g + (r * gs + q * 12) * 8,
+                gs, from_zero)
+    if q_full < P.shape[0]:  # the last panel, partly past column b: window by window
+        out = np.empty(36)
+        j = q_full * 12
+        cols = b - j
+        for pw, xw, first in ((P.ctypes.data, x, fresh), (P2.ctypes.data, X2.ctypes.data, False)):
+            p = pw + q_full * P.strides[0]
+            for r in range(0, n_full, 3):
+                if cols <= 4:
+                    for rr in range(3):
+                        for c in range(4):
+                            out[rr * 4 + c] = 0.0 if first or c >= cols else G[r + rr, j + c]
+                    WGRAD_3x4_OF_12(xw + r * xb, xs, p, a, out.ctypes.data, 4, 0)
+                    for rr in range(3):
+                        for c in range(cols):
+                            G[r + rr, j + c] = out[rr * 4 + c]
+                else:
+                    for rr in range(3):
+                        for c in range(12):
+                            out[rr * 12 + c] = 0.0 if first or c >= cols else G[r + rr, j + c]
+                    WGRAD_3x12(xw + r * xb, xs, p, a, out.ctypes.data, 12, 0)
+                    for rr in range(3):
+                        for c in range(cols):
+                            G[r + rr, j + c] = out[rr * 12 + c]
+    if n_full < n:  # the rows left over
+        panel_matmul_add_3x12(X[n_full:], P, b, G[n_full:], fresh)
+        panel_matmul_add_3x12(X2[n_full:], P2, b, G[n_full:], False)

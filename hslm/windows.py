@@ -347,15 +347,15 @@ def relu_weight_grads(model, A, R, B, t, s, k, units, u0, u1, out, WG, fresh, M,
             for j0 in range(ra, rb, RELU_ROW_BLOCK):
                 j1 = min(j0 + RELU_ROW_BLOCK, rb)
                 # G's rows (243 doubles apart) summed in rows that start on 64 bytes
-                O = aligned_view(buf, nw * room, j1 - j0, d)
+                rows = aligned_view(buf, nw * room, j1 - j0, d)
                 first = fresh and w0 == 0
                 if not first:
-                    copy_rows(G[j0:j1], O)
+                    copy_rows(G[j0:j1], rows)
                 for w in range(w0, w1):
                     dy = aligned_view(buf, (w - w0) * room, k, d)
-                    active_rows_grad(M[w], A.relu[w, b, s:], dy, 0, d, j0, j1, O,
+                    active_rows_grad(M[w], A.relu[w, b, s:], dy, 0, d, j0, j1, rows,
                                      first and w == w0)
-                copy_rows(O, G[j0:j1])
+                copy_rows(rows, G[j0:j1])
         return
     G = view2(out, model.offs, t, d, F)  # Wup, G [d, F]: the units are its rows i
     if masks_of[0] != b:

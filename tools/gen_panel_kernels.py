@@ -7,6 +7,7 @@ rows and stores the tiles. Generated, because each tile shape has its remainder
 tiles; run `python tools/gen_panel_kernels.py` after changing this file (a test
 checks that the committed file is current).
 """
+from math import gcd
 from pathlib import Path
 
 # Tiles (rows, panel width): rows are positions (or gradient rows) per tile, the panel
@@ -39,8 +40,12 @@ WGRAD_WINDOWS = 8
 # registers one loop sums a 3 x 24 tile of both (18 accumulators), the tile of G loaded,
 # added to and stored once for the two: the phase 2% faster here (21.4 to 21.0 ms hot,
 # alternating), the pair tile alone 2-8%. With 16 registers the 3 x 12 pair spilled (29
-# to 34-36 ms): there the pair driver runs the one-window driver twice.
-PAIR_TILES = {24: True, 12: False}
+# to 34-36 ms): there the pair tile has 2 rows (12 accumulators, no spill), the
+# one-window tile 3 (PAIR_ROWS), and the pair's rows run in whole tiles of both (6): the
+# dense matrices' tiles 12.0 -> 10.5 ms a step built for AVX2 on the Zen 4 (steps in
+# turns), against the one-window driver twice.
+PAIR_TILES = {24: True, 12: True}
+PAIR_ROWS = {24: 3, 12: 2}
 # The weight gradient's last panel, when its real columns fit in one vector (EDGES[panel]
 # of them), runs a tile that narrow instead of summing zeros: 243 = 10 x 24 + 3, so the
 # model's 243-column gradients did 8.6% more work than needed (the phase ran 2-4% faster).
@@ -192,13 +197,15 @@ def panel_matmul_add2_{rows}x{panel}(X, X2, P, P2, b, G, fresh):
     panel_matmul_add_{rows}x{panel}(X, P, b, G, fresh)
     panel_matmul_add_{rows}x{panel}(X2, P2, b, G, False)
 """
-    name = f"WGRAD_{rows}x{panel}_PAIR"
-    ahead = "\n".join(prefetch_tiles_ahead(rows, panel, "n_full", f"q * {panel}", " " * 12))
+    prow = PAIR_ROWS[panel]
+    step = rows * prow // gcd(rows, prow)  # n_full: whole tiles of both the pair and the one
+    name = f"WGRAD_{prow}x{panel}_PAIR"
+    ahead = "\n".join(prefetch_tiles_ahead(prow, panel, "n_full", f"q * {panel}", " " * 12))
     edge_lines = "\n".join(through_out(names["edge"], rows, edge, " " * 20, "xw", "p", "first"))
     full_lines = "\n".join(through_out(names["tile"], rows, panel, " " * 20, "xw", "p", "first"))
     return f"""
 
-{name} = make_tile({rows}, {vecs}, {lanes}, ternary=False, add_into=True, pair=True)
+{name} = make_tile({prow}, {vecs}, {lanes}, ternary=False, add_into=True, pair=True)
 
 
 @KERNEL
@@ -210,7 +217,7 @@ def panel_matmul_add2_{rows}x{panel}(X, X2, P, P2, b, G, fresh):
     n, a = X.shape
     if X2.shape != X.shape or X2.strides != X.strides or P2.shape != P.shape or P2.strides != P.strides:
         raise ValueError("panel_matmul_add2: the two windows' operands differ in shape")
-    n_full = n - n % {rows}
+    n_full = n - n % {step}
     q_full = b // {panel}
     x, xb, xs = X.ctypes.data, X.strides[0], X.strides[0] // 8
     x_off = (X2.ctypes.data - x) // 8
@@ -219,7 +226,7 @@ def panel_matmul_add2_{rows}x{panel}(X, X2, P, P2, b, G, fresh):
     from_zero = 1 if fresh else 0
     for q in range(q_full):  # a panel pair is reused by every row while it is in cache
         p = P.ctypes.data + q * P.strides[0]
-        for r in range(0, n_full, {rows}):
+        for r in range(0, n_full, {prow}):
 {ahead}
             {name}(x + r * xb, xs, x_off, p, p_off, a, g + (r * gs + q * {panel}) * 8,
                 gs, from_zero)
