@@ -24,9 +24,9 @@ as the plain loops do.)
 Two byte helpers serve requantisation's int8 panels (hslm.params.quantize_into): a
 16-byte copy and a 16 x 16 byte transpose in registers.
 
-The active-position tile (make_active_rows_tile) holds one weight-gradient row's sums
-and loops over the set bits of a mask: the MLP's products beside its ReLU, whose zeros
-it skips with the same bits (hslm.kernels.active_rows_grad).
+The active-position tile (make_active_rows_tile) runs a weight gradient's rows, each
+row's sums in registers over the set bits of its mask: the MLP's products beside its
+ReLU, whose zeros it skips with the same bits (hslm.kernels.active_rows_grad).
 """
 from __future__ import annotations
 
@@ -317,18 +317,11 @@ def make_prefetch_for_writing():
 
 
 def make_prefetch_to_l2():
-    """An intrinsic prefetch_to_l2(addr, nbytes), both intp: as prefetch_for_reading, into
-    L2 only (prefetcht2), for a layer's records a few products ahead: brought into L1
-    they had pushed out the lines of the products in between."""
+    """An intrinsic prefetch_to_l2(addr, nbytes), both intp: every cache line of the
+    bytes, to be read, into L2 only (prefetcht2), for a layer's records a few products
+    ahead: brought into L1 they had pushed out the lines of the products in between."""
 
     return _prefetch_intrinsic("prefetch_to_l2", 0, 1)
-
-
-def make_prefetch_for_reading():
-    """An intrinsic prefetch_for_reading(addr, nbytes), both intp: as prefetch_for_writing,
-    for lines that will only be read (prefetcht0)."""
-
-    return _prefetch_intrinsic("prefetch_for_reading", 0, 3)
 
 
 def make_cycle_counter():

@@ -30,7 +30,7 @@ import numpy as np
 from .config import TENSORS_PER_BLOCK
 from .jit import kernel_entry, kernel_inner, kernel_part
 from .kernels import (active_masks, active_rows_grad, aligned_rows, aligned_view, column_sum_rows,
-                      input_columns, output_grad_panels, transpose_rows)
+                      copy_rows, input_columns, output_grad_panels, transpose_rows)
 from .micro import WGRAD_PANEL, panel_matmul_add, panel_matmul_add2
 from .layers import (CYCLES, COLUMN_SUM, MATRIX, RELU_INPUT, block_backward, block_forward,
                      block_keys_values, block_queries, blocks_backward, blocks_forward,
@@ -294,16 +294,18 @@ def mean_losses(row_losses, k, first, step, losses):
 
 
 # Rows of a W_up or W_down gradient summed over a group's windows before the next rows:
-# the rows stay in L2 while the windows pass (relu_weight_grads).
+# the rows stay in L2 while the windows pass (relu_weight_grads). (The same 36 as
+# kernels.WGRAD_ROW_BLOCK, but chosen apart: 18 and 72 timed no differently here.)
 RELU_ROW_BLOCK = 36
 
 
 @kernel_inner(allocates=True)
 def windows_scratch(flat, room, rest, B):
     """Scratch for relu_weight_grads: (buffer, windows) where the buffer holds `windows`
-    (at most B) parts of `room` elements and `rest` elements after them: flat where it
-    holds at least one window's, else a new array of one window's (a model with windows
-    too long for the scratch: not a preset)."""
+    (at most B: the group of windows, whose copies should stay in L2) parts of `room`
+    elements and `rest` elements after them: flat where it holds at least one window's,
+    else a new array of one window's (a model with windows too long for the scratch:
+    not a preset)."""
     n = min(B, (flat.size - rest) // room)
     if n >= 1:
         return flat, n
@@ -332,12 +334,13 @@ def relu_weight_grads(model, A, R, B, t, s, k, units, u0, u1, out, WG, fresh, M,
     d, F = D.width, D.mlp
     b = (t - 1) // TENSORS_PER_BLOCK
     flat = WG.reshape(WG.size)
+    group = min(B, WG.shape[0])  # windows a group, as the dense matrices' (WGRAD_WINDOWS)
     ra, rb = units[u0, 1], units[u1 - 1, 2]
     if relu_side(D, t) == RELU_INPUT:  # Wdown, G [F, d]: the units are its rows j
         G = view2(out, model.offs, t, F, d)
         known = masks_of[0] == b
         room = k * (d + 15) + 7  # aligned_rows' part of the scratch, a window's
-        buf, nw = windows_scratch(flat, room, RELU_ROW_BLOCK * (d + 15) + 7, B)
+        buf, nw = windows_scratch(flat, room, RELU_ROW_BLOCK * (d + 15) + 7, group)
         for w0 in range(0, B, nw):
             w1 = min(w0 + nw, B)
             for w in range(w0, w1):
@@ -348,13 +351,12 @@ def relu_weight_grads(model, A, R, B, t, s, k, units, u0, u1, out, WG, fresh, M,
                 j1 = min(j0 + RELU_ROW_BLOCK, rb)
                 # G's rows (243 doubles apart) summed in rows that start on 64 bytes
                 rows = aligned_view(buf, nw * room, j1 - j0, d)
-                first = fresh and w0 == 0
-                if not first:
+                if not (fresh and w0 == 0):  # go on from G's sums
                     copy_rows(G[j0:j1], rows)
                 for w in range(w0, w1):
                     dy = aligned_view(buf, (w - w0) * room, k, d)
                     active_rows_grad(M[w], A.relu[w, b, s:], dy, 0, d, j0, j1, rows,
-                                     first and w == w0)
+                                     fresh and w == 0)
                 copy_rows(rows, G[j0:j1])
         return
     G = view2(out, model.offs, t, d, F)  # Wup, G [d, F]: the units are its rows i
@@ -366,7 +368,7 @@ def relu_weight_grads(model, A, R, B, t, s, k, units, u0, u1, out, WG, fresh, M,
         i0, i1 = units[v, 1], units[v, 2]
         n = i1 - i0
         room = k * (n + 15) + 7
-        buf, nw = windows_scratch(flat, room, F * (n + 15) + 7, B)
+        buf, nw = windows_scratch(flat, room, F * (n + 15) + 7, group)
         T = aligned_view(buf, nw * room, F, n)  # rows on 64 bytes, as the h rows
         if not fresh:  # go on from G's sums: T = G[i0:i1]^T
             transpose_rows(G[i0:i1], T)
@@ -381,14 +383,6 @@ def relu_weight_grads(model, A, R, B, t, s, k, units, u0, u1, out, WG, fresh, M,
                     active_rows_grad(M[w], R.d_u[w, b, :k], h, 0, n, j0, j1, T[j0:j1],
                                      fresh and w == 0)
         transpose_rows(T, G[i0:i1])
-
-
-@kernel_inner
-def copy_rows(X, Y):
-    """Y[:] = X, both [n, m] with rows contiguous."""
-    for r in range(X.shape[0]):
-        for c in range(X.shape[1]):
-            Y[r, c] = X[r, c]
 
 
 @kernel_entry(allocates=True)
@@ -406,8 +400,8 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, f
     row by row as they lie in memory, then every unit adds that group's windows, so
     each element still gets its windows in order (Wup and Wdown, beside the ReLU: over
     each unit's active positions, relu_weight_grads), two windows a call where two are left
-    (panel_matmul_add2: with 32 registers one loop sums both windows' tiles, and G's tile
-    is loaded and stored once for the two). (Transposing each unit's columns
+    (panel_matmul_add2: one loop sums both windows' tiles, and G's tile is loaded and
+    stored once for the two). (Transposing each unit's columns
     apart, and the panels column by column, had cost 2-3 ms more a step here: the
     records come from far caches, in short strided runs.) fresh: out's units get the
     batch's sums, whatever they held (the first window's sum is stored as 0.0 + S, the

@@ -303,13 +303,26 @@ def thrice():  # the control: a plain Numba kernel, in a file of its own
 """
 
 
-def test_kernels_made_outside_the_package_follow_its_source_too(tmp_path):
+RUN_OUTSIDE = """import sys
+import hslm
+if sys.argv[1] == "numba's stamps":  # the negative control: each file's own stamp only
+    from numba.core import caching
+    m = caching._SourceFileBackedLocatorMixin
+    m.get_source_stamp = m.get_source_stamp.numba_get_source_stamp
+import outside_probe, plain_probe
+print(outside_probe.twice(), plain_probe.thrice())
+"""
+
+
+@pytest.mark.parametrize("stamps", ["hslm's stamps", "numba's stamps"])
+def test_kernels_made_outside_the_package_follow_its_source_too(tmp_path, stamps):
     """The tests' entry points (tests/kernel_entries.py) are hslm.jit kernels in a file
     outside the package, holding its kernels' code: after a change to one of hslm's
     files alone, such a cached kernel had run the old code (a test of the old
     active_rows_grad passed). hslm.jit's kernels get the package's stamp wherever their
     file lies (the whole file's kernels); a plain njit kernel of another file keeps
-    Numba's own stamp and runs the old code (the control)."""
+    Numba's own stamp and runs the old code, and so does the hslm.jit kernel under
+    Numba's stamps (the controls)."""
     pkg = tmp_path / "pkg" / "hslm"
     pkg.mkdir(parents=True)
     for f in (ROOT / "hslm").glob("*.py"):
@@ -320,9 +333,7 @@ def test_kernels_made_outside_the_package_follow_its_source_too(tmp_path):
            "PYTHONPATH": str(tmp_path / "pkg")}
 
     def run():
-        code = "import hslm, outside_probe, plain_probe as p; print(outside_probe.twice(), " \
-               "p.thrice())"
-        p = subprocess.run([sys.executable, "-c", code], env=env, text=True,
+        p = subprocess.run([sys.executable, "-c", RUN_OUTSIDE, stamps], env=env, text=True,
                            capture_output=True, timeout=300, cwd=tmp_path)
         assert p.returncode == 0, p.stderr
         return [int(v) for v in p.stdout.split()]
@@ -330,7 +341,8 @@ def test_kernels_made_outside_the_package_follow_its_source_too(tmp_path):
     (pkg / "_probe_callee.py").write_text(PROBE_CALLEE.format(value=1))
     assert run() == [2, 3] and run() == [2, 3]  # compiled, then loaded from the cache
     (pkg / "_probe_callee.py").write_text(PROBE_CALLEE.format(value=5))
-    assert run() == [10, 3]  # hslm.jit's kernel compiled again; the plain one is stale
+    # hslm.jit's kernel compiled again under hslm's stamps; the plain one is stale
+    assert run() == ([10, 3] if stamps == "hslm's stamps" else [2, 3])
 
 
 SAVE_FAILS = """import resource, sys

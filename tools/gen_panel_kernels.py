@@ -44,7 +44,6 @@ WGRAD_WINDOWS = 8
 # one-window tile 3 (PAIR_ROWS), and the pair's rows run in whole tiles of both (6): the
 # dense matrices' tiles 12.0 -> 10.5 ms a step built for AVX2 on the Zen 4 (steps in
 # turns), against the one-window driver twice.
-PAIR_TILES = {24: True, 12: True}
 PAIR_ROWS = {24: 3, 12: 2}
 # The weight gradient's last panel, when its real columns fit in one vector (EDGES[panel]
 # of them), runs a tile that narrow instead of summing zeros: 243 = 10 x 24 + 3, so the
@@ -182,21 +181,10 @@ def wgrad_kernel(rows, panel):
 
 
 def wgrad_pair_kernel(rows, panel, vecs, lanes, names, edge):
-    """The driver of two windows at once: their full tiles in one pair tile (two sets of
-    accumulators in one loop, added into G in window order); the rows and the columns
-    left over go through the one-window driver, window by window. Where two tiles'
-    accumulators would not fit the registers (PAIR_TILES), the one-window driver twice."""
-    if not PAIR_TILES[panel]:
-        return f"""
-
-@KERNEL
-def panel_matmul_add2_{rows}x{panel}(X, X2, P, P2, b, G, fresh):
-    \"\"\"panel_matmul_add_{rows}x{panel}(X, P, b, G, fresh), then (X2, P2, b, G, False): two
-    windows' sums added into G in window order. (A pair tile would need {2 * rows * vecs}
-    accumulators, more than the 16 registers: it spilled and ran 15-25% slower.)\"\"\"
-    panel_matmul_add_{rows}x{panel}(X, P, b, G, fresh)
-    panel_matmul_add_{rows}x{panel}(X2, P2, b, G, False)
-"""
+    """The driver of two windows at once: their full tiles in one pair tile of
+    PAIR_ROWS[panel] rows (two sets of accumulators in one loop, added into G in window
+    order); the rows and the columns left over go through the one-window tiles, window
+    by window."""
     prow = PAIR_ROWS[panel]
     step = rows * prow // gcd(rows, prow)  # n_full: whole tiles of both the pair and the one
     name = f"WGRAD_{prow}x{panel}_PAIR"
