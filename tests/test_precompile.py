@@ -258,30 +258,38 @@ print(twice())
 """
 
 
+def probe_package(tmp_path, code, stamps):
+    """A copy of the package in tmp_path/pkg/hslm (for probe files beside or in it) and
+    run(): `code` run with `stamps` in a fresh process on that copy, with a kernel cache
+    of its own; returns the integers it printed."""
+    pkg = tmp_path / "pkg" / "hslm"
+    pkg.mkdir(parents=True)
+    for f in (ROOT / "hslm").glob("*.py"):
+        (pkg / f.name).write_bytes(f.read_bytes())
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"),
+           "PYTHONPATH": str(tmp_path / "pkg")}
+
+    def run():
+        p = subprocess.run([sys.executable, "-c", code, stamps], env=env, text=True,
+                           capture_output=True, timeout=300, cwd=tmp_path)
+        assert p.returncode == 0, p.stderr
+        return [int(v) for v in p.stdout.split()]
+
+    return pkg, run
+
+
 @pytest.mark.parametrize("stamps", ["hslm's stamps", "numba's stamps"])
 def test_a_change_in_one_file_recompiles_the_cached_kernels_of_the_others(tmp_path, stamps):
     """A cached kernel holds the code of the kernels it calls from other files, which
     Numba's cache does not follow: after a change to _probe_callee.py alone, the cached
     twice() of _probe_caller.py still ran the old value() (the control shows it). hslm
     stamps its kernels with a digest of the whole package, so they compile again."""
-    pkg = tmp_path / "pkg" / "hslm"
-    pkg.mkdir(parents=True)
-    for f in (ROOT / "hslm").glob("*.py"):  # a copy of the package, probes added
-        (pkg / f.name).write_bytes(f.read_bytes())
+    pkg, run = probe_package(tmp_path, RUN_PROBE, stamps)
     (pkg / "_probe_caller.py").write_text(PROBE_CALLER)
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"),
-           "PYTHONPATH": str(tmp_path / "pkg")}
-
-    def run():
-        p = subprocess.run([sys.executable, "-c", RUN_PROBE, stamps], env=env, text=True,
-                           capture_output=True, timeout=300, cwd=tmp_path)
-        assert p.returncode == 0, p.stderr
-        return int(p.stdout)
-
     (pkg / "_probe_callee.py").write_text(PROBE_CALLEE.format(value=1))
-    assert run() == 2 and run() == 2  # compiled, then loaded from the cache
+    assert run() == [2] and run() == [2]  # compiled, then loaded from the cache
     (pkg / "_probe_callee.py").write_text(PROBE_CALLEE.format(value=5))
-    assert run() == (10 if stamps == "hslm's stamps" else 2)
+    assert run() == ([10] if stamps == "hslm's stamps" else [2])
 
 
 OUTSIDE_PROBE = """from hslm._probe_callee import value
@@ -323,21 +331,9 @@ def test_kernels_made_outside_the_package_follow_its_source_too(tmp_path, stamps
     file lies (the whole file's kernels); a plain njit kernel of another file keeps
     Numba's own stamp and runs the old code, and so does the hslm.jit kernel under
     Numba's stamps (the controls)."""
-    pkg = tmp_path / "pkg" / "hslm"
-    pkg.mkdir(parents=True)
-    for f in (ROOT / "hslm").glob("*.py"):
-        (pkg / f.name).write_bytes(f.read_bytes())
-    (tmp_path / "pkg" / "outside_probe.py").write_text(OUTSIDE_PROBE)
-    (tmp_path / "pkg" / "plain_probe.py").write_text(PLAIN_PROBE)
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"),
-           "PYTHONPATH": str(tmp_path / "pkg")}
-
-    def run():
-        p = subprocess.run([sys.executable, "-c", RUN_OUTSIDE, stamps], env=env, text=True,
-                           capture_output=True, timeout=300, cwd=tmp_path)
-        assert p.returncode == 0, p.stderr
-        return [int(v) for v in p.stdout.split()]
-
+    pkg, run = probe_package(tmp_path, RUN_OUTSIDE, stamps)
+    (pkg.parent / "outside_probe.py").write_text(OUTSIDE_PROBE)
+    (pkg.parent / "plain_probe.py").write_text(PLAIN_PROBE)
     (pkg / "_probe_callee.py").write_text(PROBE_CALLEE.format(value=1))
     assert run() == [2, 3] and run() == [2, 3]  # compiled, then loaded from the cache
     (pkg / "_probe_callee.py").write_text(PROBE_CALLEE.format(value=5))
