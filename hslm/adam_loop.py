@@ -43,7 +43,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from .vector_tiles import declare, llvm_intrinsic, splat
+from .vector_tiles import llvm_intrinsic, prefetch_line, splat
 
 # the order of the scalars in the parameter array (float64)
 CLIP, DECAY, STEP_SIZE, SQRT_BC2, B1, ONE_MINUS_B1, B2, ONE_MINUS_B2, EPS = range(9)
@@ -55,14 +55,6 @@ N_PARAMS = 9
 # with it, the optimiser (requantising as it goes) took 6.3-6.6 ms a step against 7.1-7.5
 # here (256 and 384 ahead about as fast, 1024 and 2048 slower), the same bits.
 PREFETCH_AHEAD = 512
-
-
-def prefetch(builder, address, for_write: bool):
-    """llvm.prefetch of the cache line at address (a double*), into every cache level."""
-    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-    fn = declare(builder, "llvm.prefetch.p0i8", ir.VoidType(), [i8p, i32, i32, i32])
-    builder.call(fn, [builder.bitcast(address, i8p), ir.Constant(i32, int(for_write)),
-                      ir.Constant(i32, 3), ir.Constant(i32, 1)])
 
 
 class VectorSums:
@@ -173,7 +165,7 @@ def make_adam_loop(lanes: int):
 
     def codegen(context, builder, signature, args):
         ga, ma, va, wa, n, pa, sa, ha = args
-        f64, i32, i64 = ir.DoubleType(), ir.IntType(32), ir.IntType(64)
+        f64, i64 = ir.DoubleType(), ir.IntType(64)
         fn = builder.function
         ptr = [builder.inttoptr(a, f64.as_pointer()) for a in (ga, ma, va, wa, ha)]
         params = builder.inttoptr(pa, f64.as_pointer())
@@ -200,14 +192,15 @@ def make_adam_loop(lanes: int):
             addr = [builder.bitcast(builder.gep(p, [i]), vt.as_pointer()) for p in ptr]
             if width > 1:  # each stream PREFETCH_AHEAD elements ahead (m, v, w to be written)
                 for k, p in enumerate(ptr):
-                    prefetch(builder, builder.gep(p, [builder.add(i, ahead)]), k in (1, 2, 3))
+                    prefetch_line(builder, builder.gep(p, [builder.add(i, ahead)]),
+                                  int(k in (1, 2, 3)))
             g, m, v, w, h = [builder.load(a, align=8) for a in addr]
             g = builder.fmul(g, c[CLIP])
             m = builder.fadd(builder.fmul(c[B1], m), builder.fmul(c[ONE_MINUS_B1], g))
             v = builder.fadd(builder.fmul(c[B2], v),
                              builder.fmul(c[ONE_MINUS_B2], builder.fmul(g, g)))
-            den = builder.fadd(builder.fdiv(builder.call(llvm_intrinsic(builder, "sqrt", vt, 1), [v]),
-                                            c[SQRT_BC2]), c[EPS])
+            sqrt = llvm_intrinsic(builder, "sqrt", vt, 1)
+            den = builder.fadd(builder.fdiv(builder.call(sqrt, [v]), c[SQRT_BC2]), c[EPS])
             w = builder.fsub(builder.fmul(w, c[DECAY]),
                              builder.fmul(c[STEP_SIZE], builder.fdiv(m, den)))
             for a, x in zip(addr[1:4], (m, v, w)):

@@ -42,6 +42,16 @@ def declare(builder, name: str, ret, args):
         builder.module, ir.FunctionType(ret, list(args)), name=name)
 
 
+def prefetch_line(builder, address, rw: int = 0, locality: int = 3):
+    """llvm.prefetch of the cache line at address (any pointer): to be written (rw 1) or
+    read (rw 0), into every cache level (locality 3) or only as near as L2 (1). A hint:
+    no value changes."""
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+    fn = declare(builder, "llvm.prefetch.p0i8", ir.VoidType(), [i8p, i32, i32, i32])
+    builder.call(fn, [builder.bitcast(address, i8p), ir.Constant(i32, rw),
+                      ir.Constant(i32, locality), ir.Constant(i32, 1)])
+
+
 def llvm_intrinsic(builder, name: str, vt, nargs: int):
     """The module's declaration of llvm.<name> for vt (a vector of doubles, or a double)
     taking nargs of them, made on first use."""
@@ -290,15 +300,12 @@ def _prefetch_lines(rw: int, locality: int):
 
     def codegen(context, builder, signature, args):
         addr, nbytes = args
-        i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
-        prefetch = declare(builder, "llvm.prefetch.p0i8", ir.VoidType(),
-                           [i8.as_pointer(), i32, i32, i32])
+        i8, i64 = ir.IntType(8), ir.IntType(64)
         first = builder.and_(addr, ir.Constant(i64, -64))  # the first byte's line
         span = builder.sub(builder.add(addr, nbytes), first)
         base = builder.inttoptr(first, i8.as_pointer())
         with CountedLoop(builder, span, 64, "prefetch") as loop:
-            builder.call(prefetch, [builder.gep(base, [loop.i]), ir.Constant(i32, rw),
-                                    ir.Constant(i32, locality), ir.Constant(i32, 1)])
+            prefetch_line(builder, builder.gep(base, [loop.i]), rw, locality)
         return context.get_dummy_value()
 
     return codegen
@@ -473,14 +480,12 @@ def make_active_rows_tile(vecs: int, lanes: int, exact: bool = True):
 
     def codegen(context, builder, signature, args):
         ma, ms, words, xa, xs, da, ds, last, oa, os_, rows, pf_below, positions, fresh = args
-        f64, i64, i8, i32 = ir.DoubleType(), ir.IntType(64), ir.IntType(8), ir.IntType(32)
+        f64, i64 = ir.DoubleType(), ir.IntType(64)
         vt = ir.VectorType(f64, lanes)
         zero = ir.Constant(vt, [0.0] * lanes)
         one, c8, c64 = ir.Constant(i64, 1), ir.Constant(i64, 8), ir.Constant(i64, 64)
         dptr = builder.inttoptr(da, f64.as_pointer())
         cttz = declare(builder, "llvm.cttz.i64", i64, [i64, ir.IntType(1)])
-        prefetch = declare(builder, "llvm.prefetch.p0i8", ir.VoidType(),
-                           [i8.as_pointer(), i32, i32, i32])
         offsets = []
         for v in range(vecs):
             at = ir.Constant(i64, v * lanes)
@@ -513,10 +518,7 @@ def make_active_rows_tile(vecs: int, lanes: int, exact: bool = True):
         builder.position_at_end(blocks["ask"])  # (a hint: no value changes)
         ahead = builder.inttoptr(builder.add(x_r, c64), f64.as_pointer())
         with CountedLoop(builder, positions, 1, "active.ask") as loop:
-            line = builder.bitcast(builder.gep(ahead, [builder.mul(loop.i, xs)]),
-                                   i8.as_pointer())
-            builder.call(prefetch, [line, ir.Constant(i32, 0), ir.Constant(i32, 3),
-                                    ir.Constant(i32, 1)])
+            prefetch_line(builder, builder.gep(ahead, [builder.mul(loop.i, xs)]))
         builder.branch(blocks["start"])
 
         builder.position_at_end(blocks["start"])
