@@ -202,7 +202,7 @@ def _check_size(src: TextSource):
         raise HslmError(f"the corpus is {src.size:,} bytes; at most 4 GiB is supported")
 
 
-def _check_cache_apart(data, cache_dir):
+def check_cache_apart(data, cache_dir):
     """A token cache folder that is a --data folder would have its own files read as text
     by the next run (which then found "the data changed while it was read", as its text
     memo was rewritten): refused. (A folder inside a --data folder is not read.)"""
@@ -363,7 +363,7 @@ class Corpus:
             src = TextSource(text=builtin_text(), label=BUILTIN_SOURCE)
         else:
             src = TextSource(data)
-            _check_cache_apart(data, cache_dir)
+            check_cache_apart(data, cache_dir)
         return cls(src, vocab, window, src.label, tokenizer, cache_dir, expect_sha256)
 
     def draw_windows(self, rng, batch: int, window: int) -> np.ndarray:

@@ -5,6 +5,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import time
@@ -19,7 +20,7 @@ import numpy as np
 from . import checkpoint as ckpt
 from . import distributed, precise
 from .config import PRESETS, Config
-from .data import BUILTIN_SOURCE, Corpus, Tokenizer
+from .data import BUILTIN_SOURCE, Corpus, Tokenizer, check_cache_apart
 from .errors import (HslmError, raise_dropped_interrupt, raise_terminated, read_bytes,
                      refuse_unless_file)
 from .hyper import HYPER_NAMES, Hyper
@@ -28,7 +29,8 @@ from .params import ModelState, init_params, ternary_mask
 from .rng import Stream
 from .speeds import SPEEDS
 from .tables import Tables
-from .validate import check_fits, check_hyper, memory_estimate, unique_keys
+from .token_cache import TEXT_SHA_MEMO
+from .validate import MAX_INT, check_fits, check_hyper, memory_estimate, unique_keys
 
 if TYPE_CHECKING:  # (the step's module loads the kernels: only once the flags are judged)
     from .step import StepRunner
@@ -99,6 +101,54 @@ def check_metrics_path(metrics, out: Path):
         raise HslmError(f"--metrics {m}: {parent} {what}")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise HslmError(f"--metrics {m}: the folder {parent} is not writable")
+
+
+# The names a run writes in its output folder (and its token cache folder): a metrics
+# file of such a name was cut short or replaced by the run's own file. Hidden names are
+# hslm's too (the folder's lock, write_atomic's temporary files, the write probe).
+RUN_FILE_NAMES = re.compile(r"tokenizer\.json|ckpt_\d+\.(bin|state)|bpe-.*\.json|tokens-.*\.tok"
+                            r"|" + re.escape(TEXT_SHA_MEMO) + r"|\..*", re.DOTALL)
+
+
+def _same_file(a, b) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # either one not there
+        return False
+
+
+def check_paths_apart(o: TrainOptions, out: Path):
+    """Judged before anything is created: the token cache folder is no --data folder, and
+    --metrics names none of the run's own files: not its text (a --data file, or a file
+    in a --data folder: appended to, the text changes, and no checkpoint of the run could
+    be resumed with it), not the checkpoint it resumes, and no name the run writes in its
+    output or token cache folder (RUN_FILE_NAMES)."""
+    from .token_cache import cache_dir as token_cache_dir
+
+    cache = token_cache_dir(o.cache_dir, out)
+    check_cache_apart(o.data, cache)
+    if o.metrics is None:
+        return
+    m = Path(o.metrics)
+    where = os.path.realpath(m.parent)
+    for folder, what in ((out, "output folder"), (cache, "token cache folder")):
+        if (folder is not None and where == os.path.realpath(folder)
+                and RUN_FILE_NAMES.fullmatch(m.name)):
+            raise HslmError(f"--metrics {m} is a name this run writes in its {what} "
+                            f"{folder}; give the metrics file another name")
+    for d in o.data:
+        if _same_file(m, d) or (Path(d).is_dir() and where == os.path.realpath(d)):
+            raise HslmError(f"--metrics {m} is in the training text (--data {d}), which "
+                            "it would change; give a path outside it")
+    if o.resume is not None and any(_same_file(m, o.resume.with_suffix(ext))
+                                    for ext in (".bin", ".state")):
+        raise HslmError(f"--metrics {m} is the checkpoint this run resumes; give the metrics "
+                        "file another name")
+
+
+def check_steps(steps: int):
+    if not 1 <= steps <= MAX_INT:
+        raise HslmError(f"--steps must be from 1 to 2^63 - 1, got {steps}")
 
 
 def prepare_out_dir(out: Path):
@@ -474,8 +524,10 @@ def open_run(o: TrainOptions):
 
     if o.resume is not None:
         out = o.out or o.resume.parent
+        check_steps(o.steps)
         check_out_dir(out)
         check_metrics_path(o.metrics, out)
+        check_paths_apart(o, out)
         cfg_flag = resolve_config(o.model) if "model" in o.given else None
 
         def corpus_for(cfg, hyper, text_sha256, tokenizer, step):
@@ -509,11 +561,11 @@ def open_run(o: TrainOptions):
         values["loss_positions"] = cfg.window
     hyper = Hyper(**values)
     check_hyper(cfg, hyper)
-    if o.steps < 1:
-        raise HslmError(f"--steps must be at least 1, got {o.steps}")
+    check_steps(o.steps)
     out = o.out or Path("ckpt")
     check_out_dir(out)
     check_metrics_path(o.metrics, out)
+    check_paths_apart(o, out)
     check_checkpoint_names(out, 0, o.steps, o.save_every)
     check_fits(memory_estimate(cfg, hyper.batch, o.threads, o.speed),
                f"--model {o.model} with --batch {hyper.batch} on {o.threads} thread(s)")

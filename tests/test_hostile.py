@@ -50,6 +50,58 @@ def test_flags_refused_before_anything_is_created(tmp_path, args, expect):
     assert not out_dir.exists()
 
 
+@pytest.mark.parametrize("case", ["tokenizer.json", "checkpoint", "lock", "data file",
+                                  "data folder", "token cache"])
+def test_metrics_naming_one_of_the_runs_own_files_is_refused_before_anything(tmp_path, case,
+                                                                              monkeypatch):
+    """--metrics may not name a file the run writes (cut short or replaced by it, the
+    metrics or the file were lost), nor its text (appended to, the text changed and the
+    run's checkpoints could not be resumed): one line, nothing created, the text as it
+    was. The control: the same run with a metrics file of another name is accepted."""
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "a.txt").write_text(TEXT)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("HSLM_CACHE_DIR", str(cache))  # (inherited by the CLI's process)
+    out = tmp_path / "o"
+    metrics, expect, control = {
+        "tokenizer.json": (out / "tokenizer.json", "a name this run writes in its output",
+                           out / "metrics.jsonl"),
+        "checkpoint": (out / "ckpt_1.state", "a name this run writes in its output",
+                       out / "ckpt_1.jsonl"),
+        "lock": (out / ".hslm.lock", "a name this run writes in its output", out / "lock"),
+        "data file": (text / "a.txt", "is in the training text", tmp_path / "a.txt"),
+        "data folder": (text / "m.jsonl", "is in the training text", tmp_path / "m.jsonl"),
+        "token cache": (cache / "text-sha256.json", "a name this run writes in its token cache",
+                        cache / "metrics.jsonl"),
+    }[case]
+    data = text / "a.txt" if case == "data file" else text
+    args = ("train", *TINY, "--steps", 1, "--data", data, "--out", out, "--metrics")
+    line = one_line_error(*hslm(*args, metrics))
+    assert expect in line, line
+    assert not out.exists() and os.listdir(text) == ["a.txt"] and os.listdir(cache) == []
+    assert (text / "a.txt").read_text() == TEXT
+    code, _, err = hslm(*args, control)
+    assert code == 0, err
+    assert '"kind": "train"' in control.read_text() and (text / "a.txt").read_text() == TEXT
+
+
+def test_a_refused_cache_folder_leaves_nothing_in_the_text_folder(tmp_path):
+    """The token cache folder that is the --data folder is refused before the output
+    folder's lock is taken (which had stayed behind in the user's text folder)."""
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "a.txt").write_text(TEXT)
+    line = one_line_error(*hslm("train", *TINY, "--steps", 1, "--data", d, "--out", d))
+    assert "is the --data folder" in line and os.listdir(d) == ["a.txt"]
+
+
+def test_steps_past_64_bits_is_one_line(tmp_path):
+    line = one_line_error(*hslm("train", *TINY, "--steps", 2 ** 63, "--out", tmp_path / "o"))
+    assert "--steps must be from 1 to 2^63 - 1" in line and not (tmp_path / "o").exists()
+
+
 def test_resume_of_a_missing_path_creates_nothing(tmp_path):
     line = one_line_error(*hslm("train", "--resume", tmp_path / "no" / "dir" / "ckpt_5.state",
                                 "--steps", 9))
