@@ -341,7 +341,8 @@ class Corpus:
         if len(self.train) < need_train or len(self.valid) < need_valid:
             raise HslmError(
                 f"the corpus is too short: {n:,} token{'s' if n != 1 else ''} from "
-                f"{src.size:,} byte{'s' if src.size != 1 else ''} ({source}), {len(self.train):,} for training and "
+                f"{src.size:,} byte{'s' if src.size != 1 else ''} ({source}), "
+                f"{len(self.train):,} for training and "
                 f"{len(self.valid):,} for validation; a window of {window} needs at least "
                 f"{need_train} and {need_valid} (about {need_valid * 10} tokens in all)")
         learned, room = len(self.tokenizer.merges), vocab - FIRST_MERGE

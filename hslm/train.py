@@ -268,8 +268,9 @@ class Run:
         offs = self.state.offs
         quantities = (("gradient", self.grad), ("parameter", self.state.theta),
                       ("Adam first moment", self.m), ("Adam second moment", self.v))
-        firsts = [next((t for t in range(t0, t1) if not np.isfinite(arr[offs[t]:offs[t + 1]]).all()),
-                       None) for _, arr in quantities]
+        firsts = [next((t for t in range(t0, t1)
+                        if not np.isfinite(arr[offs[t]:offs[t + 1]]).all()), None)
+                  for _, arr in quantities]
         if world is not None:
             firsts = world.first_findings(firsts)
         for (what, _), t in zip(quantities, firsts):

@@ -457,7 +457,8 @@ def test_resume_command_printed_on_ctrl_c_runs_verbatim(tmp_path):
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
-    cmd = [l for l in out.splitlines() if l.startswith("resume with: ")][0][len("resume with: "):]
+    cmd = [line for line in out.splitlines()
+           if line.startswith("resume with: ")][0][len("resume with: "):]
     argv = shlex.split(cmd)
     assert argv[:2] == ["hslm", "train"] and "--data" in argv
     for flag, value in (("--save-every", "50000"), ("--eval-every", "40000"),
