@@ -135,7 +135,8 @@ def check_paths_apart(o: TrainOptions, out: Path):
         if (folder is not None and where == os.path.realpath(folder)
                 and RUN_FILE_NAMES.fullmatch(m.name)):
             raise HslmError(f"--metrics {m} is a name this run writes in its {what} "
-                            f"{folder}; give the metrics file another name")
+                            f"{folder} (tokenizer.json, ckpt_N.bin and .state, token caches, "
+                            "hidden files); give the metrics file another name")
     for d in o.data:
         if _same_file(m, d) or (Path(d).is_dir() and where == os.path.realpath(d)):
             raise HslmError(f"--metrics {m} is in the training text (--data {d}), which "
