@@ -188,8 +188,6 @@ def eval_cmd(ckpt_path, data, cache_dir, eval_windows, loss_positions, threads):
 
     need_stdout("eval")
     threads = threads or default_threads()
-    if loss_positions is not None and loss_positions < 1:
-        raise HslmError(f"--loss-positions must be at least 1, got {loss_positions}")
     trained_on = {}
     cfg, state, tok, hyper = load_for_inference(ckpt_path, threads, trained_on=trained_on)
     k = loss_positions if loss_positions is not None else (
