@@ -88,8 +88,10 @@ def check_metrics_path(metrics, out: Path):
         return
     m = Path(metrics)
     if refuse_unless_file(m, "--metrics") is not None:
-        if not os.access(m, os.W_OK):
-            raise HslmError(f"--metrics {m} is not writable")
+        try:  # opened to append, as the run will (os.access says yes to root, always)
+            open(m, "ab").close()
+        except OSError as e:
+            raise HslmError(f"--metrics {m} is not writable: {e.strerror or e}") from None
         from .progress import partial_record
         partial_record(m)  # a file that is not a metrics file cut short is refused here
         return
@@ -99,8 +101,13 @@ def check_metrics_path(metrics, out: Path):
     if not parent.is_dir():
         what = "is not a folder" if parent.exists() else "does not exist"
         raise HslmError(f"--metrics {m}: {parent} {what}")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise HslmError(f"--metrics {m}: the folder {parent} is not writable")
+    probe = parent / f".hslm-write-test-{os.getpid()}"  # a file made there and removed
+    try:
+        os.close(ckpt.new_file_in(None, str(probe)))
+        probe.unlink()
+    except OSError as e:
+        raise HslmError(f"--metrics {m}: the folder {parent} is not writable "
+                        f"({e.strerror or e})") from None
 
 
 # The names a run writes in its output folder (and its token cache folder): a metrics

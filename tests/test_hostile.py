@@ -40,6 +40,9 @@ def base(tmp_path_factory):
     (["--seed", "-1"], "--seed"), (["--warmup", "-1"], "--warmup"),
     (["--batch", str(10 ** 12)], "memory"),
     (["--metrics", "."], "--metrics"), (["--metrics", "/nonexistent/m.jsonl"], "--metrics"),
+    # a folder no one may write, root included (os.access had said yes to root: the run
+    # made its output folder and tokenized before it failed to open the file)
+    (["--metrics", "/proc/hslm-metrics.jsonl"], "is not writable"),
     (["--data", "/dev/zero"], "not a regular file"),
 ])
 def test_flags_refused_before_anything_is_created(tmp_path, args, expect):
