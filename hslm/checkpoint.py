@@ -88,7 +88,8 @@ def encode_parts(tensors, metadata: dict) -> list:
     off = 0
     for name, arr in tensors:
         a = np.ascontiguousarray(arr, dtype="<f8")
-        header[name] = {"dtype": "F64", "shape": list(a.shape), "data_offsets": [off, off + a.nbytes]}
+        header[name] = {"dtype": "F64", "shape": list(a.shape),
+                        "data_offsets": [off, off + a.nbytes]}
         views.append(a.reshape(-1).view(np.uint8))
         data_hash.update(views[-1])
         off += a.nbytes
@@ -119,12 +120,18 @@ def check_atomic_target(path: Path, flag: str):
     if not parent.is_dir():
         what = "is not a folder" if parent.exists() else "does not exist"
         raise HslmError(f"{flag} {path}: {parent} {what}")
-    probe = parent / f".{path.name}.probe{os.getpid()}"
-    try:  # a real write: os.access passes root, and some file systems refuse new files
-        os.close(new_file_in(None, str(probe)))
-        probe.unlink()
+    try:
+        probe_new_file(parent, f".{path.name}.probe{os.getpid()}")
     except OSError as e:
         raise HslmError(f"{flag} {path}: cannot write in {parent} ({e.strerror or e})") from None
+
+
+def probe_new_file(folder: Path, name: str):
+    """Make the file `name` in folder and remove it, or raise OSError: a real write, as
+    os.access says yes to root, and some file systems refuse new files."""
+    probe = Path(folder) / name
+    os.close(new_file_in(None, str(probe)))
+    probe.unlink()
 
 
 def write_atomic(path: Path, blob, what: str = "checkpoint", make_parent: bool = False,

@@ -101,10 +101,8 @@ def check_metrics_path(metrics, out: Path):
     if not parent.is_dir():
         what = "is not a folder" if parent.exists() else "does not exist"
         raise HslmError(f"--metrics {m}: {parent} {what}")
-    probe = parent / f".hslm-write-test-{os.getpid()}"  # a file made there and removed
     try:
-        os.close(ckpt.new_file_in(None, str(probe)))
-        probe.unlink()
+        ckpt.probe_new_file(parent, f".hslm-write-test-{os.getpid()}")
     except OSError as e:
         raise HslmError(f"--metrics {m}: the folder {parent} is not writable "
                         f"({e.strerror or e})") from None
@@ -166,9 +164,7 @@ def prepare_out_dir(out: Path):
     check_out_dir(out)
     try:
         ckpt.make_folders(out)
-        probe = out / f".hslm-write-test-{os.getpid()}"
-        os.close(ckpt.new_file_in(None, str(probe)))
-        probe.unlink()
+        ckpt.probe_new_file(out, f".hslm-write-test-{os.getpid()}")
     except OSError as e:
         raise HslmError(f"output folder {out} cannot be written: {e.strerror or e}") from None
     lock = FolderLock(out).acquire()
