@@ -79,8 +79,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import sys
+import threading
 import time
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -111,15 +114,40 @@ def init():
     size = os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE")
     if size == "1" and os.environ.get("HSLM_MPI") != "1":
         return None
-    try:
-        from mpi4py import MPI
-    except ImportError:
-        raise HslmError("launched by MPI, but mpi4py is not installed: pip install mpi4py mpich "
-                        "(or set HSLM_MPI=0 to run each copy as one process)") from None
+    with default_signals():
+        try:
+            from mpi4py import MPI  # (MPI_Init: it waits in C for every rank to start)
+        except ImportError:
+            # this rank will not join: had it exited with a status, the others would wait
+            # in MPI's start for it; killed by a signal, the launcher ends them
+            os.write(2, b"error: launched by MPI, but mpi4py is not installed: pip install "
+                        b"mpi4py mpich (or set HSLM_MPI=0 to run each copy as one process)\n")
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise HslmError("launched by MPI, but mpi4py is not installed") from None
     if MPI.COMM_WORLD.Get_size() == 1:
         return None
     _world = World(MPI.COMM_WORLD, MPI)
     return _world
+
+
+@contextmanager
+def default_signals():
+    """Ctrl-C and SIGTERM at their defaults, where the main thread waits in C code that
+    runs no Python handler (MPI's start: a rank waiting there for another that never
+    came could then be ended by SIGKILL alone); the handlers before, afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s in saved:
+        signal.signal(s, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            if handler is not None:  # (None: a handler not set from Python, left as is)
+                signal.signal(s, handler)
 
 
 def current():

@@ -14,8 +14,8 @@ the weight layouts it reads and which of two reductions it uses:
   own zeroed buffer (the buffer chosen by the window's place in its group); the
   group's buffers are then added into G in window order, the flat vector split
   into N ranges.
-* "gradient units" (the layerwise loop) runs in two phases. (1) Each window's forward and backward through
-  the layers' inputs, on any thread, into that window's own record. (2) The
+* "gradient units" (the layerwise loop) runs in two phases. (1) Each window's forward and
+  backward through the layers' inputs, on any thread, into that window's own record. (2) The
   weight-gradient phase: the gradient is cut into units (a block of 36 rows of
   a matrix, for Wup the rows of one active-row tile, or a whole small tensor:
   gradient_units), and each unit writes its part of G: the
@@ -362,8 +362,8 @@ class StepRunner:
             worker = self.workers[j]
             try:
                 team_slot(model, vsa_table, windows, k, scale, self.acts_b, self.rec_b,
-                          worker.scr, worker.vsa_rows(p1), j, p0, p1, row_losses, sync, self.units, chunks, G,
-                          self.speed.kernel)
+                          worker.scr, worker.vsa_rows(p1), j, p0, p1, row_losses, sync,
+                          self.units, chunks, G, self.speed.kernel)
             except BaseException:
                 sync[N] = 1  # the others stop waiting (and return False); this error surfaces
                 raise
@@ -442,9 +442,13 @@ def warm_up(runner: "StepRunner", run) -> None:
     cfg, h = run.cfg, run.hyper
     model = run.state.kernel_model()
     # as many windows as the run's threads take at once (at most its batch), so that the
-    # kernels loaded are the run's: with threads beyond the batch, the teams' (team_slot)
-    w = run.corpus.draw_windows(Stream.seeded("warm-up", 0), min(h.batch, runner.threads),
-                                cfg.window)
+    # kernels loaded are the run's: with threads beyond the batch, the teams' (team_slot).
+    # Under MPI every rank takes the same windows (the most any rank's threads take): the
+    # gradient's collectives are sized by the batch, and ranks may run different --threads
+    n = min(h.batch, runner.threads)
+    if runner.world is not None:
+        n = runner.world.comm.allreduce(n, op=runner.world.MPI.MAX)
+    w = run.corpus.draw_windows(Stream.seeded("warm-up", 0), n, cfg.window)
     runner.warming_up = True
     try:
         runner.gradient(model, run.tables.vsa, w, h.loss_positions, np.zeros(cfg.n_params))

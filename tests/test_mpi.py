@@ -257,6 +257,43 @@ def test_mpi_json_model_and_threads_per_rank(tmp_path):
 
 
 @needs_mpi
+@pytest.mark.parametrize("shared", ["1", "0"])
+def test_ranks_with_different_threads(refs, tmp_path, shared):
+    """Ranks launched with different --threads (mpiexec's A : B form): the bytes of one
+    process. The warm-up had drawn as many windows as each rank's own threads take, so
+    the ranks' first collectives disagreed on the batch (shared memory: a reshape error
+    on rank 1; messages: MPICH's "Message truncated")."""
+    one = [sys.executable, str(ROOT / "cli.py"), "train", *TINY, "--batch", "4", "--steps", "4",
+           "--save-every", "2", "--out", str(tmp_path / "o"), "--threads"]
+    cmd = [MPIEXEC, "-n", "1", *one, "1", ":", "-n", "1", *one, "2"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
+                       env={**env(), "HSLM_MPI_SHARED": shared})
+    assert p.returncode == 0, p.stderr
+    same_bytes(refs[4], tmp_path / "o", 4)
+
+
+@needs_mpi
+def test_a_rank_that_cannot_join_mpi_ends_the_run(tmp_path):
+    """A rank without mpi4py (a fake package that fails to import, on its PYTHONPATH
+    alone) says so in one line and dies by SIGTERM, so that the launcher ends the other,
+    which waits in MPI's start (in C, where no Python handler runs: before, with Ctrl-C
+    and SIGTERM caught there, only SIGKILL had ended it, and an exit status left it
+    waiting for good)."""
+    fake = tmp_path / "fake" / "mpi4py"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise ImportError("No module named mpi4py")\n')
+    one = [sys.executable, str(ROOT / "cli.py"), "train", *TINY, "--batch", "2", "--steps", "2",
+           "--threads", "1", "--out", str(tmp_path / "o")]
+    cmd = [MPIEXEC, "-n", "1", *one, ":", "-n", "1", "-env", "PYTHONPATH", str(fake.parent),
+           *one]
+    start = time.monotonic()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env())
+    assert p.returncode != 0 and "error: launched by MPI, but mpi4py is not installed" in p.stderr
+    assert time.monotonic() - start < 60, "the other rank was left waiting"
+    assert not (tmp_path / "o").exists()
+
+
+@needs_mpi
 def test_resume_across_rank_counts(refs, tmp_path):
     # one process to step 2, then 3 ranks to step 4
     a = tmp_path / "a"
