@@ -202,6 +202,15 @@ def _check_size(src: TextSource):
         raise HslmError(f"the corpus is {src.size:,} bytes; at most 4 GiB is supported")
 
 
+def same_file(a, b) -> bool:
+    """Whether a and b name the same file or folder (False where either is not there:
+    a cache folder not made yet, say)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 def check_cache_apart(data, cache_dir):
     """A token cache folder that is a --data folder would have its own files read as text
     by the next run (which then found "the data changed while it was read", as its text
@@ -209,11 +218,7 @@ def check_cache_apart(data, cache_dir):
     if cache_dir is None:
         return
     for p in [data] if isinstance(data, (str, os.PathLike)) else data:
-        try:
-            same = Path(p).is_dir() and os.path.samefile(p, cache_dir)
-        except OSError:  # the cache folder not made yet, say
-            same = False
-        if same:
+        if Path(p).is_dir() and same_file(p, cache_dir):
             raise HslmError(f"the token cache folder {cache_dir} is the --data folder {p}, "
                             "whose files are read as text: give another --cache-dir (or "
                             "HSLM_CACHE_DIR)")

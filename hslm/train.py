@@ -20,7 +20,7 @@ import numpy as np
 from . import checkpoint as ckpt
 from . import distributed, precise
 from .config import PRESETS, Config
-from .data import BUILTIN_SOURCE, Corpus, Tokenizer, check_cache_apart
+from .data import BUILTIN_SOURCE, Corpus, Tokenizer, check_cache_apart, same_file
 from .errors import (HslmError, raise_dropped_interrupt, raise_terminated, read_bytes,
                      refuse_unless_file)
 from .hyper import HYPER_NAMES, Hyper
@@ -115,13 +115,6 @@ RUN_FILE_NAMES = re.compile(r"tokenizer\.json|ckpt_\d+\.(bin|state)|bpe-.*\.json
                             r"|" + re.escape(TEXT_SHA_MEMO) + r"|\..*", re.DOTALL)
 
 
-def _same_file(a, b) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:  # either one not there
-        return False
-
-
 def check_paths_apart(o: TrainOptions, out: Path):
     """Judged before anything is created: the token cache folder is no --data folder, and
     --metrics names none of the run's own files: not its text (a --data file, or a file
@@ -143,10 +136,10 @@ def check_paths_apart(o: TrainOptions, out: Path):
                             f"{folder} (tokenizer.json, ckpt_N.bin and .state, token caches, "
                             "hidden files); give the metrics file another name")
     for d in o.data:
-        if _same_file(m, d) or (Path(d).is_dir() and where == os.path.realpath(d)):
+        if same_file(m, d) or (Path(d).is_dir() and where == os.path.realpath(d)):
             raise HslmError(f"--metrics {m} is in the training text (--data {d}), which "
                             "it would change; give a path outside it")
-    if o.resume is not None and any(_same_file(m, o.resume.with_suffix(ext))
+    if o.resume is not None and any(same_file(m, o.resume.with_suffix(ext))
                                     for ext in (".bin", ".state")):
         raise HslmError(f"--metrics {m} is the checkpoint this run resumes; give the metrics "
                         "file another name")
