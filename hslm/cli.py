@@ -176,7 +176,10 @@ def info(file):
 @click.option("--loss-positions", "-k", type=int, default=None,
               help="Scored positions [default: the run's, or the window].")
 @threads_option
-def eval_cmd(ckpt_path, data, cache_dir, eval_windows, loss_positions, threads):
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object, the loss with all 17 digits (as the metrics file "
+                   "keeps it), instead of the line.")
+def eval_cmd(ckpt_path, data, cache_dir, eval_windows, loss_positions, threads, as_json):
     """Validation loss and perplexity of a checkpoint (.bin).
 
     The text is encoded with the run's own tokenizer, which the .bin carries."""
@@ -206,6 +209,14 @@ def eval_cmd(ckpt_path, data, cache_dir, eval_windows, loss_positions, threads):
         v = runner.loss(state.kernel_model(), state.tables.vsa, w, k)
     finally:
         runner.close()
+    if as_json:  # JSON has no inf or NaN: null for a loss or perplexity that is not finite
+        import json
+        ppl = perplexity(v)
+        click.echo(json.dumps({
+            "checkpoint": str(ckpt_path), "valid_loss": v if math.isfinite(v) else None,
+            "perplexity": ppl if math.isfinite(ppl) else None, "windows": len(w),
+            "window": cfg.window, "loss_positions": k, "text_sha256": corpus.text_sha256}))
+        return
     click.echo(f"valid loss {v:.4f}, perplexity {perplexity(v):.2f} ({len(w)} windows of "
                f"{cfg.window}, last {k} scored; uniform baseline {math.log(cfg.vocab):.4f})")
 

@@ -53,6 +53,23 @@ def test_eval_command_matches_the_run(trained):
     assert eout.startswith(f"valid loss {final_valid}, perplexity")
 
 
+def test_eval_json_gives_the_runs_loss_to_the_bit(trained):
+    """eval --json: one JSON object on stdout whose loss is the run's last evaluation, every
+    digit (the line rounds it to 4 decimals, which hides a last-bit difference)."""
+    d, out = trained
+    code, eout, err = hslm("eval", d / "ckpt_12.bin", "--json")
+    assert code == 0, err
+    got = json.loads(eout)
+    evals = [json.loads(l) for l in (d / "m.jsonl").read_text().splitlines()
+             if json.loads(l)["kind"] == "eval"]
+    assert got["valid_loss"] == evals[-1]["valid_loss"]  # ==, not approx
+    assert got["valid_loss"] != round(got["valid_loss"], 4)  # what the line would have shown
+    assert got["perplexity"] == evals[-1]["perplexity"]
+    assert {k: got[k] for k in ("windows", "window", "loss_positions")} == {
+        "windows": 64, "window": 9, "loss_positions": 9}
+    assert got["checkpoint"] == str(d / "ckpt_12.bin") and len(got["text_sha256"]) == 64
+
+
 def test_sample_is_reproducible_for_a_seed(trained):
     d, _ = trained
     args = ["sample", d / "ckpt_12.bin", "--prompt", "The ", "--tokens", 20]
