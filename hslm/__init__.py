@@ -467,6 +467,33 @@ def _not_copying_inline_function():
     worker.inline_function = inline_function
 
 
+# LLVM's options for the code of hslm's own processes (llvmlite.binding.set_option): see
+# set_llvm_options.
+LLVM_OPTIONS = ("-disable-lsr",)
+
+
+def set_llvm_options() -> None:
+    """LLVM's loop strength reduction (LSR: a code generation pass that rewrites a loop's
+    index arithmetic into pointers stepped along) took 9% of a first run's compile on an
+    AMD Zen 4 (the first run "compiled in" 18.7 s on average without it against 17.0 s,
+    three runs each in turns; LLVM's own timers 2.1 of 20.8 s), and the kernels ran as fast
+    without it: steps in turns (tools/ab_steps.py, 60 pairs) 0.990x as built and 0.996x
+    built for AVX2, within the noise (docs/performance-history.md, 2026-12-04 19:40-20:10). The
+    hot loops are LLVM IR that steps its own pointers (hslm/vector_tiles.py). No value can
+    change: the pass rewrites integer index arithmetic only, and the golden runs check it.
+    LLVM's options belong to the whole process, so hslm sets them in its own processes
+    only (the command and its compile helpers); a program that imports hslm keeps LLVM as
+    it is, and its kernels, cached or not, give the same bits."""
+    import llvmlite.binding as llvm
+    for option in LLVM_OPTIONS:
+        llvm.set_option("", option)
+
+
+def _llvm_options_in_hslm_processes():
+    if _an_hslm_process():
+        set_llvm_options()
+
+
 _stop_quietly_while_starting()
 _writable_kernel_cache()
 _prefer_512_bit_vectors()
@@ -477,3 +504,4 @@ _kernel_cache_saves_may_fail()
 _faster_numba_flag_comparisons()
 _inlined_parts_not_copied()
 _numba_registries_without_blas_or_cffi()
+_llvm_options_in_hslm_processes()

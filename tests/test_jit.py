@@ -337,3 +337,25 @@ def test_the_hslm_command_loads_no_blas_or_cffi_into_numba():
         out[name] = p.stdout.split()
     assert out["command"] == ["False", "False", "False"]
     assert out["program"] == ["True", "True", "True"]
+
+
+def test_the_hslm_command_compiles_without_loop_strength_reduction():
+    """hslm's own processes set LLVM's options (hslm.LLVM_OPTIONS: LSR off, 9% of a first
+    run's compile, no speed lost); a program that imports hslm (the control) keeps LLVM as
+    it is. Seen in the machine code of a loop whose index LSR would turn into a pointer.
+    The bits do not depend on it: the golden runs go through the command
+    (tests/test_golden.py)."""
+    probe = ("import sys\n{argv}import hslm\nimport numpy as np\nfrom numba import njit\n"
+             "@njit\ndef f(a, s, n):\n    t = 0.0\n    for i in range(n):\n"
+             "        t += a[i * s]\n    return t\n"
+             "print(f(np.arange(12.0), 3, 4))\n"
+             "print(list(f.inspect_asm().values())[0].count('imul'))")
+    out = {}
+    for name, argv in (("command", "sys.argv[0] = 'hslm'\n"), ("program", "")):
+        p = subprocess.run([sys.executable, "-c", probe.format(argv=argv)], capture_output=True,
+                           text=True, timeout=600)
+        assert p.returncode == 0, p.stderr
+        out[name] = p.stdout.split()
+    assert out["command"][0] == out["program"][0] == "18.0"
+    # without LSR the index i * s is multiplied in the loop; with it, a pointer steps along
+    assert int(out["command"][1]) > int(out["program"][1])

@@ -24,7 +24,8 @@ own pass timers: InstCombine, SROA, instruction selection ...). LLVM's timers ma
 compile itself a little slower.
 
 Process time in one process: a first run compiles the same jobs in one process per core at
-once, each somewhat slower than alone.
+once, each somewhat slower than alone. LLVM gets the hslm command's options
+(hslm.LLVM_OPTIONS).
 """
 from __future__ import annotations
 
@@ -181,7 +182,8 @@ def kernel_named(spec: str):
 
 def profile(jobs, top: int, asm, passes: bool = False) -> None:
     sys.path.insert(0, str(ROOT))
-    import hslm  # noqa: F401  (hslm before Numba: it sets Numba's target)
+    import hslm  # (hslm before Numba: it sets Numba's target)
+    hslm.set_llvm_options()  # as in the hslm command and its compile helpers
     import llvmlite
     import numba
     from hslm import precompile
