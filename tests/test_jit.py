@@ -310,7 +310,7 @@ def test_an_inlined_part_is_not_copied_and_compiles_to_the_same_code():
             copy.deepcopy = deepcopy
             ic.InlineWorker.inline_function = ours
         asm = caller.inspect_asm(caller.signatures[0])
-        return [l for l in asm.splitlines() if "\t" in l and "calls_a_part_twice" not in l], \
+        return [x for x in asm.splitlines() if "\t" in x and "calls_a_part_twice" not in x], \
             sum(copied)
 
     asm_ours, copied_ours = compiled(ours)

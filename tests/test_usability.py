@@ -30,14 +30,16 @@ def trained(tmp_path_factory):
 
 def test_plain_lines_metrics_and_periodic_evaluation(trained):
     d, out = trained
-    steps = [int(l.split()[1]) for l in out.splitlines() if l.startswith("step ") and "|" in l]
+    steps = [int(line.split()[1]) for line in out.splitlines()
+             if line.startswith("step ") and "|" in line]
     assert steps == [4, 8, 12]  # --log-every 4, and the last step
     assert "step 4: valid" in out and "step 8: valid" in out
-    recs = [json.loads(l) for l in (d / "m.jsonl").read_text().splitlines()]
+    recs = [json.loads(line) for line in (d / "m.jsonl").read_text().splitlines()]
     train = [r for r in recs if r["kind"] == "train"]
     evals = [r for r in recs if r["kind"] == "eval"]
     assert [r["step"] for r in train] == list(range(1, 13))
-    assert set(train[0]) == {"kind", "step", "loss", "lr", "grad_norm", "tok_s", "ternary_zero_share"}
+    assert set(train[0]) == {"kind", "step", "loss", "lr", "grad_norm", "tok_s",
+                             "ternary_zero_share"}
     assert 0.1 < train[-1]["ternary_zero_share"] < 0.5 and train[-1]["grad_norm"] > 0
     assert [r["step"] for r in evals] == [4, 8, 12]
     assert evals[-1]["perplexity"] == pytest.approx(np.exp(evals[-1]["valid_loss"]))
@@ -60,8 +62,8 @@ def test_eval_json_gives_the_runs_loss_to_the_bit(trained):
     code, eout, err = hslm("eval", d / "ckpt_12.bin", "--json")
     assert code == 0, err
     got = json.loads(eout)
-    evals = [json.loads(l) for l in (d / "m.jsonl").read_text().splitlines()
-             if json.loads(l)["kind"] == "eval"]
+    evals = [json.loads(line) for line in (d / "m.jsonl").read_text().splitlines()
+             if json.loads(line)["kind"] == "eval"]
     assert got["valid_loss"] == evals[-1]["valid_loss"]  # ==, not approx
     assert got["valid_loss"] != round(got["valid_loss"], 4)  # what the line would have shown
     assert got["perplexity"] == evals[-1]["perplexity"]
@@ -137,9 +139,10 @@ def test_signal_finishes_the_step_saves_and_says_how_to_resume(tmp_path, sig):
     assert proc.returncode == 128 + sig
     assert "Traceback" not in err
     # no progress bar to end here (a pipe): the notice comes with no blank line before it
-    notice = [i for i, l in enumerate(err.splitlines()) if l.startswith(f"{sig.name}: finishing")]
+    notice = [i for i, line in enumerate(err.splitlines())
+              if line.startswith(f"{sig.name}: finishing")]
     assert len(notice) == 1 and (notice[0] == 0 or err.splitlines()[notice[0] - 1].strip()), err
-    line = [l for l in out.splitlines() if "stopped after step" in l][0]
+    line = [x for x in out.splitlines() if "stopped after step" in x][0]
     step = int(line.split("stopped after step ")[1].split(";")[0])
     assert f"resume with: hslm train --resume {tmp_path / f'ckpt_{step}.state'}" in out
     ckpt.read(tmp_path / f"ckpt_{step}.bin", expect_kind="params")
@@ -307,7 +310,8 @@ def test_the_start_ups_signal_line_comes_from_rank_0_alone(rank):
         e["PMI_RANK"] = rank
     for sig, code, line in ((signal.SIGINT, 130, "error: interrupted\n"),
                             (signal.SIGTERM, 143, "error: terminated\n")):
-        p = subprocess.run([sys.executable, "-c", f"import hslm; hslm._early_signal({int(sig)}, None)"],
+        p = subprocess.run([sys.executable, "-c",
+                            f"import hslm; hslm._early_signal({int(sig)}, None)"],
                            capture_output=True, text=True, timeout=120, env=e)
         status = code if rank is None else -sig
         assert (p.returncode, p.stderr) == (status, "" if rank == "1" else line), p.stderr
@@ -422,8 +426,9 @@ def test_bench_compares_speeds_threads_batches_and_torch_on_small_models(tmp_pat
                           "--threads", "1", "--threads", "2", "--steps", 1, "--batch", "2,4",
                           "--json", report_path)
     assert code == 0, err
-    rows = [l.split() for l in out.splitlines()
-            if len(l.split()) > 3 and l.split()[1:3] in (["0", "reference"], ["3", "layerwise"])]
+    rows = [line.split() for line in out.splitlines()
+            if len(line.split()) > 3
+            and line.split()[1:3] in (["0", "reference"], ["3", "layerwise"])]
     # 2 models x 2 batches x 2 thread counts x 2 speeds
     assert len(rows) == 16
     assert sorted({(r[0], r[1], r[3]) for r in rows}) == sorted(
@@ -432,12 +437,12 @@ def test_bench_compares_speeds_threads_batches_and_torch_on_small_models(tmp_pat
     assert out.count("byte-identical across all runs") == 4
     assert "PyTorch" in out and "f64" in out and "f32" in out
     assert "speed-3 step profile" in out and "weight gradients" in out
-    other = next(l for l in out.splitlines() if l.lstrip().startswith("other ("))
+    other = next(line for line in out.splitlines() if line.lstrip().startswith("other ("))
     assert float(other.split(")")[1].split()[0]) >= 0.0, other  # a step's own remainder
     # every matrix phase and the optimiser report a rate against its ceiling
-    rated = [l for l in out.splitlines() if l.endswith("of its ceiling")]
+    rated = [line for line in out.splitlines() if line.endswith("of its ceiling")]
     for phase in ("forward", "backward through", "weight gradients", "optimiser"):
-        assert sum(phase in l for l in rated) == 1, (phase, out)
+        assert sum(phase in line for line in rated) == 1, (phase, out)
     import json
     report = json.loads(report_path.read_text())
     # the forward and the backward split: their matrix products, timed inside the step
@@ -557,7 +562,7 @@ def test_measured_peaks_are_physical():
     # the loop holds ACCUMULATORS independent chains, each starting from its own value
     ir = _loop_ir(8, True)
     assert ir.count("call <8 x double> @llvm.fmuladd") == ACCUMULATORS
-    assert len({l.split("<", 2)[2] for l in ir.splitlines() if "%init" in l and "fadd" in l}) \
+    assert len({x.split("<", 2)[2] for x in ir.splitlines() if "%init" in x and "fadd" in x}) \
         == ACCUMULATORS
 
 

@@ -221,8 +221,8 @@ def profile(jobs, top: int, asm, passes: bool = False) -> None:
     llvm = sum(r[2] for _, r in rows)
     print(f"kernels by their own compile time (callees left out); LLVM {llvm:.1f} s of it in all:")
     print(f"  {'own s':>7s} {'LLVM s':>7s} {'compiles':>8s}  kernel")
-    for name, (n, own, ll) in rows[:top]:
-        print(f"  {own:7.2f} {ll:7.2f} {n:8d}  {name}")
+    for name, (n, own, own_llvm) in rows[:top]:
+        print(f"  {own:7.2f} {own_llvm:7.2f} {n:8d}  {name}")
     if len(rows) > top:
         rest = rows[top:]
         print(f"  {sum(r[1] for _, r in rest):7.2f} {sum(r[2] for _, r in rest):7.2f} "
