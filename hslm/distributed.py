@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import select
 import signal
 import sys
 import threading
@@ -114,7 +115,7 @@ def init():
     size = os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE")
     if size == "1" and os.environ.get("HSLM_MPI") != "1":
         return None
-    with default_signals():
+    with default_signals(), start_watch(start_notice_seconds()):
         try:
             from mpi4py import MPI  # (MPI_Init: it waits in C for every rank to start)
         except ImportError:
@@ -129,6 +130,61 @@ def init():
         return None
     _world = World(MPI.COMM_WORLD, MPI)
     return _world
+
+
+# Seconds that this rank waits in MPI's start before it says what it waits for
+# (HSLM_MPI_START_NOTICE sets them; 0: never).
+START_NOTICE_SECONDS = 60.0
+
+
+def start_notice_seconds() -> float:
+    try:
+        return float(os.environ.get("HSLM_MPI_START_NOTICE", START_NOTICE_SECONDS))
+    except ValueError:
+        return START_NOTICE_SECONDS
+
+
+def start_notice(seconds: float) -> str:
+    rank = next((os.environ[v] for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+                 if v in os.environ), "?")
+    size = next((os.environ[v] for v in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
+                 if v in os.environ), "?")
+    return (f"hslm: rank {rank} of {size} has waited {seconds:g} s in MPI's start for the "
+            "other ranks; a rank that ended before it started MPI (a wrapper script that "
+            "exits with a status where hslm died) leaves the others waiting here: Ctrl-C "
+            "or SIGTERM ends the run\n")
+
+
+@contextmanager
+def start_watch(seconds: float):
+    """MPI's start waits in C, holding the GIL, for every rank to start, so no thread of
+    this process runs meanwhile, and a rank that never starts MPI leaves the others
+    waiting without a word for good (a launcher ends them when a rank dies by a signal,
+    not always when one exits with a status). So a child process watches the start: if it
+    has not returned after `seconds`, the child writes one line saying what this rank waits
+    for and how to end it. The child ends when the start returns (its pipe's write end
+    closed) or when this process dies (the same), and does nothing else."""
+    if seconds <= 0 or not hasattr(os, "fork"):
+        yield
+        return
+    notice = start_notice(seconds).encode()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: system calls only, then _exit (no handler, no atexit)
+        try:
+            os.close(w)
+            ready, _, _ = select.select([r], [], [], seconds)
+            if not ready:
+                os.write(2, notice)
+                os.read(r, 1)  # until the start returns or the rank dies
+        finally:
+            os._exit(0)
+    os.close(r)
+    try:
+        yield
+    finally:
+        os.close(w)
+        os.waitpid(pid, 0)
 
 
 @contextmanager

@@ -4,10 +4,12 @@ of one process, for any P and batch; resume across P; faults end every rank.
 Skipped when mpi4py or mpiexec is missing (pip install '.[mpi]')."""
 import json
 import os
+import queue
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -291,6 +293,47 @@ def test_a_rank_that_cannot_join_mpi_ends_the_run(tmp_path):
     assert p.returncode != 0 and "error: launched by MPI, but mpi4py is not installed" in p.stderr
     assert time.monotonic() - start < 60, "the other rank was left waiting"
     assert not (tmp_path / "o").exists()
+
+
+@needs_mpi
+def test_a_rank_left_waiting_in_mpis_start_says_why(tmp_path):
+    """A rank that ends with a status before it starts MPI (here a shell in its place, as a
+    wrapper script without exec leaves it) leaves the other waiting in MPI's start, where
+    the launcher does not end it. After HSLM_MPI_START_NOTICE seconds the waiting rank
+    says so in one line (a child process watches: MPI's start holds the GIL), and Ctrl-C
+    ends the run. A start that returns in time says nothing."""
+    one = [sys.executable, str(ROOT / "cli.py"), "train", *TINY, "--batch", "2", "--steps", "2",
+           "--threads", "1"]
+    p = subprocess.Popen([MPIEXEC, "-n", "1", *one, "--out", str(tmp_path / "o"), ":", "-n", "1",
+                          "sh", "-c", "exit 3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env={**env(), "HSLM_MPI_START_NOTICE": "1"})
+    lines = queue.Queue()  # stderr's lines, read aside: a rank left waiting writes nothing else
+    threading.Thread(target=lambda: [lines.put(x) for x in p.stderr], daemon=True).start()
+    try:
+        seen = None
+        deadline = time.monotonic() + 60
+        while seen is None and time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=1)
+            except queue.Empty:
+                continue
+            if "in MPI's start for the other ranks" in line:
+                seen = line
+        assert seen is not None, "no word from the rank left waiting"
+        assert seen.startswith("hslm: rank 0 of 2 has waited 1 s in MPI's start") and \
+            "Ctrl-C or SIGTERM ends the run" in seen, seen
+        p.send_signal(signal.SIGINT)
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode != 0 and not (tmp_path / "o").exists()
+    # every rank starts: the watch ends with the start, quietly (the notice's 2 s are
+    # longer than the run's start and shorter than the run, 5-6 s here)
+    code, _, err = hslm("train", *TINY, "--batch", 2, "--steps", 100, "--threads", 1,
+                        "--out", tmp_path / "ok", ranks=2, extra_env={"HSLM_MPI_START_NOTICE": "2"})
+    assert code == 0 and "MPI's start" not in err, err
 
 
 @needs_mpi
