@@ -319,6 +319,18 @@ def test_an_inlined_part_is_not_copied_and_compiles_to_the_same_code():
     assert copied_ours == 0 and copied_numba >= 4  # two copies of each block, two sites
 
 
+def as_command_and_program(probe):
+    """probe's output words, run in a process that poses as the hslm command (sys.argv[0]
+    'hslm' where the probe has {argv}, before it imports hslm) and in a plain program."""
+    out = {}
+    for name, argv in (("command", "sys.argv[0] = 'hslm'\n"), ("program", "")):
+        p = subprocess.run([sys.executable, "-c", probe.format(argv=argv)], capture_output=True,
+                           text=True, timeout=600)
+        assert p.returncode == 0, p.stderr
+        out[name] = p.stdout.split()
+    return out
+
+
 @pytest.mark.skipif(importlib.util.find_spec("scipy") is None
                     or importlib.util.find_spec("cffi") is None,
                     reason="needs SciPy and cffi installed (Numba loads them where they are)")
@@ -329,12 +341,7 @@ def test_the_hslm_command_loads_no_blas_or_cffi_into_numba():
     probe = ("import sys\n{argv}import hslm\nfrom hslm import kernels\n"
              "import numba.np.arraymath as a\n"
              "print(a._HAVE_BLAS, 'cffi' in sys.modules, 'scipy.linalg' in sys.modules)")
-    out = {}
-    for name, argv in (("command", "sys.argv[0] = 'hslm'\n"), ("program", "")):
-        p = subprocess.run([sys.executable, "-c", probe.format(argv=argv)], capture_output=True,
-                           text=True, timeout=600)
-        assert p.returncode == 0, p.stderr
-        out[name] = p.stdout.split()
+    out = as_command_and_program(probe)
     assert out["command"] == ["False", "False", "False"]
     assert out["program"] == ["True", "True", "True"]
 
@@ -350,12 +357,7 @@ def test_the_hslm_command_compiles_without_loop_strength_reduction():
              "        t += a[i * s]\n    return t\n"
              "print(f(np.arange(12.0), 3, 4))\n"
              "print(list(f.inspect_asm().values())[0].count('imul'))")
-    out = {}
-    for name, argv in (("command", "sys.argv[0] = 'hslm'\n"), ("program", "")):
-        p = subprocess.run([sys.executable, "-c", probe.format(argv=argv)], capture_output=True,
-                           text=True, timeout=600)
-        assert p.returncode == 0, p.stderr
-        out[name] = p.stdout.split()
+    out = as_command_and_program(probe)
     assert out["command"][0] == out["program"][0] == "18.0"
     # without LSR the index i * s is multiplied in the loop; with it, a pointer steps along
     assert int(out["command"][1]) > int(out["program"][1])
