@@ -7,6 +7,13 @@ __version__ = "0.2.0"
 MPI_LAUNCH_VARIABLES = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK",
                         "MV2_COMM_WORLD_SIZE")
 MPI_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+MPI_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def launch_value(names, default=None):
+    """The first of these launcher variables that is set (a rank's number or the ranks'
+    count, as the launcher wrote it, before MPI starts), else default."""
+    return next((_os.environ[v] for v in names if v in _os.environ), default)
 # pyproject.toml's run-time dependencies, by the names they are imported as (llvmlite comes
 # with numba)
 RUN_TIME_PACKAGES = frozenset({"numba", "llvmlite", "numpy", "click"})
@@ -58,7 +65,7 @@ def _early_signal(signum, frame):
     once with the CLI's one line and exit status, not a traceback from inside an import."""
     import signal
     interrupted = signum == signal.SIGINT
-    rank = next((_os.environ[v] for v in MPI_RANK_VARIABLES if v in _os.environ), "0")
+    rank = launch_value(MPI_RANK_VARIABLES, "0")
     if rank == "0":  # under MPI (mpiexec forwards a signal to every rank) rank 0 says it
         _os.write(2, b"error: interrupted\n" if interrupted else b"error: terminated\n")
     if launched_by_mpi():

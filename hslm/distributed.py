@@ -88,7 +88,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from . import MPI_LAUNCH_VARIABLES, launched_by_mpi
+from . import (MPI_LAUNCH_VARIABLES, MPI_RANK_VARIABLES, MPI_SIZE_VARIABLES, launch_value,
+               launched_by_mpi)
 from .errors import HslmError, is_terminated
 
 # Environment variables that MPI launchers set (MPICH/Hydra and Intel MPI, Open MPI,
@@ -112,8 +113,7 @@ def init():
     global _world
     if _world is not None or not launched_by_mpi():
         return _world
-    size = os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE")
-    if size == "1" and os.environ.get("HSLM_MPI") != "1":
+    if launch_value(MPI_SIZE_VARIABLES) == "1" and os.environ.get("HSLM_MPI") != "1":
         return None
     with default_signals(), start_watch(start_notice_seconds()):
         try:
@@ -145,10 +145,8 @@ def start_notice_seconds() -> float:
 
 
 def start_notice(seconds: float) -> str:
-    rank = next((os.environ[v] for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
-                 if v in os.environ), "?")
-    size = next((os.environ[v] for v in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
-                 if v in os.environ), "?")
+    rank = launch_value(MPI_RANK_VARIABLES, "?")
+    size = launch_value(MPI_SIZE_VARIABLES, "?")
     return (f"hslm: rank {rank} of {size} has waited {seconds:g} s in MPI's start for the "
             "other ranks; a rank that ended before it started MPI (a wrapper script that "
             "exits with a status where hslm died) leaves the others waiting here: Ctrl-C "

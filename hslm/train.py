@@ -116,13 +116,15 @@ RUN_FILE_NAMES = re.compile(r"tokenizer\.json|ckpt_\d+\.(bin|state)|bpe-.*\.json
 
 
 def check_paths_apart(o: TrainOptions, out: Path):
-    """Judged before anything is created: the token cache folder is no --data folder, and
-    --metrics names none of the run's own files: not its text (a --data file, or a file
-    in a --data folder: appended to, the text changes, and no checkpoint of the run could
-    be resumed with it), not the checkpoint it resumes, and no name the run writes in its
-    output or token cache folder (RUN_FILE_NAMES)."""
+    """Judged before anything is created: --metrics can be written (check_metrics_path),
+    the token cache folder is no --data folder, and --metrics names none of the run's own
+    files: not its text (a --data file, or a file in a --data folder: appended to, the
+    text changes, and no checkpoint of the run could be resumed with it), not the
+    checkpoint it resumes, and no name the run writes in its output or token cache folder
+    (RUN_FILE_NAMES)."""
     from .token_cache import cache_dir as token_cache_dir
 
+    check_metrics_path(o.metrics, out)
     cache = token_cache_dir(o.cache_dir, out)
     check_cache_apart(o.data, cache)
     if o.metrics is None:
@@ -524,7 +526,6 @@ def open_run(o: TrainOptions):
         out = o.out or o.resume.parent
         check_steps(o.steps)
         check_out_dir(out)
-        check_metrics_path(o.metrics, out)
         check_paths_apart(o, out)
         cfg_flag = resolve_config(o.model) if "model" in o.given else None
 
@@ -562,7 +563,6 @@ def open_run(o: TrainOptions):
     check_steps(o.steps)
     out = o.out or Path("ckpt")
     check_out_dir(out)
-    check_metrics_path(o.metrics, out)
     check_paths_apart(o, out)
     check_checkpoint_names(out, 0, o.steps, o.save_every)
     check_fits(memory_estimate(cfg, hyper.batch, o.threads, o.speed),
