@@ -17,12 +17,21 @@ def read_metrics(path):
             continue
         try:
             r = json.loads(line)
+            if not isinstance(r, dict):
+                raise ValueError("not a JSON object")
             if r.get("kind") == "train":
                 train.append(_point(r, "loss"))
             elif r.get("kind") == "eval":
                 valid.append(_point(r, "valid_loss"))
-        except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError):
-            raise HslmError(f"{path}:{n} is not a metrics record") from None
+        except RecursionError:
+            raise HslmError(f"{path}:{n} is not a metrics record (JSON nested too deep)") from None
+        except json.JSONDecodeError:
+            raise HslmError(f"{path}:{n} is not a metrics record (not JSON)") from None
+        except KeyError as e:
+            raise HslmError(f"{path}:{n} is not a metrics record (no {e.args[0]!r} field)"
+                            ) from None
+        except (ValueError, OverflowError) as e:
+            raise HslmError(f"{path}:{n} is not a metrics record ({e})") from None
     if not train and not valid:
         raise HslmError(f"{path} holds no training or validation records")
     # a run killed after its last checkpoint and resumed appends the steps since again
@@ -35,10 +44,19 @@ def _point(record, key):
     number (NaN or infinite where training diverged); else a ValueError."""
     step, loss = record["step"], record[key]
     if not (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
-        raise ValueError("step")
+        raise ValueError(f"its step, {_short(step)}, is not a whole number of 0 or more")
     if not isinstance(loss, (int, float)) or isinstance(loss, bool):
-        raise ValueError("loss")
-    return step, float(loss)  # (an integer past a double's range: OverflowError)
+        raise ValueError(f"its {key}, {_short(loss)}, is not a number")
+    try:
+        return step, float(loss)
+    except OverflowError:  # an integer past a double's range
+        raise ValueError(f"its {key}, {_short(loss)}, is past a double's range") from None
+
+
+def _short(value) -> str:
+    """A record's value as JSON, cut to 40 characters for an error line."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def check_output(output):

@@ -980,20 +980,29 @@ def test_a_failed_run_removes_its_folder_before_letting_go_of_it():
     assert calls == ["remove", "release"]
 
 
-@pytest.mark.parametrize("record", [
-    '{"kind": "train", "step": 1e999, "loss": 1.0}', '{"kind": "train", "step": 2.7, "loss": 1}',
-    '{"kind": "train", "step": true, "loss": 1.0}', '{"kind": "train", "step": -1, "loss": 1.0}',
-    pytest.param('{"kind": "train", "step": 1, "loss": ' + "9" * 400 + "}", id="long-loss"),
-    '{"kind": "eval", "step": 1, "valid_loss": "3"}', '{"kind": "train", "step": 1, "loss": true}',
-    pytest.param("[" * 100000, id="nested"),
+@pytest.mark.parametrize("record,why", [
+    ('{"kind": "train", "step": 1e999, "loss": 1.0}', "its step, Infinity, is not a whole"),
+    ('{"kind": "train", "step": 2.7, "loss": 1}', "its step, 2.7, is not a whole number"),
+    ('{"kind": "train", "step": true, "loss": 1.0}', "its step, true, is not a whole number"),
+    ('{"kind": "train", "step": -1, "loss": 1.0}', "its step, -1, is not a whole number of 0"),
+    pytest.param('{"kind": "train", "step": 1, "loss": ' + "9" * 400 + "}",
+                 "its loss, " + "9" * 37 + "..., is past a double's range",
+                 id="long-loss"),
+    ('{"kind": "eval", "step": 1, "valid_loss": "3"}', 'its valid_loss, "3", is not a number'),
+    ('{"kind": "train", "step": 1, "loss": true}', "its loss, true, is not a number"),
+    ('{"kind": "train", "loss": 1.0}', "no 'step' field"),
+    ('{"kind": "train", "step": 1, "loss": 1.0', "not JSON"),
+    ('["kind", "train"]', "not a JSON object"),
+    pytest.param("[" * 100000, "JSON nested too deep", id="nested"),
 ])
-def test_a_metrics_line_hslm_never_writes_is_one_line(tmp_path, record):
+def test_a_metrics_line_hslm_never_writes_is_one_line(tmp_path, record, why):
     """hslm plot: OverflowError and RecursionError tracebacks before, and a step of 2.7
-    or true or a loss of "3" half-believed (as 2, 1 and 3.0)."""
+    or true or a loss of "3" half-believed (as 2, 1 and 3.0). The line says what is
+    wrong with the record (it had said only that it was not one)."""
     m = tmp_path / "m.jsonl"
     m.write_text('{"kind": "train", "step": 0, "loss": 6.5}\n' + record + "\n")
     line = one_line_error(*hslm("plot", m, "-o", tmp_path / "p.png"))
-    assert f"{m}:2 is not a metrics record" in line, line
+    assert f"{m}:2 is not a metrics record ({why}" in line, line
 
 
 def test_a_diverged_runs_metrics_still_plot(tmp_path):
