@@ -37,7 +37,7 @@ HYPER_PARAMS = (
                "Step at which the cosine decay reaches 10% of the peak (the schedule does not "
                "depend on --steps)."),
     HyperParam("weight_decay", float, 0.01, 0.0, False,
-               "Decoupled weight decay of the ternary latent matrices."),
+               "Decoupled weight decay of the ternary latent matrices (times --lr, below 1)."),
     HyperParam("seed", int, 0, 0, False,
                "Seed of the parameters' initialisation and of the training windows."),
     HyperParam("eval_windows", int, 64, 1, False, "Validation windows for the validation loss."),

@@ -136,6 +136,12 @@ def hyper_problems(cfg, h):
             bad(p.name, f"must be above {p.low:g}")
         elif not p.low_excluded and not v >= p.low:
             bad(p.name, f"must be at least {p.low:g}")
+    # each step scales the decayed weights by 1 - lr x weight_decay (lr at most its peak):
+    # at 0 or below they would be wiped or flip sign every step
+    if not out and not h.lr * h.weight_decay < 1.0:
+        out.append(("weight_decay", f"times --lr must be below 1 (each step scales the weights "
+                                    f"by 1 - lr x weight decay), got {h.weight_decay!r} x "
+                                    f"{h.lr!r}"))
     return out
 
 

@@ -37,6 +37,8 @@ def base(tmp_path_factory):
 @pytest.mark.parametrize("args,expect", [
     (["--lr", "inf"], "--lr"), (["--lr", "nan"], "--lr"), (["--lr", "0"], "--lr"),
     (["--weight-decay", "nan"], "--weight-decay"), (["--weight-decay", "-1"], "--weight-decay"),
+    (["--weight-decay", "1000"], "--weight-decay times --lr must be below 1"),
+    (["--weight-decay", "2", "--lr", "0.5"], "got 2.0 x 0.5"),
     (["--seed", "-1"], "--seed"), (["--warmup", "-1"], "--warmup"),
     (["--batch", str(10 ** 12)], "memory"),
     (["--metrics", "."], "--metrics"), (["--metrics", "/nonexistent/m.jsonl"], "--metrics"),
@@ -46,6 +48,8 @@ def base(tmp_path_factory):
     (["--data", "/dev/zero"], "not a regular file"),
 ])
 def test_flags_refused_before_anything_is_created(tmp_path, args, expect):
+    """(A weight decay with lr x decay >= 1 wipes or flips the weights each step: a
+    weight decay of 1e6 had trained to a validation loss of 110, exit 0.)"""
     out_dir = tmp_path / "o"
     line = one_line_error(*hslm("train", *TINY, "--steps", 1, "--out", out_dir, *args,
                                 cwd=tmp_path))

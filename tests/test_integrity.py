@@ -287,11 +287,26 @@ def test_hand_made_bin_headers_are_refused(files, edit, expect):
 @pytest.mark.parametrize("field,value", [
     ("loss_positions", 99), ("loss_positions", 0), ("lr", float("inf")), ("lr", -1.0),
     ("weight_decay", -0.5), ("seed", -1), ("batch", 0), ("batch", True), ("lr", 1),
+    ("weight_decay", 1000.0),
 ])
 def test_hand_made_state_hyper_is_checked_like_the_flags(files, field, value):
     raw = hand_made(files[1], lambda h: set_json(h, "hyper", **{field: value}))
     with pytest.raises(HslmError, match="not a valid"):
         ckpt.parse(raw, "x.state")
+
+
+def test_weight_decay_is_bounded_by_lr_times_decay_below_one():
+    """Each step scales the decayed weights by 1 - lr x weight decay: refused at 1 and
+    above, where the weights would be wiped or flip sign every step; just below, kept."""
+    from hslm.validate import hyper_problems
+    cfg = PRESETS["hslm-tiny"]
+
+    def fields(**kw):
+        return [f for f, _ in hyper_problems(cfg, Hyper(loss_positions=cfg.window, **kw))]
+    assert fields(lr=1e-3, weight_decay=999.0) == []
+    assert fields(lr=1e-3, weight_decay=1000.0) == ["weight_decay"]
+    assert fields(lr=0.5, weight_decay=1.999) == []
+    assert fields(lr=0.5, weight_decay=2.0) == ["weight_decay"]
 
 
 @pytest.mark.parametrize("rng", [
