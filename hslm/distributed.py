@@ -111,6 +111,7 @@ def init():
     """The World when launched by MPI with more than one rank, else None (and then
     mpi4py is never imported)."""
     global _world
+    check_mpi_variables()
     if _world is not None or not launched_by_mpi():
         return _world
     if launch_value(MPI_SIZE_VARIABLES) == "1" and os.environ.get("HSLM_MPI") != "1":
@@ -138,10 +139,31 @@ START_NOTICE_SECONDS = 60.0
 
 
 def start_notice_seconds() -> float:
+    """HSLM_MPI_START_NOTICE's seconds (check_mpi_variables has judged it), else 60."""
+    return float(os.environ.get("HSLM_MPI_START_NOTICE") or START_NOTICE_SECONDS)
+
+
+def check_mpi_variables():
+    """The user's MPI switches as documented, or one error line before anything starts
+    (every command, launched by MPI or not: a value a user set has a meaning either
+    way). Under a launcher every rank has the same environment and stops alike, so none
+    is left waiting in MPI's start (and one that is gets its notice)."""
+    forced = os.environ.get("HSLM_MPI", "")
+    if forced not in ("", "0", "1"):
+        raise HslmError(f"HSLM_MPI must be 1 (run under MPI) or 0 (one process, even under "
+                        f"an MPI launcher), got {forced!r}")
+    shared = os.environ.get("HSLM_MPI_SHARED", "")
+    if shared not in ("", "0", "1"):
+        raise HslmError(f"HSLM_MPI_SHARED must be 1 (a node's ranks share its memory) or 0 "
+                        f"(every rank its own copy), got {shared!r}")
+    notice = os.environ.get("HSLM_MPI_START_NOTICE", "")
     try:
-        return float(os.environ.get("HSLM_MPI_START_NOTICE", START_NOTICE_SECONDS))
+        ok = not notice or 0.0 <= float(notice) < float("inf")  # (NaN is neither)
     except ValueError:
-        return START_NOTICE_SECONDS
+        ok = False
+    if not ok:
+        raise HslmError(f"HSLM_MPI_START_NOTICE must be a finite number of seconds, 0 or "
+                        f"more (0: no notice), got {notice!r}")
 
 
 def start_notice(seconds: float) -> str:

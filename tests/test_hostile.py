@@ -1107,3 +1107,28 @@ def test_diff_sample_and_validation_windows_hold_no_copy_that_grows(base, monkey
     assert c == n_win and windows.dtype == np.int64
     old = np.stack([corpus.valid[i * L:i * L + L + 1] for i in range(c)]).astype(np.int64)
     assert np.array_equal(windows, old)  # (control: the list of views gave these values)
+
+
+@pytest.mark.parametrize("name,value", [
+    ("HSLM_MPI", "banana"), ("HSLM_MPI", "true"), ("HSLM_MPI_SHARED", "yes"),
+    ("HSLM_MPI_START_NOTICE", "abc"), ("HSLM_MPI_START_NOTICE", "nan"),
+    ("HSLM_MPI_START_NOTICE", "-1"), ("HSLM_MPI_START_NOTICE", "inf"),
+])
+def test_an_mpi_switch_set_to_a_value_it_does_not_have_is_refused(base, monkeypatch, name,
+                                                                  value):
+    """HSLM_MPI=yes had run one process without a word (only 0 and 1 mean anything), and
+    a start notice of abc had waited the default 60 s: one line, any command, MPI or not."""
+    monkeypatch.setenv(name, value)
+    line = one_line_error(*hslm("info", base / "ckpt_2.bin"))
+    assert f"{name} must be" in line and repr(value) in line, line
+
+
+@pytest.mark.parametrize("name,value", [
+    ("HSLM_MPI", "0"), ("HSLM_MPI", ""), ("HSLM_MPI_SHARED", "0"), ("HSLM_MPI_SHARED", "1"),
+    ("HSLM_MPI_START_NOTICE", "0"), ("HSLM_MPI_START_NOTICE", "2.5"),
+])
+def test_an_mpi_switch_with_a_documented_value_is_taken(base, monkeypatch, name, value):
+    """The control: the values the README gives (and empty, as unset) go through."""
+    monkeypatch.setenv(name, value)
+    code, out, err = hslm("info", base / "ckpt_2.bin")
+    assert code == 0 and "must be" not in err, err
