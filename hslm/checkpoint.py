@@ -387,6 +387,10 @@ def _header_length(first: bytes, size: int, path) -> int:
     if len(first) < 8:
         raise _damaged(path, f"truncated to {len(first)} bytes")
     (n,) = struct.unpack("<Q", first)
+    if not 2 <= n <= size - 8 and _is_text(first):  # (a real length's high bytes are 0)
+        raise HslmError(f"{path} is not an hslm checkpoint: it begins with text "
+                        f"({first.decode('ascii')!r}), where a checkpoint begins with the "
+                        "length of its header")
     if n < 2:
         raise _damaged(path, f"its header length is {n}: no header")
     if n > size - 8:
@@ -395,6 +399,20 @@ def _header_length(first: bytes, size: int, path) -> int:
     if n > MAX_HEADER:
         raise _damaged(path, f"its header length {n:,} is more than the {MAX_HEADER:,} allowed")
     return n
+
+
+def _is_text(raw: bytes) -> bool:
+    """Whether these bytes are printable ASCII, tabs and line ends."""
+    return all(32 <= b < 127 or b in (9, 10, 13) for b in raw)
+
+
+def starts_as_checkpoint(head: bytes, size: int) -> bool:
+    """Whether a file of `size` bytes whose first bytes are `head` (9 or more) begins as an
+    hslm checkpoint does: a header length that the file holds, then the header's "{"."""
+    if len(head) < 9:
+        return False
+    (n,) = struct.unpack("<Q", head[:8])
+    return 2 <= n <= size - 8 and head[8:9] == b"{"
 
 
 def _checked_header(head: bytes, n: int, data_len: int, path) -> dict:

@@ -21,8 +21,8 @@ from . import checkpoint as ckpt
 from . import distributed, precise
 from .config import PRESETS, Config
 from .data import BUILTIN_SOURCE, Corpus, Tokenizer, check_cache_apart, same_file
-from .errors import (HslmError, raise_dropped_interrupt, raise_terminated, read_bytes,
-                     refuse_unless_file)
+from .errors import (HslmError, open_regular, raise_dropped_interrupt, raise_terminated,
+                     read_bytes, refuse_unless_file)
 from .hyper import HYPER_NAMES, Hyper
 from .optim import adamw_step, adamw_tensors, bias_corrections, learning_rate
 from .params import ModelState, init_params, ternary_mask
@@ -466,6 +466,13 @@ def resolve_config(model: str) -> Config:
     if not (model.endswith(".json") or path.exists()):
         raise HslmError(f"unknown --model {model!r}: give a preset ({', '.join(PRESETS)}) "
                         "or a JSON file of config fields")
+    f, size = open_regular(path, "model config")
+    with f:
+        head = f.read(16)
+    if ckpt.starts_as_checkpoint(head, size):
+        raise HslmError(f"--model {path} is an hslm checkpoint, not a model config (a preset or "
+                        "a JSON file of config fields); to go on training from it: --resume "
+                        f"{path.with_suffix('.state')}")
     raw = read_bytes(path, "model config", limit=65536)  # (a config is a small JSON object)
     try:
         return Config.from_dict(json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys))

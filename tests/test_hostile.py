@@ -1132,3 +1132,29 @@ def test_an_mpi_switch_with_a_documented_value_is_taken(base, monkeypatch, name,
     monkeypatch.setenv(name, value)
     code, out, err = hslm("info", base / "ckpt_2.bin")
     assert code == 0 and "must be" not in err, err
+
+
+@pytest.mark.parametrize("suffix", [".bin", ".state"])
+def test_a_checkpoint_given_as_model_points_to_resume(base, tmp_path, suffix):
+    """--model ckpt_2.bin had been judged as a JSON config: "more than the 65,536 bytes
+    allowed" (or "unknown --model"), true but no help."""
+    line = one_line_error(*hslm("train", "--model", base / f"ckpt_2{suffix}", "--steps", 1,
+                                "--out", tmp_path / "o", cwd=tmp_path))
+    assert "is an hslm checkpoint, not a model config" in line, line
+    assert line.endswith(f"--resume {base / 'ckpt_2.state'}"), line
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_text_file_given_as_a_checkpoint_is_called_text(base, tmp_path):
+    """`hslm info notes.txt` had called a text file damaged, its first 8 bytes read as a
+    header length of 8e18; a checkpoint cut short is still damaged (the control: its
+    first bytes are a real length, not text)."""
+    text = tmp_path / "notes.txt"
+    text.write_text("hello world, these are notes\n")
+    line = one_line_error(*hslm("info", text))
+    assert line == (f"error: {text} is not an hslm checkpoint: it begins with text "
+                    "('hello wo'), where a checkpoint begins with the length of its header")
+    cut = tmp_path / "cut.bin"
+    cut.write_bytes((base / "ckpt_2.bin").read_bytes()[:100])
+    line = one_line_error(*hslm("info", cut))
+    assert "is damaged" in line and "not an hslm checkpoint: it begins with text" not in line
