@@ -174,6 +174,8 @@ def load_report(path) -> dict:
             and "steps" in report and all(isinstance(e, dict) and "rows" in e
                                           for e in report["models"])):
         raise HslmError(f"{path}: not an hslm bench report (no models and rows)")
+    if not any(e["rows"] for e in report["models"]):
+        raise HslmError(f"{path}: not an hslm bench report (no run in it)")
     return report
 
 

@@ -543,6 +543,11 @@ def test_bench_paths_and_reports_are_judged_first(tmp_path):
         (tmp_path / name).write_text(json.dumps(report))
     line = one_line_error(*hslm("bench-compare", tmp_path / "a.json", tmp_path / "b.json"))
     assert "not an hslm bench report" in line
+    # no run in it (an empty list of models, or of rows): compared as if it were one, exit 0
+    for models in ([], [{"model": "m", "rows": []}]):
+        (tmp_path / "e.json").write_text(json.dumps({"steps": 1, "models": models}))
+        line = one_line_error(*hslm("bench-compare", tmp_path / "e.json", tmp_path / "e.json"))
+        assert "e.json: not an hslm bench report (no run in it)" in line, line
     # a real report with a tok/s of 0: a ratio divides by it (it was a ZeroDivisionError)
     zero = json.loads((ROOT / "docs" / "bench" / "threads.json").read_text())
     zero["models"][0]["rows"][0]["tok_s"] = 0.0
