@@ -101,9 +101,9 @@ def format_report(report):
                 products = (e.get("products_ms") or {}).get(name)
                 if products is not None and work and products > 0:  # (reports since 0.2.0+)
                     rate = work[0] / (products / 1e3) / 1e9
-                    out.append(f"    {'of which its ternary matrix products':44s} {products:8.1f} ms"
-                               f"{'':7s}  {rate:6.1f} GFLOP/s {100 * rate / peak:5.1f}% of the "
-                               "FMA peak")
+                    out.append(f"    {'of which its ternary matrix products':44s} "
+                               f"{products:8.1f} ms{'':7s}  {rate:6.1f} GFLOP/s "
+                               f"{100 * rate / peak:5.1f}% of the FMA peak")
                     out.append(f"    {'the rest (attention, norms, rotary, others)':44s} "
                                f"{max(ms - products, 0.0):8.1f} ms")
                 split = e.get("weight_grads_ms") or {}
