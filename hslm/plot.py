@@ -17,20 +17,24 @@ def read_metrics(path):
             continue
         try:
             r = json.loads(line)
+        except RecursionError:
+            raise HslmError(f"{path}:{n} is not a metrics record (JSON nested too deep)") from None
+        except json.JSONDecodeError:
+            raise HslmError(f"{path}:{n} is not a metrics record (not JSON)") from None
+        except ValueError:  # (Python's int limit, sys.get_int_max_str_digits: 4,300 digits)
+            raise HslmError(f"{path}:{n} is not a metrics record (a number of more digits "
+                            "than Python reads)") from None
+        try:
             if not isinstance(r, dict):
                 raise ValueError("not a JSON object")
             if r.get("kind") == "train":
                 train.append(_point(r, "loss"))
             elif r.get("kind") == "eval":
                 valid.append(_point(r, "valid_loss"))
-        except RecursionError:
-            raise HslmError(f"{path}:{n} is not a metrics record (JSON nested too deep)") from None
-        except json.JSONDecodeError:
-            raise HslmError(f"{path}:{n} is not a metrics record (not JSON)") from None
         except KeyError as e:
             raise HslmError(f"{path}:{n} is not a metrics record (no {e.args[0]!r} field)"
                             ) from None
-        except (ValueError, OverflowError) as e:
+        except ValueError as e:
             raise HslmError(f"{path}:{n} is not a metrics record ({e})") from None
     if not train and not valid:
         raise HslmError(f"{path} holds no training or validation records")

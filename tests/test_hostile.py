@@ -1006,6 +1006,10 @@ def test_a_failed_run_removes_its_folder_before_letting_go_of_it():
     ('{"kind": "train", "step": 1, "loss": 1.0', "not JSON"),
     ('["kind", "train"]', "not a JSON object"),
     pytest.param("[" * 100000, "JSON nested too deep", id="nested"),
+    pytest.param('{"kind": "train", "step": 1, "loss": ' + "9" * 5000 + "}",
+                 "a number of more digits than Python reads"
+                 if hasattr(sys, "get_int_max_str_digits") else "its loss, ",  # (3.10.7+)
+                 id="longer-loss"),
 ])
 def test_a_metrics_line_hslm_never_writes_is_one_line(tmp_path, record, why):
     """hslm plot: OverflowError and RecursionError tracebacks before, and a step of 2.7
