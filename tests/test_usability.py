@@ -894,6 +894,21 @@ def test_a_validation_loss_past_exps_range_gives_perplexity_inf_and_null(tmp_pat
     assert evals and all(e["valid_loss"] == 800.0 and e["perplexity"] is None for e in evals)
 
 
+def test_active_tile_cost_times_the_tile_and_fits_a_row_and_a_position(tmp_path):
+    """tools/active_tile_cost.py --quick: every count of active positions timed, random
+    masks, then the fitted line, its parts positive (the tool still drives the kernel)."""
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "active_tile_cost.py"), "--quick",
+                        "--ghz", "3"], capture_output=True, text=True, timeout=600,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert [ln.split()[2] for ln in lines if ln.startswith("n = ")] == [
+        "0:", "1:", "7:", "13:", "14:", "20:", "27:"], r.stdout
+    assert lines[-2].startswith("random, p = 0.5") and "cycles a vector and position" in lines[-2]
+    fit = lines[-1].split()
+    assert fit[:3] == ["fit", "over", "n"] and float(fit[5]) > 0 and float(fit[10]) > 0, fit
+
+
 def test_ab_steps_times_two_trees_in_turns_and_compares_their_bytes(tmp_path):
     """tools/ab_steps.py: the same tree twice (warm kernels) steps in turns, prints B / A
     for the step and each phase and says the parameters are the same bytes (exit 0);

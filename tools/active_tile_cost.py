@@ -1,6 +1,6 @@
 """What the MLP's weight-gradient tile costs a row and a position, timed alone.
 
-    python tools/active_tile_cost.py [--ghz GHZ]
+    python tools/active_tile_cost.py [--ghz GHZ] [--quick]
 
 hslm.kernels.active_rows_grad (W_up's and W_down's gradients over the ReLU's active
 positions) on one block of 36 rows, over all 729 units of hslm-3 with k = 27, its operands
@@ -11,7 +11,8 @@ step's share (the bench's profile reports 50.0% active); then a straight line fi
 the times over n >= 1: the row's part and each position's. With --ghz, cycles of a core
 at that clock (the bench's measured FMA peak over its flops a cycle gives it) for a
 vector and position, against the tile's two floating-point operations: 0.5 cycles on
-cores with two multiply and two add pipes of the vector's width.
+cores with two multiply and two add pipes of the vector's width. --quick times each case
+once, briefly (the tests' check that the tool still runs; its figures mean little).
 
 Built as this process's Numba builds (NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES="" and
 a NUMBA_CACHE_DIR of its own time the AVX2 build). No value changes: a timing tool.
@@ -49,7 +50,9 @@ def _masks(S):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ghz", type=float, default=None)
+    ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
+    reps, rounds = (2, 1) if args.quick else (100, 7)
     hslm.set_llvm_options()  # as in the hslm command, whose kernels this times
     rng = np.random.default_rng(0)
     flat = np.zeros(1 << 20)
@@ -62,11 +65,11 @@ def main():
         M = _masks(S)
         _rows(M, S, dy, sums, 1, fresh)
         best = np.inf
-        for _ in range(7):
+        for _ in range(rounds):
             t0 = time.perf_counter()
-            _rows(M, S, dy, sums, 100, fresh)
+            _rows(M, S, dy, sums, reps, fresh)
             best = min(best, time.perf_counter() - t0)
-        return best / 100 / F * 1e9
+        return best / reps / F * 1e9
 
     nv = -(-D_COLS // ACTIVE_LANES)
 
