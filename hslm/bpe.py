@@ -52,7 +52,7 @@ N_SPECIAL = 4
 BYTE0 = N_SPECIAL
 FIRST_MERGE = N_SPECIAL + 256
 STOP_EVERY = 1 << 20   # positions between two looks at the stop flag
-DEAD_SHARE_FILTERED = 2   # compaction filters a list when over 1/2 of it is dead
+DEAD_SHARE_FILTERED = 2   # compaction filters a list when 1/2 or more of it is dead
 
 
 @njit(cache=True, nogil=True)

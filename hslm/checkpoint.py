@@ -453,7 +453,7 @@ def _checked_structure(path, header, data_len, expect_kind):
     structure must be exactly what we write, judged from the header and the data's size
     alone, before the data's own checksum is taken."""
     try:
-        cfg, hyper = _check_meta(header["__metadata__"], path, header, data_len)
+        cfg, hyper = _check_meta(header["__metadata__"], header, data_len)
     except Invalid as e:
         raise HslmError(f"{path} is not a valid hslm checkpoint: {e}") from None
     kind = header["__metadata__"]["kind"]
@@ -477,7 +477,7 @@ def _described_data_bytes(header):
     return end
 
 
-def _check_meta(meta, path, header, data_len):
+def _check_meta(meta, header, data_len):
     for k, v in meta.items():
         if not isinstance(v, str):
             raise Invalid(f"metadata {str(k)[:40]!r} is not a string")

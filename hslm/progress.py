@@ -9,7 +9,8 @@ import sys
 import time
 
 
-def _duration(s: float) -> str:
+def duration(s: float) -> str:
+    """Seconds as a progress line shows them: 7s, 3m05s, 2h07m."""
     s = int(round(s))
     h, rem = divmod(s, 3600)
     m, s = divmod(rem, 60)
@@ -40,7 +41,7 @@ class Progress:
             width = max(10, min(30, shutil.get_terminal_size((80, 20)).columns - 70))
             fill = int(width * done / total)
             line = (f"\r[{'#' * fill}{'.' * (width - fill)}] step {step}/{self.last} | "
-                    f"loss {loss:.4f} | {tok_s:,.0f} tok/s | {_duration(left)} left ")
+                    f"loss {loss:.4f} | {tok_s:,.0f} tok/s | {duration(left)} left ")
             self.stream.write(line)
             self.stream.flush()
             self.bar_shown = True

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import HslmError, open_regular
+from .progress import duration
 
 CHUNK = 16 << 20
 SEP = b"\n\n"               # files are joined as the built-in corpus's topics are
@@ -213,12 +214,6 @@ def _mb(n):
     return f"{n / 1e6:,.1f} MB"
 
 
-def _duration(s: float) -> str:
-    s = int(round(s))
-    m, s = divmod(s, 60)
-    return f"{m}m{s:02d}s" if m else f"{s}s"
-
-
 class Phase:
     """One line of progress for a phase over `total` units: redrawn in place on a
     terminal (done, rate, time left), a plain line at the end otherwise. Silent
@@ -248,7 +243,7 @@ class Phase:
         left = (self.total - done) / rate if rate > 0 else 0.0
         r = f"{rate / 1e6:,.1f} MB/s" if self.unit == "bytes" else f"{rate:,.1f} {self.unit}/s"
         self.stream.write(f"\r{self.what}: {self._fmt(done)} / {self._fmt(self.total)} | {r} | "
-                          f"{_duration(left)} left   ")
+                          f"{duration(left)} left   ")
         self.stream.flush()
 
     def close(self, note=""):

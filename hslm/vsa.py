@@ -18,7 +18,7 @@ from .vector_tiles import CountedLoop, declare, splat
 GATE = 1.0 / PHI  # 0.6180339887...
 
 
-LANES = 32  # int16 lanes of the trit loops' vectors (two AVX-512 or four AVX2 registers)
+LANES = 32  # int16 lanes of the trit loops' vectors (one AVX-512 or two AVX2 registers)
 
 
 def _trit_loop(dot: bool):

@@ -931,3 +931,12 @@ def test_ab_steps_times_two_trees_in_turns_and_compares_their_bytes(tmp_path):
                        timeout=60)
     assert r.returncode == 1 and r.stderr.strip().endswith("holds no hslm package "
                                                            "(hslm/__init__.py)"), r.stderr
+
+
+def test_a_time_left_over_an_hour_is_given_in_hours():
+    """The training line's and the text phases' time left are one helper (the phases' own
+    had no hours: a corpus read for two hours showed 125m00s left)."""
+    from hslm import textsource
+    from hslm.progress import duration
+    assert textsource.duration is duration
+    assert [duration(s) for s in (7, 185, 7500)] == ["7s", "3m05s", "2h05m"]
