@@ -460,11 +460,12 @@ def make_active_rows_tile(vecs: int, lanes: int, exact: bool = True):
     Row r: the set bits t of the int64 words at m_addr + 8 r, m_stride words apart (bit b
     of word w is position 64 w + b), in increasing order, add x[t x_stride + r]
     D[t d_stride + c] into acc[c] from 0.0, the product rounded and then added, as the
-    dense tile does; then out[r out_stride + c] = base + acc[c], base what it held or,
-    where fresh is nonzero, 0.0. The columns are `vecs` vectors at 0, lanes, 2 lanes,
-    ..., the last at `last` (the last full vector of the row, at least (vecs - 2) lanes:
-    it may overlap the one before it, so its base is loaded before that one is stored;
-    overlapping lanes get the same bits twice). exact=False: a row of fewer vectors, down
+    dense tile does; then out[r out_stride + c] = base + acc[c], base what it held, or
+    where fresh is nonzero acc[c] (0.0 + acc[c] has its bits). The columns are `vecs`
+    vectors at 0, lanes, 2 lanes, ..., the last at `last` (the last full vector of the
+    row, at least (vecs - 2) lanes: it may overlap the one before it, so its base is
+    loaded before that one is stored; overlapping lanes get the same bits twice).
+    exact=False: a row of fewer vectors, down
     to one, each vector clamped to `last` (those past it repeat it, every base loaded
     before any is stored); its runtime offsets take a register each, and the loop is
     slower. At each row r < prefetch_below with r % 8 == 0, the next 8 rows' x lines are
@@ -575,9 +576,14 @@ def make_active_rows_tile(vecs: int, lanes: int, exact: bool = True):
                 for v in range(vecs)]
         builder.cbranch(is_fresh, blocks["fresh"], blocks["add"])
 
-        builder.position_at_end(blocks["fresh"])  # 0.0 + sum, as a zeroed out added to
+        # fresh: the sum itself, the bits of 0.0 + sum (a sum from +0.0 is never -0.0).
+        # (Stored as 0.0 + sum, LLVM sank both ways' additions into one with a phi of
+        # 0.0 or the base for each vector: 26 vectors live for 16 registers, the bases
+        # copied through the stack on every row, and 0.0 written to the stack for the
+        # fresh way.)
+        builder.position_at_end(blocks["fresh"])
         for p, value in zip(ptrs, total):
-            builder.store(builder.fadd(zero, value), p, align=8)
+            builder.store(value, p, align=8)
         builder.branch(blocks["next"])
 
         builder.position_at_end(blocks["add"])
