@@ -139,8 +139,19 @@ START_NOTICE_SECONDS = 60.0
 
 
 def start_notice_seconds() -> float:
-    """HSLM_MPI_START_NOTICE's seconds (check_mpi_variables has judged it), else 60."""
-    return float(os.environ.get("HSLM_MPI_START_NOTICE") or START_NOTICE_SECONDS)
+    """HSLM_MPI_START_NOTICE's seconds (0: no notice), 60 where it is unset or empty; any
+    other value than a finite number of seconds, 0 or more, is one error line."""
+    notice = os.environ.get("HSLM_MPI_START_NOTICE", "")
+    if not notice:
+        return START_NOTICE_SECONDS
+    try:
+        seconds = float(notice)
+    except ValueError:
+        seconds = float("nan")
+    if not 0.0 <= seconds < float("inf"):  # (NaN is neither)
+        raise HslmError(f"HSLM_MPI_START_NOTICE must be a finite number of seconds, 0 or "
+                        f"more (0: no notice), got {notice!r}")
+    return seconds
 
 
 def check_mpi_variables():
@@ -156,14 +167,7 @@ def check_mpi_variables():
     if shared not in ("", "0", "1"):
         raise HslmError(f"HSLM_MPI_SHARED must be 1 (a node's ranks share its memory) or 0 "
                         f"(every rank its own copy), got {shared!r}")
-    notice = os.environ.get("HSLM_MPI_START_NOTICE", "")
-    try:
-        ok = not notice or 0.0 <= float(notice) < float("inf")  # (NaN is neither)
-    except ValueError:
-        ok = False
-    if not ok:
-        raise HslmError(f"HSLM_MPI_START_NOTICE must be a finite number of seconds, 0 or "
-                        f"more (0: no notice), got {notice!r}")
+    start_notice_seconds()  # (judged here too, for every command)
 
 
 def start_notice(seconds: float) -> str:
