@@ -17,6 +17,7 @@ from . import __version__
 from . import checkpoint as ckpt
 from .bench_report import DENSE_OPERANDS, RELU_MATRICES, source_commit
 from .config import Config
+from .cores import farthest_round_trip_ns
 from .peak import measured_peaks
 from .rng import Stream
 from .layers import CYCLES
@@ -119,22 +120,30 @@ def timed_share(label, step):
     return {"label": label, "step": step, "losses": [], "per_round": [], "seconds": 0.0}
 
 
-def time_in_rounds(entries, steps, rounds, tokens_per_step, progress=None):
+def time_in_rounds(entries, steps, rounds, tokens_per_step, progress=None,
+                   round_trip=farthest_round_trip_ns):
     """Train every entry (timed_share) `steps` timed steps, in `rounds` rounds: each round
     gives each entry in turn (a rotating order) one untimed step, then its share of the
     timed steps, so that a slow spell of a shared machine falls on all alike and none is
     timed on caches the others left cold (with 2 timed steps a round and no untimed one,
     speed 3 measured 28% below its own run against PyTorch). An entry's tok/s is the
-    median of its rounds'."""
+    median of its rounds'. An entry on several threads also gets, for each round, the
+    cores' round trip (round_trip(): hslm/cores.py) just before its timed steps and just
+    after, in round_trip_ns: where a hypervisor moves the CPUs between dies, it says
+    which rounds ran on one."""
     done = 0
     for r in range(rounds):
         n = (steps - done) // (rounds - r)
         for e in entries[r % len(entries):] + entries[:r % len(entries)]:
             e["losses"].append(e["step"]())
+            apart = e.get("threads", 1) > 1 and round_trip is not None
+            before = round_trip() if apart else None
             t0 = time.perf_counter()
             for _ in range(n):
                 e["losses"].append(e["step"]())
             dt = time.perf_counter() - t0
+            if apart:
+                e.setdefault("round_trip_ns", []).append([before, round_trip()])
             e["seconds"] += dt
             e["per_round"].append(n * tokens_per_step / dt)
             if progress:
@@ -496,7 +505,7 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
                                     and len(losses) == 1, "digest": sorted(digests)[0]})
         if with_torch:
             try:
-                import torch
+                import torch  # noqa: F401 - only whether it is installed
             except ImportError:
                 entry["torch"] = None
             else:

@@ -47,6 +47,7 @@ def format_report(report):
                        f"{r['threads']:>7} {r['tok_s']:>10.1f} {r['tok_s'] / slowest:>9.2f} "
                        f"{r['gflops']:>8.2f} {100 * r['peak_share']:>6.1f}% {100 * eff:>8.1f}% "
                        f"{r['memory_bytes'] / 2 ** 20:>7.0f} {r['checkpoint_bytes'] / 1e6:>8.1f}")
+        out += _rounds_apart(rows)
         for g in e["groups"]:
             out.append(f"batch {g['batch']}: " + (
                 f"checkpoints byte-identical across all runs (sha256 {g['digest'][:16]}...), "
@@ -131,6 +132,24 @@ def format_report(report):
                            "the products with the zeros, with the same bits; the rates count "
                            "every product" + (", but for the line of W_up and W_down alone"
                                               if e.get("weight_grads_ms") else "") + ")")
+    return out
+
+
+def _rounds_apart(rows):
+    """Lines for the runs on several threads that measured how far apart their cores were
+    (reports since 2026-12-05): each round's tok/s with the round trip before and after it."""
+    def ns(x):
+        return "-" if x is None else f"{x:.0f}"
+    out = []
+    for r in rows:
+        if r.get("round_trip_ns") and len(r["round_trip_ns"]) == len(r["per_round"]):
+            out.append(f"  batch {r['batch']}, speed {r['speed']} on {r['threads']} threads: "
+                       + ", ".join(f"{tok:.1f} tok/s ({ns(a)} / {ns(b)} ns)" for tok, (a, b)
+                                   in zip(r["per_round"], r["round_trip_ns"])))
+    if out:
+        out.insert(0, "round by round, with how far apart the cores were (a cache line's round "
+                      "trip between the farthest CPUs, just before / after the round; "
+                      "hslm/cores.py):")
     return out
 
 

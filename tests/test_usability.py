@@ -501,7 +501,13 @@ def test_bench_times_its_runs_in_interleaved_rounds(tmp_path):
     for r in rows:
         assert len(r["per_round"]) == 3 and len(r["losses"]) == 1 + 3 + 5
         assert r["tok_s"] == sorted(r["per_round"])[1]
+        # on 2 threads, how far apart the cores were just before and after each round
+        assert (len(r["round_trip_ns"]) == 3 and all(len(x) == 2 for x in r["round_trip_ns"])
+                if r["threads"] == 2 else "round_trip_ns" not in r)
     assert len({tuple(r["losses"]) for r in rows}) == 1 and len({r["digest"] for r in rows}) == 1
+    assert "round by round, with how far apart the cores were" in out
+    assert sum(line.startswith("  batch 2, speed ") and " on 2 threads: " in line
+               and line.count(" ns)") == 3 for line in out.splitlines()) == 2
 
 
 def check_bench_compare(tmp_path, report_path, report):
@@ -564,6 +570,33 @@ def test_measured_peaks_are_physical():
     assert ir.count("call <8 x double> @llvm.fmuladd") == ACCUMULATORS
     assert len({x.split("<", 2)[2] for x in ir.splitlines() if "%init" in x and "fadd" in x}) \
         == ACCUMULATORS
+
+
+def test_core_round_trip_is_measured_and_gives_up_rather_than_hang(monkeypatch):
+    """hslm/cores.py: two pinned threads pass a counter back and forth; a round trip
+    between two CPUs takes tens to thousands of nanoseconds (a loop that did not wait for
+    the other thread would report a few, one that waited on the scheduler milliseconds).
+    A wait whose turn never comes gives up after its limit of loads and says how far it
+    got, so a thread that never runs cannot hang hslm bench; with one CPU, or a CPU the
+    process may not use, there is no figure."""
+    import ctypes
+
+    from hslm import cores
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cpus) >= 2:
+        ns = [cores.round_trip_ns(cpus[0], cpus[-1], trips=2000) for _ in range(3)]
+        assert all(x is not None and 10 < x < 100_000 for x in ns), ns
+        assert cores.farthest_round_trip_ns() is not None
+    assert cores.round_trip_ns(cpus[0] if cpus else 0, cpus[0] if cpus else 0) is None
+    assert cores.round_trip_ns(0, 1 << 20) is None  # a CPU not in the process's set
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert cores.farthest_round_trip_ns() is None
+    # alone, player 0 takes exchange 0 (it waits for 0, finds it, writes 1), then waits
+    # for 2, which never comes: it gives up after 1000 loads, one exchange done
+    line = (ctypes.c_int64 * 8)()
+    flag = ctypes.addressof(line)
+    assert cores._pingpong()(flag, 0, 0, 5, 1000) == 1 and line[0] == 1
+    assert cores._pingpong()(flag, 1, 0, 5, 1000) == 1 and line[0] == 2  # (its turn: 1)
 
 
 def test_the_unfused_peak_loop_fits_16_registers():
