@@ -172,7 +172,7 @@ def _run_job(name: str, vocab: int) -> None:
         units, _ = gradient_units(cfg)
         team_slot(model, vsa_table, windows, k, 1.0, A, R, S, vsa[0], 0, 0, cfg.window,
                   np.zeros((1, k)), team_counters(1, cfg.blocks), units,
-                  np.array([[0, len(units), 0]], np.int64), np.zeros(cfg.n_params),
+                  np.array([[0, len(units), 0, 0]], np.int64), np.zeros(cfg.n_params),
                   KERNEL_PANELS)
     elif name == "weight gradients":
         from .step import gradient_units

@@ -24,7 +24,8 @@ the weight layouts it reads and which of two reductions it uses:
   units. G is written once per step, and no thread needs a copy of it. With more
   threads than windows (StepRunner._gradient_teams) the threads form a team per
   window and split its rows; the backward runs in stages, and the threads take a
-  stage's units as soon as every row has passed it.
+  stage's units as soon as every row has passed it, each first the units of the
+  tensors it then updates in the optimiser.
 
 Threads are plain Python threads running nogil Numba kernels: no Numba
 threading layer is involved, so forking and Ctrl-C behave as in any Python
@@ -345,9 +346,10 @@ class StepRunner:
         the members before it to put each block's keys and values into the cache), then
         their rows' backward in stages (the head, then each block from the last down). A
         weight-gradient chunk (a run of units of one stage's tensors) is ready once every
-        slot has passed its stage, since its records are then final; the slots take
-        chunks, the head's first, until none is left. All of it is one kernel call per
-        slot (windows.team_slot: its waits and its chunk counter are atomics, not Python),
+        slot has passed its stage, since its records are then final; a slot takes the
+        chunks of the tensors it updates in the optimiser first (staged_chunks' owners),
+        the head's first, then what is left of the others'. All of it is one kernel call
+        per slot (windows.team_slot: its waits and its chunk counters are atomics, not Python),
         so no thread needs the GIL during the step. Every row gets the bits of the whole
         window's layers, each unit its windows in window order: who computes what, and
         when, changes no bit."""
@@ -383,23 +385,33 @@ class StepRunner:
 
     @property
     def staged_chunks(self):
-        """[C, 3] int64: chunks of gradient units (u0, u1, stage), each within one backward
-        stage, in stage order, about 8 N in all, cut by cost."""
+        """[C, 4] int64: chunks of gradient units (u0, u1, stage, owner) for the teams
+        (windows.team_slot): owner o is the thread slot whose optimiser share holds the
+        chunk's tensors, so that what it writes of G it reads again in the optimiser, from
+        its own caches. Grouped by owner, each owner's in the order taken (the head's stage
+        first, units from the last down); each chunk within one stage and one owner's run
+        of consecutive units, about 8 N in all, cut by cost."""
         if self._staged_chunks is None:
             stage = unit_stages(self.cfg, self.units)
+            owner_of = {}
+            for j, ts in enumerate(self.optimiser_shares):
+                for t in ts:
+                    owner_of[int(t)] = j
+            owner = np.array([owner_of[int(t)] for t in self.units[:, 0]], np.int64)
             total = float(self.unit_cost.sum())
             chunks = []
             u = 0
-            while u < len(stage):
+            while u < len(stage):  # runs of units of one stage and one owner
                 e = u
-                while e < len(stage) and stage[e] == stage[u]:
+                while e < len(stage) and stage[e] == stage[u] and owner[e] == owner[u]:
                     e += 1
                 cost = self.unit_cost[u:e]
                 n = max(1, min(e - u, round(8 * self.threads * float(cost.sum()) / total)))
                 for lo, hi in split_by_cost(cost, n):
                     if hi > lo:
-                        chunks.append((u + lo, u + hi, int(stage[u])))
+                        chunks.append((u + lo, u + hi, int(stage[u]), int(owner[u])))
                 u = e
+            chunks.sort(key=lambda c: (c[3], -c[0]))
             self._staged_chunks = np.array(chunks, np.int64)
         return self._staged_chunks
 

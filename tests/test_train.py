@@ -142,6 +142,37 @@ def test_staged_weight_gradients_wait_for_their_stage():
     assert not np.isnan(G).any() and G.tobytes() != ref.tobytes()
 
 
+@pytest.mark.parametrize("N", [2, 3, 16])
+def test_staged_chunks_go_first_to_the_slot_that_updates_their_tensors(N):
+    """The teams' weight-gradient chunks (StepRunner.staged_chunks) cover every unit once,
+    each within one backward stage, and carry as owner the slot whose optimiser share
+    holds their tensors, grouped by owner and each owner's in the order taken (the
+    head's stage first): so a slot writes the gradient it will update (windows.team_slot
+    takes its own queue first). Every slot owns chunks; each has about 8 N in all."""
+    from hslm import step as step_module
+    from hslm.config import PRESETS
+    cfg = PRESETS["hslm-3"]
+    runner = step_module.StepRunner(cfg, 3, N)
+    try:
+        chunks, units = runner.staged_chunks, runner.units
+        owner_of = {int(t): j for j, ts in enumerate(runner.optimiser_shares) for t in ts}
+    finally:
+        runner.close()
+    stage = step_module.unit_stages(cfg, units)
+    assert chunks.shape[1] == 4
+    covered = np.concatenate([np.arange(u0, u1) for u0, u1, _, _ in chunks])
+    assert sorted(covered) == list(range(len(units)))
+    for u0, u1, st, owner in chunks:
+        assert u1 > u0 and set(stage[u0:u1]) == {st}
+        assert {owner_of[int(t)] for t in units[u0:u1, 0]} == {owner}
+    assert list(chunks[:, 3]) == sorted(chunks[:, 3]) and set(chunks[:, 3]) == set(range(N))
+    for o in range(N):
+        mine = chunks[chunks[:, 3] == o]
+        assert list(mine[:, 0]) == sorted(mine[:, 0], reverse=True)  # the head's first
+        assert list(mine[:, 2]) == sorted(mine[:, 2])
+    assert 4 * N <= len(chunks) <= 16 * N + 2 * len(set(stage)), len(chunks)
+
+
 @pytest.mark.parametrize("name,B,thread_counts", [("hslm-tiny", 2, (1, 2, 3)),
                                                    ("hslm-3", 3, (2, 4))])
 def test_speed3_step_gradient_is_speed0s_windows_in_order(name, B, thread_counts):
