@@ -26,7 +26,7 @@ import time
 # thread never started, or was not scheduled), and the probe then reports nothing.
 SPIN_LIMIT = 1 << 28
 WARM_TRIPS = 2000  # untimed, first: both threads running, the line in play
-TRIPS = 20000  # timed: 1-10 ms at 50-500 ns a trip
+TRIPS = 5000  # timed, three times: 1-8 ms a pair at 60-500 ns a trip
 MAX_PAIRS = 16  # the CPUs a probe pairs with the first, spread over those allowed
 
 _IR = """

@@ -1,0 +1,109 @@
+"""Threads against one thread, sorted by how far apart the cores were at the time.
+
+    python tools/threads_by_placement.py [--minutes 5] [--threads 2] [--batch 1,8]
+                                         [--model hslm-3] [--steps 20]
+
+On a virtual machine the hypervisor decides where the CPUs lie, and may move them while
+a run goes on: on a shared 2-core AMD Zen 4 (2026-12-05) the two were on one die (a
+cache line's round trip 57-90 ns) for minutes, then on two (330-500 ns) for seconds to
+minutes, and batch 1 on two threads ran about 1.7x one thread in the first case and
+1.1-1.5x in the second. One `hslm bench` run takes a few rounds in whichever case the
+machine is in; this tool takes many short rounds over some minutes and sorts them.
+
+A round, for each batch: the speed-3 run on one thread takes --steps steps, then the run
+on --threads threads takes as many, hslm/cores.py's probe measuring the farthest round
+trip just before and just after the multi-thread part. A round counts as "near" when both
+probes are under twice the smallest probe of the whole run, "far" when both are over
+three times it, and is left out otherwise (the CPUs moved during the round). For each
+batch and case it prints the rounds, the median step times and their ratio, and the
+median of the rounds' ratios (each round's one-thread steps against its own
+multi-thread ones, a minute's neighbour falling on both).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+# after PYTHONPATH, so that PYTHONPATH=TREE measures that tree's hslm
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--minutes", type=float, default=5.0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batch", default="1,8")
+    p.add_argument("--model", default="hslm-3")
+    p.add_argument("--steps", type=int, default=20, help="steps a round, per run")
+    a = p.parse_args(argv)
+
+    import hslm  # noqa: F401 - before numba: hslm sets the vector width
+    from hslm.bench import start_run
+    from hslm.cores import farthest_round_trip_ns
+    from hslm.hyper import Hyper
+    from hslm.train import load_corpus, resolve_config
+
+    if farthest_round_trip_ns() is None:
+        sys.exit("threads_by_placement: no round trip can be measured here (one CPU, or "
+                 "threads cannot be pinned)")
+    cfg = resolve_config(a.model)
+    corpus = load_corpus(None, cfg)
+    batches = [int(b) for b in a.batch.split(",")]
+    runs = {(b, t): start_run(cfg, Hyper(batch=b, loss_positions=cfg.window, seed=1729),
+                              corpus, 3, t)
+            for b in batches for t in (1, a.threads)}
+
+    def steps(b, t, n):
+        run, runner = runs[(b, t)]["run"], runs[(b, t)]["runner"]
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            run.train_step(runner)
+            out.append(time.perf_counter() - t0)
+        return float(np.median(out)) * 1e3
+
+    rounds = {b: [] for b in batches}  # (one thread ms, threads ms, probe before, after)
+    end = time.time() + 60 * a.minutes
+    try:
+        while time.time() < end:
+            for b in batches:
+                n = max(2, a.steps // b)  # about as long a round whatever the batch
+                one = steps(b, 1, n)
+                before = farthest_round_trip_ns()
+                many = steps(b, a.threads, n)
+                rounds[b].append((one, many, before, farthest_round_trip_ns()))
+    finally:
+        for e in runs.values():
+            e["runner"].close()
+
+    probes = [x for rs in rounds.values() for r in rs for x in r[2:] if x is not None]
+    least = min(probes)
+    print(f"{a.model}, speed 3, {a.threads} threads against 1, {a.minutes:g} minutes "
+          f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}); the smallest round trip "
+          f"seen {least:.0f} ns: near < {2 * least:.0f} ns, far > {3 * least:.0f} ns")
+    for b in batches:
+        for case, keep in (("near", lambda x: x < 2 * least), ("far", lambda x: x > 3 * least)):
+            rs = [r for r in rounds[b] if None not in r[2:] and keep(r[2]) and keep(r[3])]
+            if not rs:
+                print(f"  batch {b:>3}, {case}: no round")
+                continue
+            one, many = (float(np.median([r[k] for r in rs])) for k in (0, 1))
+            ratio = float(np.median([r[0] / r[1] for r in rs]))
+            spread = [min(r[0] / r[1] for r in rs), max(r[0] / r[1] for r in rs)]
+            ns = [min(min(r[2:]) for r in rs), max(max(r[2:]) for r in rs)]
+            print(f"  batch {b:>3}, {case} ({ns[0]:.0f}-{ns[1]:.0f} ns), {len(rs):>3} rounds: "
+                  f"1 thread {one:7.2f} ms, {a.threads} threads {many:7.2f} ms a step; "
+                  f"{ratio:.2f}x (rounds {spread[0]:.2f}-{spread[1]:.2f}x)")
+        left = len(rounds[b]) - sum(
+            1 for r in rounds[b] if None not in r[2:]
+            and (max(r[2:]) < 2 * least or min(r[2:]) > 3 * least))
+        if left:
+            print(f"  batch {b:>3}: {left} round(s) left out (the CPUs moved, or no probe)")
+
+
+if __name__ == "__main__":
+    main()
