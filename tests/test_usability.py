@@ -942,6 +942,32 @@ def test_active_tile_cost_times_the_tile_and_fits_a_row_and_a_position(tmp_path)
     assert fit[:3] == ["fit", "over", "n"] and float(fit[5]) > 0 and float(fit[10]) > 0, fit
 
 
+def test_threads_by_placement_sorts_rounds_by_how_far_apart_the_cpus_were(monkeypatch, capsys):
+    """tools/threads_by_placement.py, its probe scripted: rounds whose two probes are
+    both under twice the smallest seen count as one die ("near"), both over three times
+    it as two ("far"); a round between is left out and counted. Each case gets its
+    rounds, step times and ratio."""
+    import importlib.util
+    import itertools
+
+    from hslm import cores
+    spec = importlib.util.spec_from_file_location("threads_by_placement",
+                                                  ROOT / "tools" / "threads_by_placement.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    probes = itertools.chain([60.0], itertools.cycle([60.0, 61.0, 400.0, 420.0, 60.0, 400.0]))
+    monkeypatch.setattr(cores, "farthest_round_trip_ns", lambda: next(probes))
+    tool.main(["--minutes", "0.02", "--model", "hslm-tiny", "--batch", "2", "--steps", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert "the smallest round trip seen 60 ns: near < 120 ns, far > 180 ns" in lines[0]
+    near, far = (next(x for x in lines if f"batch   2, {c} " in x) for c in ("near", "far"))
+    assert "near (60-61 ns)" in near and "far (400-420 ns)" in far, lines
+    counts = [int(x.split("ns), ")[1].split()[0]) for x in (near, far)]
+    left = next(x for x in lines if "left out" in x)
+    assert counts[0] >= 1 and counts[1] >= 1 and int(left.split(": ")[1].split()[0]) >= 1, lines
+    assert all(x.rstrip().endswith("x)") for x in (near, far))
+
+
 def test_ab_steps_times_two_trees_in_turns_and_compares_their_bytes(tmp_path):
     """tools/ab_steps.py: the same tree twice (warm kernels) steps in turns, prints B / A
     for the step and each phase and says the parameters are the same bytes (exit 0);
