@@ -137,12 +137,15 @@ def format_report(report):
 
 def _rounds_apart(rows):
     """Lines for the runs on several threads that measured how far apart their cores were
-    (reports since 2026-12-05): each round's tok/s with the round trip before and after it."""
+    (reports since 2026-12-05; none where no probe could run, as with one CPU): each
+    round's tok/s with the round trip before and after it."""
     def ns(x):
         return "-" if x is None else f"{x:.0f}"
     out = []
     for r in rows:
-        if r.get("round_trip_ns") and len(r["round_trip_ns"]) == len(r["per_round"]):
+        trips = r.get("round_trip_ns") or []
+        if (len(trips) == len(r["per_round"])
+                and any(x is not None for pair in trips for x in pair)):
             out.append(f"  batch {r['batch']}, speed {r['speed']} on {r['threads']} threads: "
                        + ", ".join(f"{tok:.1f} tok/s ({ns(a)} / {ns(b)} ns)" for tok, (a, b)
                                    in zip(r["per_round"], r["round_trip_ns"])))
