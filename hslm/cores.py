@@ -4,10 +4,11 @@ Threads that share a window (hslm/step.py, threads beyond the batch) pass each o
 keys, values, records and gradients through the caches, so how long a cache line takes
 to go from one core to another and back decides part of a multi-thread step's time. On
 a shared 2-core AMD Zen 4 (2026-12-05) the two virtual CPUs were at times on one die
-(a round trip of 57-67 ns) and at times on two (350-500 ns), the hypervisor moving them
-every few seconds or minutes: batch 1 on two threads ran 1.66-1.77x one thread on one
-die and 1.24-1.49x on two, batch 8 lost only 2.5%. So hslm bench measures the round
-trip beside each multi-thread round, and a figure says which case it was.
+(a round trip of 57-107 ns) and at times on two (310-750 ns), the hypervisor moving
+them every few seconds or minutes: batch 1 on two threads ran 1.70-1.79x one thread on
+one die and 1.14-1.59x on two, batch 8 1.88-1.90x and 1.82-1.88x. So hslm bench
+measures the round trip beside each multi-thread round, and a figure says which case
+it was (tools/threads_by_placement.py sorts many rounds by it).
 
 Two threads, each pinned to one CPU, pass a counter back and forth in one cache line
 (an acquire load spins until the value is its turn's, then a release store hands it

@@ -5,9 +5,9 @@
 
 On a virtual machine the hypervisor decides where the CPUs lie, and may move them while
 a run goes on: on a shared 2-core AMD Zen 4 (2026-12-05) the two were on one die (a
-cache line's round trip 57-90 ns) for minutes, then on two (330-500 ns) for seconds to
-minutes, and batch 1 on two threads ran about 1.7x one thread in the first case and
-1.1-1.5x in the second. One `hslm bench` run takes a few rounds in whichever case the
+cache line's round trip 57-107 ns) for minutes, then on two (310-750 ns) for seconds
+to minutes, and batch 1 on two threads ran 1.70-1.79x one thread in the first case and
+1.14-1.59x in the second. One `hslm bench` run takes a few rounds in whichever case the
 machine is in; this tool takes many short rounds over some minutes and sorts them.
 
 A round, for each batch: the speed-3 run on one thread takes --steps steps, then the run
