@@ -144,7 +144,7 @@ def _rounds_apart(rows):
     out = []
     for r in rows:
         trips = r.get("round_trip_ns") or []
-        if (len(trips) == len(r["per_round"])
+        if (trips and len(trips) == len(r.get("per_round", []))
                 and any(x is not None for pair in trips for x in pair)):
             out.append(f"  batch {r['batch']}, speed {r['speed']} on {r['threads']} threads: "
                        + ", ".join(f"{tok:.1f} tok/s ({ns(a)} / {ns(b)} ns)" for tok, (a, b)
