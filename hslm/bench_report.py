@@ -156,6 +156,15 @@ def _rounds_apart(rows):
     return out
 
 
+def _apart_ns(row):
+    """How far apart a multi-thread row's cores were: the median over its rounds of the
+    larger of the round trips before and after (None where not measured)."""
+    import statistics
+    worst = [max(x for x in pair if x is not None) for pair in row.get("round_trip_ns") or []
+             if any(x is not None for x in pair)]
+    return statistics.median(worst) if worst else None
+
+
 def _version(report) -> str:
     """"hslm 0.2.0 (commit)" of a report that records its version."""
     return f"hslm {report['hslm']}" + (f" ({report['commit']})" if report.get("commit") else "")
@@ -261,9 +270,13 @@ def compare_reports(named) -> list:
                 old = before.get(key(row))
                 if old is None:
                     continue
+                apart = [_apart_ns(x) for x in (old, row)]
                 out.append(f"    batch {row['batch']:>3} speed {row['speed']} threads "
                            f"{row['threads']:>2}: {old['tok_s']:9.1f} -> {row['tok_s']:9.1f} "
-                           f"tok/s  {row['tok_s'] / old['tok_s']:5.2f}x")
+                           f"tok/s  {row['tok_s'] / old['tok_s']:5.2f}x" + (
+                               "  (cores " + " -> ".join("-" if a is None else f"{a:.0f}"
+                                                        for a in apart) + " ns apart)"
+                               if apart != [None, None] else ""))
             lines, bytes_differ = _compare_bytes(base, b, r, e)
             out += lines
             differ |= bytes_differ

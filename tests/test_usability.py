@@ -525,6 +525,10 @@ def check_bench_compare(tmp_path, report_path, report):
     assert out.count(" 1.00x") >= 8 + 8 + 6  # tok/s of 8 + 8 rows, the profile's phases
     assert out.count("the same checkpoint bytes in both") == 4
     assert "torch f64" in out and "step " in out
+    probed = [r for e in report["models"] for r in e["rows"]
+              if any(x is not None for pair in r.get("round_trip_ns", []) for x in pair)]
+    assert out.count(" ns apart)") == len(probed)  # (none where one CPU is allowed)
+    assert all("ns apart" not in line for line in out.splitlines() if "threads  1:" in line)
     other = json.loads(json.dumps(report))
     other["models"][1]["groups"][0]["digest"] = "0" * 64
     changed = tmp_path / "changed.json"
