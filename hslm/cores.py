@@ -12,9 +12,9 @@ it was (tools/threads_by_placement.py sorts many rounds by it).
 
 Two threads, each pinned to one CPU, pass a counter back and forth in one cache line
 (an acquire load spins until the value is its turn's, then a release store hands it
-on): n such exchanges take n round trips. The loop is LLVM IR compiled by llvmlite, as
-hslm/peak.py's, so measuring compiles no Numba kernel; ctypes releases the GIL while
-it runs.
+on): n such exchanges take n round trips. The loop is LLVM IR compiled by llvmlite
+(hslm/peak.py's compiled_ir), so measuring compiles no Numba kernel; ctypes releases the
+GIL while it runs.
 """
 from __future__ import annotations
 
@@ -74,18 +74,10 @@ def _pingpong():
     global _compiled
     with _lock:
         if _compiled is None:
-            import llvmlite.binding as llvm
-            llvm.initialize_native_target()
-            llvm.initialize_native_asmprinter()
-            mod = llvm.parse_assembly(_IR)
-            mod.verify()
-            tm = llvm.Target.from_default_triple().create_target_machine(opt=2)
-            engine = llvm.create_mcjit_compiler(mod, tm)
-            engine.finalize_object()
-            fn = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                                  ctypes.c_int64, ctypes.c_int64,
-                                  ctypes.c_int64)(engine.get_function_address("pingpong"))
-            _compiled = (engine, fn)
+            from .peak import compiled_ir
+            _compiled = compiled_ir(_IR, "pingpong", ctypes.CFUNCTYPE(
+                ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                ctypes.c_int64, ctypes.c_int64))
     return _compiled[1]
 
 

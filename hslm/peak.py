@@ -80,15 +80,18 @@ def _loop_ir(lanes: int, fused: bool) -> str:
         "  ret double %e", "}"])
 
 
-def _compiled(lanes: int, fused: bool):
-    """The loop compiled by llvmlite for Numba's target machine; kept alive with its
-    engine (the function pointer dies with it)."""
+def compiled_ir(ir_text: str, name: str, prototype):
+    """(engine, function): function `name` of the LLVM IR module ir_text, compiled by
+    llvmlite for Numba's target machine (so an AVX2 build measures AVX2) and callable
+    through ctypes as `prototype` (a ctypes.CFUNCTYPE, which releases the GIL). Keep the
+    engine alive as long as the function: the function pointer dies with it. (Also
+    hslm/cores.py's probe.)"""
     import llvmlite.binding as llvm
     from numba.core import config
 
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
-    mod = llvm.parse_assembly(_loop_ir(lanes, fused))
+    mod = llvm.parse_assembly(ir_text)
     mod.verify()
     cpu = config.CPU_NAME or llvm.get_host_cpu_name()
     features = (config.CPU_FEATURES if config.CPU_FEATURES is not None
@@ -97,9 +100,14 @@ def _compiled(lanes: int, fused: bool):
                                                                 opt=3)
     engine = llvm.create_mcjit_compiler(mod, tm)
     engine.finalize_object()
-    fn = ctypes.CFUNCTYPE(ctypes.c_double, ctypes.c_int64, ctypes.c_double, ctypes.c_double,
-                          ctypes.c_void_p)(engine.get_function_address("peak"))
-    return engine, fn
+    return engine, prototype(engine.get_function_address(name))
+
+
+def _compiled(lanes: int, fused: bool):
+    """The loop compiled (compiled_ir), with its engine."""
+    return compiled_ir(_loop_ir(lanes, fused), "peak",
+                       ctypes.CFUNCTYPE(ctypes.c_double, ctypes.c_int64, ctypes.c_double,
+                                        ctypes.c_double, ctypes.c_void_p))
 
 
 def _iterations(fn, xs, seconds: float) -> int:
