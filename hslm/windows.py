@@ -492,7 +492,7 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, f
             for w in range(B):
                 kind, X, DY, m, n = weight_grad_operands(model, A, R, w, t, s, k)
                 if kind == COLUMN_SUM:
-                    column_sum_rows(DY, view1(out, offs, t))
+                    column_sum_rows(DY, view1(out, offs, t), WG[0])
                 else:  # EMBED_ROWS: E[t_p] += dx_0 summed over the window's rows with token t_p
                     E = view2(out, offs, t, m, n)
                     row = WG[0, :n]
