@@ -136,6 +136,8 @@ def column_sum_rows(DY, g, acc):
     row at a time in vectors: summed a column at a time, each a chain of k dependent
     additions, the step's bias gradients took 0.46 ms here (AMD Zen 4, built for AVX2)."""
     n, b = DY.shape
+    if acc.shape[0] < b or g.shape[0] < b:
+        raise ValueError("column_sum_rows: the operands' shapes do not agree")  # no bound checks
     a = acc[:b]
     for j in range(b):
         a[j] = 0.0
