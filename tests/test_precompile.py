@@ -377,6 +377,37 @@ def test_no_room_to_write_costs_the_kernel_cache_and_parallel_compiles_not_the_r
     assert p.stderr.count("warning: cannot save compiled kernels in Numba's cache") == 1
 
 
+def test_compile_profile_tool_reads_a_first_runs_timeline_from_the_jobs_markers(tmp_path, capsys):
+    """tools/compile_profile.py --first-run's timeline: each job's process and span from
+    the markers Board.finish leaves (a marker being written, or of another form, is left
+    out), by start; each process's busy time and what it waited, up to the last job's end."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("compile_profile",
+                                                  ROOT / "tools" / "compile_profile.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    (tmp_path / "jobs.json").write_text("{}")
+    board = Board.__new__(Board)  # (its markers only)
+    board.folder = tmp_path
+    board.finish("backward", True, 1002.5)  # the marker as a job writes it
+    (job, pid, began, _), = tool.job_timeline(tmp_path, 1000.0)
+    assert (job, pid, began) == ("backward", os.getpid(), 2.5)
+    (tmp_path / "backward.done").write_text("ok 11 1002.5 1009.0")
+    (tmp_path / "model.done").write_text("ok 12 1000.5 1001.5")
+    (tmp_path / "forward.done").write_text("ok 12 1001.5 1004.0")
+    (tmp_path / "team.done").write_text("")  # being written
+    rows = tool.job_timeline(tmp_path, 1000.0)
+    assert rows == [("model", 12, 0.5, 1.5), ("forward", 12, 1.5, 4.0),
+                    ("backward", 11, 2.5, 9.0)]
+    tool.print_timeline(rows)
+    out = capsys.readouterr().out
+    assert "process 11: 1 jobs,  6.50 s; waiting or done  2.50 s of the  9.00 s" in out, out
+    assert "process 12: 2 jobs,  3.50 s; waiting or done  5.50 s of the  9.00 s" in out, out
+    assert out.index("  model ") < out.index("  forward ") < out.index("  backward "), out
+    tool.print_timeline([])
+    assert "no compile jobs ran" in capsys.readouterr().out
+
+
 def test_compile_profile_tool_times_each_job_and_kernel():
     """tools/compile_profile.py: a job's time, each kernel's own compile time with LLVM's
     part of it, the machine code of a kernel the job compiled (its tile's FMAs are

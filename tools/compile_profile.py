@@ -2,6 +2,7 @@
 
     python tools/compile_profile.py [--jobs JOB,JOB...] [--top N] [--asm MODULE.KERNEL ...]
                                     [--passes]
+    python tools/compile_profile.py --first-run
 
 Runs hslm's compile jobs (hslm/precompile.py; by default the default run's, in their
 order) one after another in this one process, with an empty kernel cache of its own (a
@@ -26,6 +27,12 @@ compile itself a little slower.
 Process time in one process: a first run compiles the same jobs in one process per core at
 once, each somewhat slower than alone. LLVM gets the hslm command's options
 (hslm.LLVM_OPTIONS).
+
+--first-run runs the default first run itself (`hslm train --speed 3 --steps 1`, an empty
+kernel cache, the jobs shared among processes as hslm shares them) and prints when each
+job ran in which process, from the jobs' own markers (hslm/precompile.py, Board.finish),
+and how long each process waited with nothing it could take: where the order of the jobs
+(hslm.precompile.JOBS) leaves a core idle.
 """
 from __future__ import annotations
 
@@ -245,6 +252,67 @@ def profile(jobs, top: int, asm, passes: bool = False) -> None:
             print(f"  {n:7d} {v:6d}  {f[:100]}")
 
 
+def job_timeline(folder, t0: float) -> list[tuple[str, int, float, float]]:
+    """(job, process id, start, end) of each job a parallel compile finished, in seconds
+    from t0, by start: from the markers its jobs left in the compile's folder
+    (hslm.precompile.Board.finish: "ok PID START END")."""
+    rows = []
+    for marker in Path(folder).glob("*.done"):
+        fields = marker.read_text().split()
+        if len(fields) == 4:
+            _, pid, began, ended = fields
+            rows.append((marker.name[:-len(".done")], int(pid), float(began) - t0,
+                         float(ended) - t0))
+    return sorted(rows, key=lambda row: row[2])
+
+
+def print_timeline(rows) -> None:
+    """Each job's process and span; then each process's jobs' time and its waits, up to the
+    last job's end."""
+    if not rows:
+        print("no compile jobs ran (the kernels were in the cache already?)")
+        return
+    end = max(row[3] for row in rows)
+    print("the first run's compile jobs (s from the compile's start):")
+    for job, pid, began, ended in rows:
+        print(f"  {job:22s} process {pid:<8d} {began:6.2f} -> {ended:6.2f}  "
+              f"({ended - began:5.2f} s)")
+    for pid in sorted({row[1] for row in rows}):
+        mine = [row for row in rows if row[1] == pid]
+        busy = sum(row[3] - row[2] for row in mine)
+        print(f"  process {pid}: {len(mine)} jobs, {busy:5.2f} s; waiting or done "
+              f"{end - busy:5.2f} s of the {end:5.2f} s")
+
+
+def first_run() -> None:
+    """The default first run in this process (its helpers in theirs); its jobs' timeline."""
+    sys.path.insert(0, str(ROOT))
+    import hslm  # (hslm before Numba: it sets Numba's target)
+    hslm.set_llvm_options()  # as in the hslm command and its compile helpers
+    from hslm import precompile
+    from hslm.cli import main as hslm_main
+    seen = {}
+    enter, leave = precompile.ParallelCompile.__enter__, precompile.ParallelCompile.__exit__
+
+    def entered(self):
+        seen["t0"] = time.time()
+        return enter(self)
+
+    def left(self, *exc):  # (before the folder and its markers are removed)
+        seen["rows"] = job_timeline(self.folder, seen["t0"])
+        return leave(self, *exc)
+
+    precompile.ParallelCompile.__enter__ = entered
+    precompile.ParallelCompile.__exit__ = left
+    with tempfile.TemporaryDirectory(prefix="hslm-first-run-") as out:
+        try:
+            hslm_main(["train", "--speed", "3", "--steps", "1", "--seed", "1729", "--out", out])
+        except SystemExit as e:
+            if e.code not in (0, None):
+                sys.exit(f"compile_profile: the first run failed (exit {e.code})")
+    print_timeline(seen.get("rows", []))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--jobs", default="", help="comma-separated compile jobs "
@@ -254,6 +322,9 @@ def main(argv=None):
                     help="kernels whose machine code to count")
     ap.add_argument("--passes", action="store_true",
                     help="also time Numba's compiler passes and LLVM's passes")
+    ap.add_argument("--first-run", action="store_true",
+                    help="run a first run (hslm train --speed 3 --steps 1) and print when "
+                    "each of its compile jobs ran, in which process")
     args = ap.parse_args(argv)
     jobs = [j.strip() for j in args.jobs.split(",") if j.strip()]
     if "numba" in sys.modules:
@@ -261,7 +332,10 @@ def main(argv=None):
                  "the kernel cache is set before it is)")
     with tempfile.TemporaryDirectory(prefix="hslm-compile-profile-") as cache:
         os.environ["NUMBA_CACHE_DIR"] = cache
-        profile(jobs, args.top, args.asm, args.passes)
+        if args.first_run:
+            first_run()
+        else:
+            profile(jobs, args.top, args.asm, args.passes)
 
 
 if __name__ == "__main__":
