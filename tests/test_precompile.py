@@ -377,32 +377,31 @@ def test_no_room_to_write_costs_the_kernel_cache_and_parallel_compiles_not_the_r
     assert p.stderr.count("warning: cannot save compiled kernels in Numba's cache") == 1
 
 
-def test_compile_profile_tool_reads_a_first_runs_timeline_from_the_jobs_markers(tmp_path, capsys):
-    """tools/compile_profile.py --first-run's timeline: each job's process and span from
-    the markers Board.finish leaves (a marker being written, or of another form, is left
-    out), by start; each process's busy time and what it waited, up to the last job's end."""
+def test_compile_profile_tool_reads_a_first_runs_timeline_from_the_compile_log(tmp_path,
+                                                                                 capsys):
+    """tools/compile_profile.py --first-run's timeline: each job's process and span from the
+    lines HSLM_COMPILE_LOG collects (a job not done is left out), by start, from the first
+    one's; each process's busy time and what it waited, up to the last job's end."""
     import importlib.util
     spec = importlib.util.spec_from_file_location("compile_profile",
                                                   ROOT / "tools" / "compile_profile.py")
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     (tmp_path / "jobs.json").write_text("{}")
-    board = Board.__new__(Board)  # (its markers only)
+    board = Board.__new__(Board)  # the marker as a job writes it, as the log copies it
     board.folder = tmp_path
-    board.finish("backward", True, 1002.5)  # the marker as a job writes it
-    (job, pid, began, _), = tool.job_timeline(tmp_path, 1000.0)
-    assert (job, pid, began) == ("backward", os.getpid(), 2.5)
-    (tmp_path / "backward.done").write_text("ok 11 1002.5 1009.0")
-    (tmp_path / "model.done").write_text("ok 12 1000.5 1001.5")
-    (tmp_path / "forward.done").write_text("ok 12 1001.5 1004.0")
-    (tmp_path / "team.done").write_text("")  # being written
-    rows = tool.job_timeline(tmp_path, 1000.0)
-    assert rows == [("model", 12, 0.5, 1.5), ("forward", 12, 1.5, 4.0),
-                    ("backward", 11, 2.5, 9.0)]
+    board.finish("backward", True, 1002.5)
+    marker = (tmp_path / "backward.done").read_text()
+    (job, pid, began, _), = tool.job_timeline(f"backward: {marker}")
+    assert (job, pid, began) == ("backward", os.getpid(), 0.0)
+    rows = tool.job_timeline("backward: ok 11 1002.5 1009.0\nmodel: ok 12 1000.5 1001.5\n"
+                             "team: -\nforward: ok 12 1001.5 1004.0\n")
+    assert rows == [("model", 12, 0.0, 1.0), ("forward", 12, 1.0, 3.5),
+                    ("backward", 11, 2.0, 8.5)]
     tool.print_timeline(rows)
     out = capsys.readouterr().out
-    assert "process 11: 1 jobs,  6.50 s; waiting or done  2.50 s of the  9.00 s" in out, out
-    assert "process 12: 2 jobs,  3.50 s; waiting or done  5.50 s of the  9.00 s" in out, out
+    assert "process 11: 1 jobs,  6.50 s; waiting or done  2.00 s of the  8.50 s" in out, out
+    assert "process 12: 2 jobs,  3.50 s; waiting or done  5.00 s of the  8.50 s" in out, out
     assert out.index("  model ") < out.index("  forward ") < out.index("  backward "), out
     tool.print_timeline([])
     assert "no compile jobs ran" in capsys.readouterr().out

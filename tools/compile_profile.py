@@ -28,10 +28,10 @@ Process time in one process: a first run compiles the same jobs in one process p
 once, each somewhat slower than alone. LLVM gets the hslm command's options
 (hslm.LLVM_OPTIONS).
 
---first-run runs the default first run itself (`hslm train --speed 3 --steps 1`, an empty
-kernel cache, the jobs shared among processes as hslm shares them) and prints when each
-job ran in which process, from the jobs' own markers (hslm/precompile.py, Board.finish),
-and how long each process waited with nothing it could take: where the order of the jobs
+--first-run runs the default first run (`hslm train --speed 3 --steps 1`, an empty kernel
+cache, the jobs shared among processes as hslm shares them) and prints when each job ran
+in which process (from what HSLM_COMPILE_LOG collects, hslm/precompile.py), and how long
+each process waited with nothing it could take: where the order of the jobs
 (hslm.precompile.JOBS) leaves a core idle.
 """
 from __future__ import annotations
@@ -40,6 +40,7 @@ import argparse
 import os
 import platform
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -252,18 +253,18 @@ def profile(jobs, top: int, asm, passes: bool = False) -> None:
             print(f"  {n:7d} {v:6d}  {f[:100]}")
 
 
-def job_timeline(folder, t0: float) -> list[tuple[str, int, float, float]]:
+def job_timeline(log: str) -> list[tuple[str, int, float, float]]:
     """(job, process id, start, end) of each job a parallel compile finished, in seconds
-    from t0, by start: from the markers its jobs left in the compile's folder
-    (hslm.precompile.Board.finish: "ok PID START END")."""
+    from the first one's start, by start: from the lines `HSLM_COMPILE_LOG` collects
+    ("JOB: ok PID START END", hslm/precompile.py; a job not done reads "JOB: -")."""
     rows = []
-    for marker in Path(folder).glob("*.done"):
-        fields = marker.read_text().split()
-        if len(fields) == 4:
-            _, pid, began, ended = fields
-            rows.append((marker.name[:-len(".done")], int(pid), float(began) - t0,
-                         float(ended) - t0))
-    return sorted(rows, key=lambda row: row[2])
+    for line in log.splitlines():
+        job, _, marker = line.rpartition(": ")
+        fields = marker.split()
+        if job and len(fields) == 4:
+            rows.append((job, int(fields[1]), float(fields[2]), float(fields[3])))
+    t0 = min((row[2] for row in rows), default=0.0)
+    return sorted(((j, p, b - t0, e - t0) for j, p, b, e in rows), key=lambda row: row[2])
 
 
 def print_timeline(rows) -> None:
@@ -273,7 +274,7 @@ def print_timeline(rows) -> None:
         print("no compile jobs ran (the kernels were in the cache already?)")
         return
     end = max(row[3] for row in rows)
-    print("the first run's compile jobs (s from the compile's start):")
+    print("the first run's compile jobs (s from the first one's start):")
     for job, pid, began, ended in rows:
         print(f"  {job:22s} process {pid:<8d} {began:6.2f} -> {ended:6.2f}  "
               f"({ended - began:5.2f} s)")
@@ -284,33 +285,22 @@ def print_timeline(rows) -> None:
               f"{end - busy:5.2f} s of the {end:5.2f} s")
 
 
-def first_run() -> None:
-    """The default first run in this process (its helpers in theirs); its jobs' timeline."""
-    sys.path.insert(0, str(ROOT))
-    import hslm  # (hslm before Numba: it sets Numba's target)
-    hslm.set_llvm_options()  # as in the hslm command and its compile helpers
-    from hslm import precompile
-    from hslm.cli import main as hslm_main
-    seen = {}
-    enter, leave = precompile.ParallelCompile.__enter__, precompile.ParallelCompile.__exit__
-
-    def entered(self):
-        seen["t0"] = time.time()
-        return enter(self)
-
-    def left(self, *exc):  # (before the folder and its markers are removed)
-        seen["rows"] = job_timeline(self.folder, seen["t0"])
-        return leave(self, *exc)
-
-    precompile.ParallelCompile.__enter__ = entered
-    precompile.ParallelCompile.__exit__ = left
+def first_run(cache: str) -> None:
+    """The default first run (`hslm train`, its kernel cache empty); its jobs' timeline."""
     with tempfile.TemporaryDirectory(prefix="hslm-first-run-") as out:
-        try:
-            hslm_main(["train", "--speed", "3", "--steps", "1", "--seed", "1729", "--out", out])
-        except SystemExit as e:
-            if e.code not in (0, None):
-                sys.exit(f"compile_profile: the first run failed (exit {e.code})")
-    print_timeline(seen.get("rows", []))
+        log = Path(out) / "compile.log"
+        env = {**os.environ, "NUMBA_CACHE_DIR": cache, "HSLM_COMPILE_LOG": str(log),
+               "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in [
+                   os.environ.get("PYTHONPATH")] if p])}
+        p = subprocess.run([sys.executable, "-m", "hslm", "train", "--speed", "3", "--steps",
+                            "1", "--seed", "1729", "--out", str(Path(out) / "run")],
+                           env=env, capture_output=True, text=True)
+        if p.returncode != 0:
+            sys.exit(f"compile_profile: the first run failed: {p.stderr.strip()[-500:]}")
+        said = [line for line in p.stderr.splitlines() + p.stdout.splitlines()
+                if line.startswith(("compiling kernels", "compiled in"))]
+        print("\n".join(said))
+        print_timeline(job_timeline(log.read_text() if log.exists() else ""))
 
 
 def main(argv=None):
@@ -333,7 +323,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="hslm-compile-profile-") as cache:
         os.environ["NUMBA_CACHE_DIR"] = cache
         if args.first_run:
-            first_run()
+            first_run(cache)
         else:
             profile(jobs, args.top, args.asm, args.passes)
 
