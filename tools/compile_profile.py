@@ -289,12 +289,10 @@ def first_run(cache: str) -> None:
     """The default first run (`hslm train`, its kernel cache empty); its jobs' timeline."""
     with tempfile.TemporaryDirectory(prefix="hslm-first-run-") as out:
         log = Path(out) / "compile.log"
-        env = {**os.environ, "NUMBA_CACHE_DIR": cache, "HSLM_COMPILE_LOG": str(log),
-               "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in [
-                   os.environ.get("PYTHONPATH")] if p])}
-        p = subprocess.run([sys.executable, "-m", "hslm", "train", "--speed", "3", "--steps",
-                            "1", "--seed", "1729", "--out", str(Path(out) / "run")],
-                           env=env, capture_output=True, text=True)
+        env = {**os.environ, "NUMBA_CACHE_DIR": cache, "HSLM_COMPILE_LOG": str(log)}
+        p = subprocess.run([sys.executable, str(ROOT / "cli.py"), "train", "--speed", "3",
+                            "--steps", "1", "--seed", "1729", "--out", str(Path(out) / "run")],
+                           env=env, capture_output=True, text=True)  # (this checkout's hslm)
         if p.returncode != 0:
             sys.exit(f"compile_profile: the first run failed: {p.stderr.strip()[-500:]}")
         said = [line for line in p.stderr.splitlines() + p.stdout.splitlines()

@@ -85,9 +85,16 @@ def main(argv=None):
     print(f"{a.model}, speed 3, {a.threads} threads against 1, {a.minutes:g} minutes "
           f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}); the smallest round trip "
           f"seen {least:.0f} ns: near < {2 * least:.0f} ns, far > {3 * least:.0f} ns")
+    def case_of(r):  # "near", "far", or None: the CPUs moved during the round, or no probe
+        if None in r[2:]:
+            return None
+        if max(r[2:]) < 2 * least:
+            return "near"
+        return "far" if min(r[2:]) > 3 * least else None
+
     for b in batches:
-        for case, keep in (("near", lambda x: x < 2 * least), ("far", lambda x: x > 3 * least)):
-            rs = [r for r in rounds[b] if None not in r[2:] and keep(r[2]) and keep(r[3])]
+        for case in ("near", "far"):
+            rs = [r for r in rounds[b] if case_of(r) == case]
             if not rs:
                 print(f"  batch {b:>3}, {case}: no round")
                 continue
@@ -98,9 +105,7 @@ def main(argv=None):
             print(f"  batch {b:>3}, {case} ({ns[0]:.0f}-{ns[1]:.0f} ns), {len(rs):>3} rounds: "
                   f"1 thread {one:7.2f} ms, {a.threads} threads {many:7.2f} ms a step; "
                   f"{ratio:.2f}x (rounds {spread[0]:.2f}-{spread[1]:.2f}x)")
-        left = len(rounds[b]) - sum(
-            1 for r in rounds[b] if None not in r[2:]
-            and (max(r[2:]) < 2 * least or min(r[2:]) > 3 * least))
+        left = sum(1 for r in rounds[b] if case_of(r) is None)
         if left:
             print(f"  batch {b:>3}: {left} round(s) left out (the CPUs moved, or no probe)")
 
