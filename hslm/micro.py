@@ -83,12 +83,28 @@ def adam_lanes(info=None, wide=None) -> int:
     return 8 if wide and amd_family(info) >= 0x19 else 4
 
 
+def single_widened(info=None, panel=None) -> bool:
+    """Whether the ternary kernel widens its panels' chunks to float32 rather than float64
+    (panel_kernels.SINGLE_WIDENED; the tiles convert each vector to float64 as they load
+    it): on AMD cores (Zen and later, family 17h on) built for 4-lane vectors, where the
+    conversion runs beside the two FMA pipes and the widening's stores are what the 4 x 12
+    tile loses most to. On an AMD Zen 4 built for AVX2, the kernel alone ran 2-4% faster
+    hot, 1-5% with its panels and rows in far caches (docs/performance-history.md,
+    2026-12-05). Not on Intel's cores, where the conversion takes an FMA port, nor with
+    512-bit vectors, whose 9 x 16 tile ran 5-9% slower so. The bits do not depend on it:
+    -1, 0 and +1 are exact in either."""
+    info = cpu_info() if info is None else info
+    panel = (panel_kernels.TERNARY_TILES[0 if wide_vectors() else 1][1] if panel is None
+             else panel)
+    return panel in panel_kernels.SINGLE_WIDENED and amd_family(info) >= 0x17
+
+
 # The ternary kernels' tile, for this machine's registers (tools/gen_panel_kernels.py);
 # the tile never changes a bit, only speed. TERNARY_PANEL is the panel width of the
 # ternary matrices' layouts (hslm.params).
 TERNARY_ROWS, TERNARY_PANEL = panel_kernels.TERNARY_TILES[0 if wide_vectors() else 1]
-ternary_panel_matmul = getattr(panel_kernels,
-                               f"ternary_panel_matmul_{TERNARY_ROWS}x{TERNARY_PANEL}")
+ternary_panel_matmul = getattr(panel_kernels, "ternary_panel_matmul_%dx%d%s" % (
+    TERNARY_ROWS, TERNARY_PANEL, "_f32" if single_widened() else ""))
 # The weight gradient's tile, likewise; WGRAD_PANEL is the panel width of the output
 # gradients' scratch layout (hslm.kernels.output_grad_panels).
 WGRAD_ROWS, WGRAD_PANEL = panel_kernels.WGRAD_TILES[0 if wide_vectors() else 1]

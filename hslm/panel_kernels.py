@@ -14,6 +14,7 @@ from .jit import kernel_entry
 from .vector_tiles import make_prefetch_for_writing, make_tile, make_widen
 
 TERNARY_TILES = ((9, 16), (4, 12))
+SINGLE_WIDENED = (12,)  # panel widths whose ternary kernel also comes widened to float32
 WGRAD_TILES = ((3, 24), (3, 12))
 WGRAD_WINDOWS = 8  # windows whose output gradients a thread holds in panels at once
 TERNARY_CHUNK = 96  # input indices per widened chunk of a ternary panel
@@ -160,6 +161,78 @@ def ternary_panel_matmul_4x12(X, P, b, alpha, Y):
                 r += 3
             while r + 1 <= n:
                 ROW_12(x + 8 * (r * xs + k0), xs, wide, kn, s + 8 * 12 * r, more)
+                r += 1
+            k0 += TERNARY_CHUNK
+            if k0 >= a:
+                break
+        cols = min(12, b - j)
+        for r in range(n):
+            for c in range(cols):
+                Y[r, j + c] = alpha * sums[r * 12 + c]
+
+
+TILE_4x12_F32 = make_tile(4, 3, 4, resume=True, single=True)
+TILE_3x12_F32 = make_tile(3, 3, 4, resume=True, single=True)
+ROW_12_F32 = make_tile(1, 3, 4, resume=True, single=True)
+WIDEN_12_F32 = make_widen(12, single=True)
+TILE_8x4_OF_12_F32 = make_tile(8, 1, 4, resume=True, p_stride=12, single=True)
+
+
+@KERNEL
+def ternary_panel_matmul_4x12_f32(X, P, b, alpha, Y):
+    """Y [n, b] = alpha * (X [n, a] . T), T ternary [a, b] in panels P (int8:
+    -1, 0 and +1 convert to float64 exactly). Tiles of 4, 3 rows (then single
+    rows) by one panel, each summed by an LLVM IR loop (hslm/vector_tiles.py)
+    with FMA where the core has it: each product x * t with t in {-1, 0, +1}
+    is exact, so fma(x, t, y) rounds once, exactly like y + x * t: the bits do
+    not change, on machines with or without FMA. Never call it with a
+    non-ternary matrix.
+    Each chunk of a panel is widened to float32, converted to float64 as the
+    tiles load it."""
+    n, a = X.shape
+    if (P.shape[1] != a or P.shape[0] * 12 < b or Y.shape[0] != n or Y.shape[1] < b
+            or (X.size > 0 and X.strides[1] != 8)  # (an empty array's strides are 0)
+            or (P.size > 0 and (P.strides[1] != 12 or P.strides[2] != 1))):
+        raise ValueError("ternary_panel_matmul: the operands' shapes do not agree")  # raw addresses
+    # The rows' sums for one panel [n, 12], then a chunk of a panel widened, in one
+    # allocation: an address taken with .ctypes.data does not keep its array alive (Numba
+    # frees an array after its last use), and the sums are read at the end of every
+    # panel. (As an array of its own, only ever addressed, the chunk was freed before the
+    # loop: another thread's allocation could take it while the tiles used it.) Both
+    # start on 64 bytes: Numba aligns an array on 32, and a 512-bit load that crosses
+    # two cache lines costs two.
+    # (+ 16: up to 7 elements to reach 64 bytes, up to 7 to round the sums to 8 elements)
+    scratch = np.empty(n * 12 + min(a, TERNARY_CHUNK) * 12 + 16)
+    first = (-scratch.ctypes.data) % 64 // 8
+    sums = scratch[first:first + n * 12]
+    s = sums.ctypes.data
+    wide = s + 8 * ((n * 12 + 7) // 8 * 8)
+    x, xs = X.ctypes.data, X.strides[0] // 8
+    for q in range(P.shape[0]):
+        j = q * 12
+        if j + 12 < b:  # the next panel's output columns, on their way meanwhile
+            for r in range(n):
+                PREFETCH_FOR_WRITING(Y[r].ctypes.data + 8 * (j + 12),
+                                     8 * min(12, b - j - 12))
+        p = P.ctypes.data + q * P.strides[0]
+        k0 = 0
+        while True:  # chunks of the input index (at least one: a = 0 sums to 0.0)
+            kn = min(TERNARY_CHUNK, a - k0)
+            WIDEN_12_F32(p + 12 * k0, kn, wide)
+            more = 1 if k0 > 0 else 0
+            r = 0
+            if b - j <= 4:  # a last panel of one vector's columns
+                while r + 8 <= n:
+                    TILE_8x4_OF_12_F32(x + 8 * (r * xs + k0), xs, wide, kn, s + 8 * 12 * r, more)
+                    r += 8
+            while r + 4 <= n:
+                TILE_4x12_F32(x + 8 * (r * xs + k0), xs, wide, kn, s + 8 * 12 * r, more)
+                r += 4
+            while r + 3 <= n:
+                TILE_3x12_F32(x + 8 * (r * xs + k0), xs, wide, kn, s + 8 * 12 * r, more)
+                r += 3
+            while r + 1 <= n:
+                ROW_12_F32(x + 8 * (r * xs + k0), xs, wide, kn, s + 8 * 12 * r, more)
                 r += 1
             k0 += TERNARY_CHUNK
             if k0 >= a:

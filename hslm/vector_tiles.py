@@ -101,7 +101,8 @@ def splat(builder, x, vt):
 
 
 def make_tile(rows: int, vecs: int, lanes: int, ternary: bool = True, add_into: bool = False,
-              p_stride: int = 0, resume: bool = False, pair: bool = False):
+              p_stride: int = 0, resume: bool = False, pair: bool = False,
+              single: bool = False):
     """An intrinsic tile(x_addr, x_stride, p_addr, a, out_addr), all intp:
 
     X: float64 rows at x_addr, x_stride elements apart; P: `a` rows of vecs * lanes
@@ -129,9 +130,15 @@ def make_tile(rows: int, vecs: int, lanes: int, ternary: bool = True, add_into: 
     p_off elements after the first; both tiles are summed in the same loop, each from 0.0
     in its own registers, and out[r, c] = (base + acc[r, c]) + acc2[r, c]: the bits of the
     two windows' tiles added into out one after the other, with half the stores, loads of
-    out and loop exits."""
+    out and loop exits.
+
+    single (ternary only): P holds float32 (make_widen(panel, single=True)), each vector
+    converted to float64 as it is loaded (-1, 0, +1 exactly): vcvtps2pd, which on AMD's
+    cores runs on a pipe beside the FMA's."""
     width = p_stride or vecs * lanes
     sets = 2 if pair else 1
+    if single and not ternary:
+        raise ValueError("make_tile: only ternary panels may be float32")
 
     def codegen(context, builder, signature, args):
         if pair:
@@ -142,8 +149,9 @@ def make_tile(rows: int, vecs: int, lanes: int, ternary: bool = True, add_into: 
         f64, i64 = ir.DoubleType(), ir.IntType(64)
         vt = ir.VectorType(f64, lanes)
         zero = ir.Constant(vt, [0.0] * lanes)
+        pt = ir.FloatType() if single else f64  # what P holds
         xptrs = [builder.inttoptr(xa, f64.as_pointer())]
-        pptrs = [builder.inttoptr(pa, f64.as_pointer())]
+        pptrs = [builder.inttoptr(pa, pt.as_pointer())]
         if pair:
             xptrs.append(builder.gep(xptrs[0], [x_off]))
             pptrs.append(builder.gep(pptrs[0], [p_off]))
@@ -190,7 +198,12 @@ def make_tile(rows: int, vecs: int, lanes: int, ternary: bool = True, add_into: 
             t = []
             for v in range(vecs):
                 p = builder.gep(pptrs[k], [builder.add(row_i, ir.Constant(i64, v * lanes))])
-                t.append(builder.load(builder.bitcast(p, vt.as_pointer()), align=8))
+                if single:
+                    st = ir.VectorType(pt, lanes)
+                    t.append(builder.fpext(builder.load(builder.bitcast(p, st.as_pointer()),
+                                                        align=4), vt))
+                else:
+                    t.append(builder.load(builder.bitcast(p, vt.as_pointer()), align=8))
             new.append([])
             for r in range(rows):
                 x = builder.load(builder.gep(xptrs[k], [builder.add(
@@ -232,7 +245,7 @@ def make_tile(rows: int, vecs: int, lanes: int, ternary: bool = True, add_into: 
     tile.__name__ = (f"{'ternary' if ternary else 'float64'}_tile_{rows}x{vecs * lanes}"
                      + ("_resume" if resume else "")
                      + ("_add_into" if add_into else "") + (f"_of_{width}" if p_stride else "")
-                     + ("_pair" if pair else ""))
+                     + ("_pair" if pair else "") + ("_f32" if single else ""))
     return intrinsic(tile)
 
 
@@ -242,17 +255,18 @@ def make_tile(rows: int, vecs: int, lanes: int, ternary: bool = True, add_into: 
 QQ2PD = "llvm.x86.avx512.sitofp.round.v8f64.v8i64"
 
 
-def make_widen(panel: int):
+def make_widen(panel: int, single: bool = False):
     """An intrinsic widen(p_addr, a, dst_addr), all intp: `a` rows of `panel` int8 trits
-    at p_addr (a ternary panel, contiguous) into float64 at dst_addr, row by row. A
-    ternary kernel widens each panel once for all its row tiles, whose loops (make_tile)
-    then load its vectors as they are."""
+    at p_addr (a ternary panel, contiguous) into float64 (float32 where single) at
+    dst_addr, row by row. A ternary kernel widens each panel once for all its row tiles,
+    whose loops (make_tile) then load its vectors as they are (where single, converting
+    them to float64 as they load them: half the bytes stored here)."""
 
     def codegen(context, builder, signature, args):
         pa, n, da = args
         features = getattr(context.codegen(), "_tm_features", "") or ""
-        by_quadwords = panel % 8 == 0 and "+avx512dq" in features.split(",")
-        i64, f64 = ir.IntType(64), ir.DoubleType()
+        by_quadwords = not single and panel % 8 == 0 and "+avx512dq" in features.split(",")
+        i64, f64 = ir.IntType(64), ir.FloatType() if single else ir.DoubleType()
         st, dt = ir.VectorType(ir.IntType(8), panel), ir.VectorType(f64, panel)
         src = builder.inttoptr(pa, ir.IntType(8).as_pointer())
         dst = builder.inttoptr(da, f64.as_pointer())
@@ -273,13 +287,14 @@ def make_widen(panel: int):
                 trits = builder.load(builder.bitcast(builder.gep(src, [at]), st.as_pointer()),
                                      align=1)
                 builder.store(builder.sitofp(trits, dt),
-                              builder.bitcast(builder.gep(dst, [at]), dt.as_pointer()), align=8)
+                              builder.bitcast(builder.gep(dst, [at]), dt.as_pointer()),
+                              align=4 if single else 8)
         return context.get_dummy_value()
 
     def widen(typingctx, p_addr, a, dst_addr):
         return types.void(types.intp, types.intp, types.intp), codegen
 
-    widen.__name__ = f"widen_trits_{panel}"
+    widen.__name__ = f"widen_trits_{panel}" + ("_f32" if single else "")
     return intrinsic(widen)
 
 

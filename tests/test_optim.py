@@ -179,6 +179,18 @@ def test_adam_lanes_are_8_only_on_amd_512_bit_builds():
         assert adam_lanes({"vendor_id": vendor, "cpu family": family}, wide) == lanes
 
 
+def test_ternary_chunks_are_widened_to_float32_only_on_amd_4_lane_builds():
+    """hslm.micro.single_widened: AMD (Zen on, family 17h+) with the 12-column panels of
+    4-lane builds; never with 512-bit vectors' 16-column panels, nor on Intel."""
+    from hslm.micro import single_widened
+    cores = {("AuthenticAMD", "26", 12): True, ("AuthenticAMD", "25", 12): True,
+             ("AuthenticAMD", "23", 12): True, ("AuthenticAMD", "25", 16): False,
+             ("GenuineIntel", "6", 12): False, ("AuthenticAMD", "21", 12): False,
+             ("AuthenticAMD", "x", 12): False}
+    for (vendor, family, panel), single in cores.items():
+        assert single_widened({"vendor_id": vendor, "cpu family": family}, panel) is single
+
+
 def test_schedule():
     assert learning_rate(1, 1.0, 10, 100) == 0.1
     assert learning_rate(10, 1.0, 10, 100) == 1.0

@@ -427,7 +427,8 @@ def test_compile_profile_tool_times_each_job_and_kernel():
                            re.M).group(1)) > 0, r.stdout
     assert re.search(r"^  ternary tile +\d+\.\d s$", r.stdout, re.M), r.stdout
     own, llvm = map(float, re.search(r"^ +(\d+\.\d\d) +(\d+\.\d\d) +1  hslm\.panel_kernels\."
-                                     r"ternary_panel_matmul_\d+x\d+$", r.stdout, re.M).groups())
+                                     r"ternary_panel_matmul_\d+x\d+(?:_f32)?$", r.stdout,
+                                     re.M).groups())
     assert 0 < llvm < own
     code = dict((name[:8], (int(n), int(v))) for n, v, name in re.findall(
         r"^ +(\d+) +(\d+)  (\S+ternary_panel_matmul\S+)$", r.stdout, re.M))

@@ -15,7 +15,7 @@ from hslm.config import Config
 from hslm.layers import wout_index
 from hslm.oracle_torch import oracle_window
 from hslm import panel_kernels
-from hslm.panel_kernels import TERNARY_TILES, WGRAD_TILES
+from hslm.panel_kernels import SINGLE_WIDENED, TERNARY_TILES, WGRAD_TILES
 from hslm.speeds import SPEEDS
 from hslm.params import ModelState, init_params
 from hslm.tables import Tables
@@ -83,15 +83,20 @@ def test_every_ternary_tile_gives_the_plain_sums_bit_for_bit(n, a, b):
     for i in range(a):  # y = ((0 + x0 t0) + x1 t1) + ...: row by row, in order
         plain += X[:, i:i + 1] * T[i]
     plain *= 0.37
+    kernels = 0
     for rows, panel in TERNARY_TILES:
         npan = -(-b // panel)
         P = np.zeros((npan, a, panel), np.int8)
         for q in range(npan):
             cols = T[:, q * panel:(q + 1) * panel]
             P[q, :, :cols.shape[1]] = cols
-        Y = np.zeros((n, b))
-        getattr(panel_kernels, f"ternary_panel_matmul_{rows}x{panel}")(X, P, b, 0.37, Y)
-        assert Y.tobytes() == plain.tobytes(), f"tile {rows}x{panel}"
+        # the panel's chunks widened to float64, and (SINGLE_WIDENED) to float32
+        for name in [f"{rows}x{panel}"] + [f"{rows}x{panel}_f32"] * (panel in SINGLE_WIDENED):
+            Y = np.zeros((n, b))
+            getattr(panel_kernels, f"ternary_panel_matmul_{name}")(X, P, b, 0.37, Y)
+            assert Y.tobytes() == plain.tobytes(), f"tile {name}"
+            kernels += 1
+    assert kernels == 3
     # negative control: the same sums taken in another order differ in some bits
     other = np.zeros((n, b))
     for i in reversed(range(a)):
