@@ -517,6 +517,8 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
              entry["weight_grads_ms"]) = profile_layerwise(cfg, hyper, corpus)
             entry["phase_work"] = phase_work(cfg, hyper)
             entry["relu_matrices_flop"] = relu_matrix_flops(cfg, hyper)
+            from .micro import skips_relu_zeros
+            entry["relu_inputs_skipped"] = skips_relu_zeros()  # (reports since 2026-12-05)
             report["optimiser_stream_gbs"] = optimiser_stream_gbs(cfg.n_params)
             report["optimiser_arithmetic_ns"] = optimiser_arithmetic_ns()
         report["models"].append(entry)

@@ -129,9 +129,13 @@ def format_report(report):
             if e.get("relu_active") is not None:
                 out.append(f"  (the MLP's ReLU units were active at {100 * e['relu_active']:.1f}% "
                            "of the scored positions; the weight gradients of Wdown and Wup skip "
-                           "the products with the zeros, with the same bits; the rates count "
-                           "every product" + (", but for the line of W_up and W_down alone"
-                                              if e.get("weight_grads_ms") else "") + ")")
+                           "the products with the zeros, with the same bits"
+                           + ("; so do the forward's Wdown and the backward's Wup^T products, "
+                              "whose inputs are the ReLU's output and its gradient"
+                              if e.get("relu_inputs_skipped") else "")
+                           + "; the rates count every product"
+                           + (", but for the line of W_up and W_down alone"
+                              if e.get("weight_grads_ms") else "") + ")")
     return out
 
 

@@ -21,8 +21,9 @@ import numpy as np
 from numba import njit
 
 from .jit import kernel_entry, kernel_inner
-from .micro import (ACTIVE_LANES, ACTIVE_VECS, MICRO_KERNELS, TERNARY_PANEL, WGRAD_PANEL,
-                    compile_micro, panel_matmul_add, ternary_panel_matmul)
+from .micro import (ACTIVE_LANES, ACTIVE_VECS, MICRO_KERNELS, SPARSE_MOST, TERNARY_PANEL,
+                    WGRAD_PANEL, compile_micro, panel_matmul_add, ternary_panel_matmul,
+                    ternary_sparse_matmul)
 from .vector_tiles import make_active_rows_tile, make_prefetch_to_l2
 
 COL_TILE = 256  # columns per tile: a pass's 4 matrix-row slices (8 KB) stay in L1
@@ -79,6 +80,29 @@ def ternary_panels(P, poffs, alpha, t, a, b, X, Y):
     npan = (b + TERNARY_PANEL - 1) // TERNARY_PANEL
     ternary_panel_matmul(X, P[poffs[t]:poffs[t + 1]].reshape((npan, a, TERNARY_PANEL)), b,
                          alpha[t], Y)
+
+
+@kernel_inner
+def no_sparse_matmul(X, P, b, alpha, Y, most):
+    """ternary_sparse_matmul where this machine has none: never done, so the dense kernel
+    runs (and the sparse one is not compiled)."""
+    return False
+
+
+# (a module constant: the callers compile with this machine's choice in them)
+SPARSE_MATMUL = no_sparse_matmul if ternary_sparse_matmul is None else ternary_sparse_matmul
+
+
+@kernel_inner
+def ternary_panels_skipping_zeros(P, poffs, alpha, t, a, b, X, Y):
+    """ternary_panels for an X that is mostly zeros (the ReLU's output or its gradient):
+    over X's nonzero entries only, where this machine skips them (micro.skips_relu_zeros)
+    and no more than SPARSE_MOST of X is nonzero; else the dense kernel. The same bits
+    either way."""
+    npan = (b + TERNARY_PANEL - 1) // TERNARY_PANEL
+    panels = P[poffs[t]:poffs[t + 1]].reshape((npan, a, TERNARY_PANEL))
+    if not SPARSE_MATMUL(X, panels, b, alpha[t], Y, SPARSE_MOST):
+        ternary_panel_matmul(X, panels, b, alpha[t], Y)
 
 
 @kernel_inner(allocates=True)

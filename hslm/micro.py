@@ -99,6 +99,20 @@ def single_widened(info=None, panel=None) -> bool:
     return panel in panel_kernels.SINGLE_WIDENED and amd_family(info) >= 0x17
 
 
+def skips_relu_zeros(info=None) -> bool:
+    """Whether speed 3's products whose inputs are the ReLU's output or its gradient (half
+    of them 0.0) skip the zero inputs (panel_kernels.ternary_sparse_matmul_*; the same
+    bits): on AMD's family 19h (Zen 3 and Zen 4), where it was measured, built for either
+    width: on a Zen 4 such a product took 0.71-0.73 of the dense kernel's time with half
+    its inputs zero, and broke even at 75% nonzero (SPARSE_MOST stops short of that).
+    Elsewhere (Intel, Zen 5's full-width AVX-512, the first Zen) not measured: dense."""
+    info = cpu_info() if info is None else info
+    return amd_family(info) == 0x19
+
+
+SPARSE_MOST = 0.7  # the share of nonzero inputs above which the dense kernel is used
+
+
 # The ternary kernels' tile, for this machine's registers (tools/gen_panel_kernels.py);
 # the tile never changes a bit, only speed. TERNARY_PANEL is the panel width of the
 # ternary matrices' layouts (hslm.params).
@@ -116,12 +130,20 @@ panel_matmul_add2 = getattr(panel_kernels, f"panel_matmul_add2_{WGRAD_ROWS}x{WGR
 # registers (with the broadcast and a product: 18 of 32 registers, 15 of 16).
 ACTIVE_VECS, ACTIVE_LANES = (16, 8) if wide_vectors() else (13, 4)
 
+# The product that skips its inputs' zeros (None where skips_relu_zeros says no): the
+# 12-column panels' kernel widens to float32, the 16-column panels' to float64.
+ternary_sparse_matmul = (getattr(panel_kernels, "ternary_sparse_matmul_%d%s" % (
+    TERNARY_PANEL, "_f32" if panel_kernels.SPARSE_SINGLE_WIDENED.get(TERNARY_PANEL) else ""))
+    if skips_relu_zeros() else None)
+
 # name: [(kernel, the one signature it is compiled for)]. Ternary panels are int8
 # (exact for -1, 0, +1; an eighth of float64's memory traffic).
 _X, _P, _G = "float64[:, ::1]", "float64[:, :, ::1]", "float64[:, ::1]"
 MICRO_KERNELS = {
     "ternary tile": [(ternary_panel_matmul,
-                      f"({_X}, int8[:, :, ::1], int64, float64, {_G})")],
+                      f"({_X}, int8[:, :, ::1], int64, float64, {_G})")] + (
+        [(ternary_sparse_matmul, f"({_X}, int8[:, :, ::1], int64, float64, {_G}, float64)")]
+        if ternary_sparse_matmul is not None else []),
     "weight-gradient tile": [(panel_matmul_add, f"({_X}, {_P}, int64, {_G}, boolean)"),
                              (panel_matmul_add2,
                               f"({_X}, {_X}, {_P}, {_P}, int64, {_G}, boolean)")],

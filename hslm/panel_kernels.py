@@ -11,14 +11,18 @@ chooses one of each for the machine).
 import numpy as np
 
 from .jit import kernel_entry
-from .vector_tiles import make_prefetch_for_writing, make_tile, make_widen
+from .vector_tiles import (make_nonzero_bits, make_popcount, make_prefetch_for_writing,
+                           make_sparse_rows_tile, make_tile, make_widen)
 
 TERNARY_TILES = ((9, 16), (4, 12))
 SINGLE_WIDENED = (12,)  # panel widths whose ternary kernel also comes widened to float32
 WGRAD_TILES = ((3, 24), (3, 12))
 WGRAD_WINDOWS = 8  # windows whose output gradients a thread holds in panels at once
 TERNARY_CHUNK = 96  # input indices per widened chunk of a ternary panel
+SPARSE_PANELS = {12: 3, 16: 2}  # panel width: panels side by side in the sparse rows' tile
+SPARSE_SINGLE_WIDENED = {12: True, 16: False}  # panel width: the sparse kernel widens to float32
 PREFETCH_FOR_WRITING = make_prefetch_for_writing()
+POPCOUNT = make_popcount()
 
 # hslm's kernel options (hslm/jit.py), with reference counting: each kernel here allocates
 # its scratch, and a function with no _nrt of its own would take that of the first kernel
@@ -495,3 +499,125 @@ def panel_matmul_add2_3x12(X, X2, P, P2, b, G, fresh):
     if n_full < n:  # the rows left over
         panel_matmul_add_3x12(X[n_full:], P, b, G[n_full:], fresh)
         panel_matmul_add_3x12(X2[n_full:], P2, b, G[n_full:], False)
+
+
+SPARSE_3x12_F32 = make_sparse_rows_tile(3, 12, 4, True)
+SPARSE_1x12_F32 = make_sparse_rows_tile(1, 12, 4, True)
+NONZERO_BITS_4 = make_nonzero_bits(4)
+WIDEN_12_SPARSE_F32 = make_widen(12, single=True)
+
+
+@KERNEL
+def ternary_sparse_matmul_12_f32(X, P, b, alpha, Y, most):
+    """Y [n, b] = alpha * (X [n, a] . T), T ternary [a, b] in panels P (int8), as
+    ternary_panel_matmul_*x12 gives it, bit for bit, summing each row over its nonzero
+    inputs only (a zero input adds +-0.0, which changes no bit of the sum). Returns False,
+    and leaves Y as it was, when more than `most` of X's entries are nonzero (the dense
+    kernel is then the faster)."""
+    n, a = X.shape
+    if (P.shape[1] != a or P.shape[0] * 12 < b or Y.shape[0] != n or Y.shape[1] < b
+            or (X.size > 0 and X.strides[1] != 8)
+            or (P.size > 0 and (P.strides[1] != 12 or P.strides[2] != 1))):
+        raise ValueError("ternary_sparse_matmul: the operands' shapes do not agree")
+    words = (a + 63) // 64
+    masks = np.empty((n, words), np.int64)
+    active = 0
+    for r in range(n):
+        x = X[r].ctypes.data
+        for w in range(words):
+            m = NONZERO_BITS_4(x + 8 * 64 * w, min(64, a - 64 * w))
+            masks[r, w] = m
+            active += POPCOUNT(m)
+    if active > most * n * a:
+        return False
+    # the rows' sums [n, 36], then 3 panels' chunks widened, each [64, 12], in
+    # one allocation (see ternary_panel_matmul_*: an address does not keep an array alive)
+    scratch = np.zeros(n * 36 + 3 * 64 * 12 * 4 // 8 + 16)
+    first = (-scratch.ctypes.data) % 64 // 8
+    sums = scratch[first:first + n * 36]
+    s = sums.ctypes.data
+    wide = s + 8 * ((n * 36 + 7) // 8 * 8)
+    for q0 in range(0, P.shape[0], 3):
+        nq = min(3, P.shape[0] - q0)
+        for w in range(words):
+            k0 = 64 * w
+            kn = min(64, a - k0)
+            for q in range(nq):
+                WIDEN_12_SPARSE_F32(P.ctypes.data + (q0 + q) * P.strides[0] + 12 * k0,
+                                   kn, wide + 4 * 64 * 12 * q)
+            more = 1 if w > 0 else 0
+            for r in range(n):
+                x = X[r].ctypes.data + 8 * k0
+                if nq == 3:
+                    SPARSE_3x12_F32(masks[r, w], x, wide, s + 8 * 36 * r, more)
+                else:
+                    for q in range(nq):
+                        SPARSE_1x12_F32(masks[r, w], x, wide + 4 * 64 * 12 * q,
+                                           s + 8 * (36 * r + 12 * q), more)
+        j = q0 * 12
+        cols = min(nq * 12, b - j)
+        for r in range(n):
+            for c in range(cols):
+                Y[r, j + c] = alpha * sums[r * 36 + c]
+    return True
+
+
+SPARSE_2x16 = make_sparse_rows_tile(2, 16, 8, False)
+SPARSE_1x16 = make_sparse_rows_tile(1, 16, 8, False)
+NONZERO_BITS_8 = make_nonzero_bits(8)
+WIDEN_16_SPARSE = make_widen(16)
+
+
+@KERNEL
+def ternary_sparse_matmul_16(X, P, b, alpha, Y, most):
+    """Y [n, b] = alpha * (X [n, a] . T), T ternary [a, b] in panels P (int8), as
+    ternary_panel_matmul_*x16 gives it, bit for bit, summing each row over its nonzero
+    inputs only (a zero input adds +-0.0, which changes no bit of the sum). Returns False,
+    and leaves Y as it was, when more than `most` of X's entries are nonzero (the dense
+    kernel is then the faster)."""
+    n, a = X.shape
+    if (P.shape[1] != a or P.shape[0] * 16 < b or Y.shape[0] != n or Y.shape[1] < b
+            or (X.size > 0 and X.strides[1] != 8)
+            or (P.size > 0 and (P.strides[1] != 16 or P.strides[2] != 1))):
+        raise ValueError("ternary_sparse_matmul: the operands' shapes do not agree")
+    words = (a + 63) // 64
+    masks = np.empty((n, words), np.int64)
+    active = 0
+    for r in range(n):
+        x = X[r].ctypes.data
+        for w in range(words):
+            m = NONZERO_BITS_8(x + 8 * 64 * w, min(64, a - 64 * w))
+            masks[r, w] = m
+            active += POPCOUNT(m)
+    if active > most * n * a:
+        return False
+    # the rows' sums [n, 32], then 2 panels' chunks widened, each [64, 16], in
+    # one allocation (see ternary_panel_matmul_*: an address does not keep an array alive)
+    scratch = np.zeros(n * 32 + 2 * 64 * 16 * 8 // 8 + 16)
+    first = (-scratch.ctypes.data) % 64 // 8
+    sums = scratch[first:first + n * 32]
+    s = sums.ctypes.data
+    wide = s + 8 * ((n * 32 + 7) // 8 * 8)
+    for q0 in range(0, P.shape[0], 2):
+        nq = min(2, P.shape[0] - q0)
+        for w in range(words):
+            k0 = 64 * w
+            kn = min(64, a - k0)
+            for q in range(nq):
+                WIDEN_16_SPARSE(P.ctypes.data + (q0 + q) * P.strides[0] + 16 * k0,
+                                   kn, wide + 8 * 64 * 16 * q)
+            more = 1 if w > 0 else 0
+            for r in range(n):
+                x = X[r].ctypes.data + 8 * k0
+                if nq == 2:
+                    SPARSE_2x16(masks[r, w], x, wide, s + 8 * 32 * r, more)
+                else:
+                    for q in range(nq):
+                        SPARSE_1x16(masks[r, w], x, wide + 8 * 64 * 16 * q,
+                                           s + 8 * (32 * r + 16 * q), more)
+        j = q0 * 16
+        cols = min(nq * 16, b - j)
+        for r in range(n):
+            for c in range(cols):
+                Y[r, j + c] = alpha * sums[r * 32 + c]
+    return True

@@ -628,3 +628,155 @@ def make_active_rows_tile(vecs: int, lanes: int, exact: bool = True):
 
     tile.__name__ = f"active_rows_tile_{vecs * lanes}" + ("" if exact else "_clamped")
     return intrinsic(tile)
+
+
+def make_nonzero_bits(lanes: int):
+    """An intrinsic nonzero_bits(x_addr, n) -> int64, both intp: bit i set where float64
+    x[i] (i < n <= 64) is not 0.0: +-0.0 clear, NaN set (`fcmp une`), so that a kernel that
+    skips the clear ones skips only zeros. `lanes` elements a compare (vcmppd and a
+    movemask), the last n % lanes one at a time."""
+
+    def codegen(context, builder, signature, args):
+        xa, n = args
+        f64, i64 = ir.DoubleType(), ir.IntType(64)
+        vt = ir.VectorType(f64, lanes)
+        xptr = builder.inttoptr(xa, f64.as_pointer())
+        entry = builder.block
+        full = builder.sub(n, builder.srem(n, ir.Constant(i64, lanes)))
+        vec_loop = builder.function.append_basic_block("nz.vec")
+        vec_done = builder.function.append_basic_block("nz.vec_done")
+        tail_loop = builder.function.append_basic_block("nz.tail")
+        done = builder.function.append_basic_block("nz.done")
+        builder.cbranch(builder.icmp_signed(">", full, ir.Constant(i64, 0)), vec_loop, vec_done)
+
+        builder.position_at_end(vec_loop)
+        i = builder.phi(i64)
+        word = builder.phi(i64)
+        v = builder.load(builder.bitcast(builder.gep(xptr, [i]), vt.as_pointer()), align=8)
+        bits = builder.fcmp_unordered("!=", v, ir.Constant(vt, [0.0] * lanes))
+        chunk = builder.zext(builder.bitcast(bits, ir.IntType(lanes)), i64)
+        word_next = builder.or_(word, builder.shl(chunk, i))
+        i_next = builder.add(i, ir.Constant(i64, lanes))
+        i.add_incoming(ir.Constant(i64, 0), entry)
+        i.add_incoming(i_next, vec_loop)
+        word.add_incoming(ir.Constant(i64, 0), entry)
+        word.add_incoming(word_next, vec_loop)
+        builder.cbranch(builder.icmp_signed("<", i_next, full), vec_loop, vec_done)
+
+        builder.position_at_end(vec_done)
+        w0 = builder.phi(i64)
+        w0.add_incoming(ir.Constant(i64, 0), entry)
+        w0.add_incoming(word_next, vec_loop)
+        builder.cbranch(builder.icmp_signed("<", full, n), tail_loop, done)
+
+        builder.position_at_end(tail_loop)
+        j = builder.phi(i64)
+        wt = builder.phi(i64)
+        x = builder.load(builder.gep(xptr, [j]), align=8)
+        bit = builder.zext(builder.fcmp_unordered("!=", x, ir.Constant(f64, 0.0)), i64)
+        wt_next = builder.or_(wt, builder.shl(bit, j))
+        j_next = builder.add(j, ir.Constant(i64, 1))
+        j.add_incoming(full, vec_done)
+        j.add_incoming(j_next, tail_loop)
+        wt.add_incoming(w0, vec_done)
+        wt.add_incoming(wt_next, tail_loop)
+        builder.cbranch(builder.icmp_signed("<", j_next, n), tail_loop, done)
+
+        builder.position_at_end(done)
+        out = builder.phi(i64)
+        out.add_incoming(w0, vec_done)
+        out.add_incoming(wt_next, tail_loop)
+        return out
+
+    def nonzero_bits(typingctx, x_addr, n):
+        return types.int64(types.intp, types.intp), codegen
+
+    nonzero_bits.__name__ = f"nonzero_bits_{lanes}"
+    return intrinsic(nonzero_bits)
+
+
+def make_sparse_rows_tile(panels: int, panel: int, lanes: int, single: bool):
+    """An intrinsic tile(mask, x_addr, w_addr, out_addr, more), all intp: one row of a
+    ternary product whose input row x is mostly zeros (the ReLU's output, or its
+    gradient), over the set bits of `mask` only (nonzero_bits: input i of the chunk is
+    bit i), each in increasing order:
+        acc[c] = fma(x[i], W[i, c], acc[c])   for c < panels * panel,
+    from out[c] where more is nonzero (the chunk before's sums: one chain over the whole
+    input index), else from 0.0; then out[c] = acc[c]. W: `panels` widened chunks of a
+    ternary matrix's panels one after another, each [64, panel] (float64, or float32 where
+    single, converted as loaded: make_widen). As in make_tile, fma(x, t, y) with t in
+    {-1, 0, +1} rounds as y + x t does; and a skipped input adds x t = +-0.0, which
+    changes no bit of a sum from +0.0 (such a sum is never -0.0)."""
+    vpp = panel // lanes  # vectors a panel
+    vecs = panels * vpp
+
+    def codegen(context, builder, signature, args):
+        mask, xa, wa, oa, more = args
+        f64, i64 = ir.DoubleType(), ir.IntType(64)
+        pt = ir.FloatType() if single else f64
+        vt, st = ir.VectorType(f64, lanes), ir.VectorType(pt, lanes)
+        zero = ir.Constant(vt, [0.0] * lanes)
+        xptr = builder.inttoptr(xa, f64.as_pointer())
+        wptr = builder.inttoptr(wa, pt.as_pointer())
+        optr = builder.inttoptr(oa, f64.as_pointer())
+        fmuladd = llvm_intrinsic(builder, "fmuladd", vt, 3)
+        cttz = declare(builder, "llvm.cttz.i64", i64, [i64, ir.IntType(1)])
+        is_more = builder.icmp_signed("!=", more, ir.Constant(i64, 0))
+        ptrs = [builder.bitcast(builder.gep(optr, [ir.Constant(i64, v * lanes)]),
+                                vt.as_pointer()) for v in range(vecs)]
+        start = [builder.select(is_more, builder.load(p, align=8), zero) for p in ptrs]
+        entry = builder.block
+        bits = builder.function.append_basic_block("sparse.bits")
+        done = builder.function.append_basic_block("sparse.done")
+        builder.cbranch(builder.icmp_signed("!=", mask, ir.Constant(i64, 0)), bits, done)
+
+        builder.position_at_end(bits)  # input i, the lowest set bit left
+        m = builder.phi(i64)
+        acc = [builder.phi(vt) for _ in range(vecs)]
+        i = builder.call(cttz, [m, ir.Constant(ir.IntType(1), 1)])
+        m_next = builder.and_(m, builder.sub(m, ir.Constant(i64, 1)))
+        xv = splat(builder, builder.load(builder.gep(xptr, [i]), align=8), vt)
+        row = builder.mul(i, ir.Constant(i64, panel))
+        new = []
+        for v in range(vecs):
+            at = builder.add(row, ir.Constant(i64, (v // vpp) * 64 * panel + (v % vpp) * lanes))
+            p = builder.gep(wptr, [at])
+            if single:
+                t = builder.fpext(builder.load(builder.bitcast(p, st.as_pointer()), align=4), vt)
+            else:
+                t = builder.load(builder.bitcast(p, vt.as_pointer()), align=8)
+            new.append(builder.call(fmuladd, [xv, t, acc[v]]))
+        m.add_incoming(mask, entry)
+        m.add_incoming(m_next, bits)
+        for v in range(vecs):
+            acc[v].add_incoming(start[v], entry)
+            acc[v].add_incoming(new[v], bits)
+        builder.cbranch(builder.icmp_signed("!=", m_next, ir.Constant(i64, 0)), bits, done)
+
+        builder.position_at_end(done)
+        totals = [builder.phi(vt) for _ in range(vecs)]
+        for v in range(vecs):
+            totals[v].add_incoming(start[v], entry)
+            totals[v].add_incoming(new[v], bits)
+        for v in range(vecs):
+            builder.store(totals[v], ptrs[v], align=8)
+        return context.get_dummy_value()
+
+    def tile(typingctx, mask, x_addr, w_addr, out_addr, more):
+        return types.void(*[types.intp] * 5), codegen
+
+    tile.__name__ = f"sparse_rows_tile_{panels}x{panel}" + ("_f32" if single else "")
+    return intrinsic(tile)
+
+
+def make_popcount():
+    """An intrinsic popcount(word) -> int64: the bits set in an int64 (llvm.ctpop: popcnt)."""
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        return builder.call(declare(builder, "llvm.ctpop.i64", i64, [i64]), [args[0]])
+
+    def popcount(typingctx, word):
+        return types.int64(types.int64), codegen
+
+    return intrinsic(popcount)

@@ -157,8 +157,9 @@ def test_a_plain_njit_kernel_that_allocates_says_so_or_it_takes_its_callers_flag
     assert uncached(kernel_entry(calls_with(explicit)))(3) == 3.0
     from hslm import panel_kernels
     kernels = [v for k, v in vars(panel_kernels).items()
-               if k.startswith(("ternary_panel_matmul_", "panel_matmul_add"))]
-    assert len(kernels) == 7 and all(k.targetoptions.get("_nrt") is True for k in kernels)
+               if k.startswith(("ternary_panel_matmul_", "panel_matmul_add",
+                                "ternary_sparse_matmul_"))]
+    assert len(kernels) == 9 and all(k.targetoptions.get("_nrt") is True for k in kernels)
 
 
 def every_kind_of_flags():

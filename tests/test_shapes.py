@@ -104,6 +104,76 @@ def test_every_ternary_tile_gives_the_plain_sums_bit_for_bit(n, a, b):
     assert a < 3 or (other * 0.37).tobytes() != plain.tobytes()
 
 
+def sparse_input(rng, n, a, active):
+    """n x a inputs, about `active` of them nonzero, and the values a skip must get right:
+    an all-zero row, -0.0 (skipped), NaN and inf (kept: dense gives NaN from inf . 0)."""
+    X = rng.standard_normal((n, a))
+    X[rng.random((n, a)) >= active] = 0.0
+    if n >= 3 and a >= 6:
+        X[0] = 0.0
+        X[1, 3], X[1, 1], X[2, 5] = -0.0, np.inf, np.nan
+    return X
+
+
+def panels_of(T, panel):
+    npan = -(-T.shape[1] // panel)
+    P = np.zeros((npan, T.shape[0], panel), np.int8)
+    for q in range(npan):
+        cols = T[:, q * panel:(q + 1) * panel]
+        P[q, :, :cols.shape[1]] = cols
+    return P
+
+
+@pytest.mark.parametrize("n,a,b", [(27, 729, 243), (7, 33, 101), (3, 64, 9), (13, 65, 17),
+                                   (5, 128, 40), (4, 200, 300), (1, 63, 12), (9, 0, 16),
+                                   (6, 729, 17), (27, 243, 729)])
+def test_every_sparse_kernel_gives_the_dense_bits(n, a, b):
+    """The products that skip their inputs' zeros (panel_kernels.ternary_sparse_matmul_*;
+    hslm.micro takes one where it pays) against the dense kernel of their panel width, bit
+    for bit: inputs ending at, just past and inside a chunk of 64 (a mask word), a last
+    group of fewer panels than a tile holds (9, 17, 40, 101 and 300 columns), every input
+    zero and none, -0.0, NaN and inf. Above `most` nonzero the kernel declines and leaves Y
+    as it was. The control: a tile that skipped NaN as well (were the masks built with an
+    ordered compare) would give finite sums where the dense kernel's are NaN."""
+    rng = np.random.default_rng(n * a + b)
+    T = rng.integers(-1, 2, (a, b)).astype(np.int8)
+    kernels = 0
+    for panel, single in panel_kernels.SPARSE_SINGLE_WIDENED.items():
+        rows = dict((p, r) for r, p in TERNARY_TILES)[panel]
+        dense = getattr(panel_kernels, f"ternary_panel_matmul_{rows}x{panel}")
+        sparse = getattr(panel_kernels, f"ternary_sparse_matmul_{panel}{'_f32' * single}")
+        P = panels_of(T, panel)
+        for active in (0.0, 0.3, 0.5, 1.0):
+            X = sparse_input(rng, n, a, active)
+            want, got = np.full((n, b), 7.0), np.full((n, b), 7.0)
+            dense(X, P, b, 0.37, want)
+            assert sparse(X, P, b, 0.37, got, 1.0)
+            assert got.tobytes() == want.tobytes(), (panel, active)
+            if n >= 3 and a >= 6:
+                assert np.isnan(want[2]).all() and np.isnan(got[2]).all()
+                X[2, 5] = 0.0  # the control: NaN skipped as a zero would be
+                sparse(X, P, b, 0.37, got, 1.0)
+                assert not np.isnan(got[2]).any()
+        X = sparse_input(rng, n, a, 0.9)
+        untouched = np.full((n, b), 7.0)
+        declined = not sparse(X, P, b, 0.37, untouched, 0.5)
+        if n * a > 0:
+            assert declined and (untouched == 7.0).all()
+        else:  # no input at all: nothing above `most`, and every sum is 0.0
+            assert not declined and untouched.tobytes() == np.zeros((n, b)).tobytes()
+        kernels += 1
+    assert kernels == 2
+
+
+def test_the_sparse_kernels_are_taken_only_on_amd_family_19h():
+    from hslm.micro import skips_relu_zeros
+    cores = {("AuthenticAMD", "25"): True, ("AuthenticAMD", "26"): False,
+             ("AuthenticAMD", "23"): False, ("GenuineIntel", "6"): False,
+             ("AuthenticAMD", "x"): False}
+    for (vendor, family), skips in cores.items():
+        assert skips_relu_zeros({"vendor_id": vendor, "cpu family": family}) is skips
+
+
 @pytest.mark.parametrize("n,a,b", [(36, 27, 729), (7, 33, 101), (2, 10, 9), (13, 27, 17),
                                    (13, 27, 243), (5, 7, 32), (4, 9, 28)])
 def test_every_weight_gradient_tile_gives_the_plain_sums_bit_for_bit(n, a, b):
