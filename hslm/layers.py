@@ -266,29 +266,32 @@ def ternary_input_grad(model, t, m, n, DY, DX, kernel):
 
 
 @kernel_inner
+def panels_skipping_zeros(model, clock, P, poffs, t, a, b, X, Y):
+    """Speed 3's Y = X . (alpha_t T_t) from T_t's panels P for an X of the ReLU's (its
+    output, or its gradient: most entries 0.0), which may skip X's zeros
+    (kernels.ternary_panels_skipping_zeros, the same bits); its cycles go to
+    model.clock[clock] where hslm bench's profile times the products."""
+    timed = model.clock.shape[0] > 2
+    c0 = CYCLES() if timed else 0
+    ternary_panels_skipping_zeros(P, poffs, model.alpha, t, a, b, X, Y)
+    if timed:
+        model.clock[clock] += CYCLES() - c0
+
+
+@kernel_inner
 def ternary_forward_relu(model, t, m, n, X, Y, kernel):
-    """ternary_forward for an X of the ReLU's (most entries 0.0): at speed 3 the product
-    may skip X's zeros (kernels.ternary_panels_skipping_zeros), with the same bits."""
+    """ternary_forward for an X of the ReLU's (panels_skipping_zeros at speed 3)."""
     if kernel is None:
-        timed = model.clock.shape[0] > 2
-        c0 = CYCLES() if timed else 0
-        ternary_panels_skipping_zeros(model.Pf, model.pf_offs, model.alpha, t, m, n, X, Y)
-        if timed:
-            model.clock[0] += CYCLES() - c0
+        panels_skipping_zeros(model, 0, model.Pf, model.pf_offs, t, m, n, X, Y)
     else:
         ternary_forward(model, t, m, n, X, Y, kernel)
 
 
 @kernel_inner
 def ternary_input_grad_relu(model, t, m, n, DY, DX, kernel):
-    """ternary_input_grad for a DY of the ReLU's (zero where its unit is not active),
-    likewise."""
+    """ternary_input_grad for a DY of the ReLU's (zero where its unit is not active)."""
     if kernel is None:
-        timed = model.clock.shape[0] > 2
-        c0 = CYCLES() if timed else 0
-        ternary_panels_skipping_zeros(model.Pb, model.pb_offs, model.alpha, t, n, m, DY, DX)
-        if timed:
-            model.clock[1] += CYCLES() - c0
+        panels_skipping_zeros(model, 1, model.Pb, model.pb_offs, t, n, m, DY, DX)
     else:
         ternary_input_grad(model, t, m, n, DY, DX, kernel)
 
