@@ -90,9 +90,10 @@ def single_widened(info=None, panel=None) -> bool:
     conversion runs beside the two FMA pipes and the widening's stores are what the 4 x 12
     tile loses most to. On an AMD Zen 4 built for AVX2, the kernel alone ran 2-4% faster
     hot, 1-5% with its panels and rows in far caches (docs/performance-history.md,
-    2026-12-05). Not on Intel's cores, where the conversion takes an FMA port, nor with
-    512-bit vectors, whose 9 x 16 tile ran 5-9% slower so. The bits do not depend on it:
-    -1, 0 and +1 are exact in either."""
+    2026-12-05). Not on Intel's cores, where by the published port tables the conversion
+    takes one of the two FMA ports (not measured), nor with 512-bit vectors, whose 9 x 16
+    tile ran 5-9% slower so. The bits do not depend on it: -1, 0 and +1 are exact in
+    either."""
     info = cpu_info() if info is None else info
     panel = (panel_kernels.TERNARY_TILES[0 if wide_vectors() else 1][1] if panel is None
              else panel)
