@@ -126,11 +126,12 @@ def panels_of(T, panel):
 
 @pytest.mark.parametrize("n,a,b", [(27, 729, 243), (7, 33, 101), (3, 64, 9), (13, 65, 17),
                                    (5, 128, 40), (4, 200, 300), (1, 63, 12), (9, 0, 16),
-                                   (6, 729, 17), (27, 243, 729)])
+                                   (6, 729, 17), (27, 243, 729), (3, 129, 20)])
 def test_every_sparse_kernel_gives_the_dense_bits(n, a, b):
     """The products that skip their inputs' zeros (panel_kernels.ternary_sparse_matmul_*;
     hslm.micro takes one where it pays) against the dense kernel of their panel width, bit
-    for bit: inputs ending at, just past and inside a chunk of 64 (a mask word), a last
+    for bit: inputs ending at, just past and inside a chunk of 64 (a mask word; 129: a last
+    chunk of one input), a last
     group of fewer panels than a tile holds (9, 17, 40, 101 and 300 columns), every input
     zero and none, -0.0, NaN and inf. Above `most` nonzero the kernel declines and leaves Y
     as it was. The control: a tile that skipped NaN as well (were the masks built with an
