@@ -21,7 +21,8 @@ from .cores import farthest_round_trip_ns
 from .peak import measured_peaks
 from .rng import Stream
 from .layers import CYCLES
-from .micro import amd_family, cpu_info, half_width_avx2, half_width_avx512
+from .micro import (amd_family, cpu_info, half_width_avx2, half_width_avx512,
+                    skips_relu_zeros)
 from .speeds import DEFAULT_SPEED, SPEEDS
 from .step import StepRunner, warm_up
 from .train import Run
@@ -517,7 +518,6 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
              entry["weight_grads_ms"]) = profile_layerwise(cfg, hyper, corpus)
             entry["phase_work"] = phase_work(cfg, hyper)
             entry["relu_matrices_flop"] = relu_matrix_flops(cfg, hyper)
-            from .micro import skips_relu_zeros
             entry["relu_inputs_skipped"] = skips_relu_zeros()  # (reports since 2026-12-05)
             report["optimiser_stream_gbs"] = optimiser_stream_gbs(cfg.n_params)
             report["optimiser_arithmetic_ns"] = optimiser_arithmetic_ns()
