@@ -95,8 +95,7 @@ def single_widened(info=None, panel=None) -> bool:
     tile ran 5-9% slower so. The bits do not depend on it: -1, 0 and +1 are exact in
     either."""
     info = cpu_info() if info is None else info
-    panel = (panel_kernels.TERNARY_TILES[0 if wide_vectors() else 1][1] if panel is None
-             else panel)
+    panel = TERNARY_PANEL if panel is None else panel  # (this build's, set below)
     return panel in panel_kernels.SINGLE_WIDENED and amd_family(info) >= 0x17
 
 

@@ -504,7 +504,6 @@ def panel_matmul_add2_3x12(X, X2, P, P2, b, G, fresh):
 SPARSE_3x12_F32 = make_sparse_rows_tile(3, 12, 4, True)
 SPARSE_1x12_F32 = make_sparse_rows_tile(1, 12, 4, True)
 NONZERO_BITS_4 = make_nonzero_bits(4)
-WIDEN_12_SPARSE_F32 = make_widen(12, single=True)
 
 
 @KERNEL
@@ -532,9 +531,11 @@ def ternary_sparse_matmul_12_f32(X, P, b, alpha, Y, most):
         return False
     # the rows' sums [n, 36], then 3 panels' chunks widened, each [64, 12], in
     # one allocation (see ternary_panel_matmul_*: an address does not keep an array alive)
-    scratch = np.zeros(n * 36 + 3 * 64 * 12 * 4 // 8 + 16)
+    scratch = np.empty(n * 36 + 3 * 64 * 12 * 4 // 8 + 16)
     first = (-scratch.ctypes.data) % 64 // 8
     sums = scratch[first:first + n * 36]
+    if words == 0:  # no input: every sum is 0.0 (the tiles write them otherwise)
+        sums[:] = 0.0
     s = sums.ctypes.data
     wide = s + 8 * ((n * 36 + 7) // 8 * 8)
     for q0 in range(0, P.shape[0], 3):
@@ -543,8 +544,8 @@ def ternary_sparse_matmul_12_f32(X, P, b, alpha, Y, most):
             k0 = 64 * w
             kn = min(64, a - k0)
             for q in range(nq):
-                WIDEN_12_SPARSE_F32(P.ctypes.data + (q0 + q) * P.strides[0] + 12 * k0,
-                                   kn, wide + 4 * 64 * 12 * q)
+                WIDEN_12_F32(P.ctypes.data + (q0 + q) * P.strides[0] + 12 * k0, kn,
+                        wide + 4 * 64 * 12 * q)
             more = 1 if w > 0 else 0
             for r in range(n):
                 x = X[r].ctypes.data + 8 * k0
@@ -553,7 +554,7 @@ def ternary_sparse_matmul_12_f32(X, P, b, alpha, Y, most):
                 else:
                     for q in range(nq):
                         SPARSE_1x12_F32(masks[r, w], x, wide + 4 * 64 * 12 * q,
-                                           s + 8 * (36 * r + 12 * q), more)
+                              s + 8 * (36 * r + 12 * q), more)
         j = q0 * 12
         cols = min(nq * 12, b - j)
         for r in range(n):
@@ -565,7 +566,6 @@ def ternary_sparse_matmul_12_f32(X, P, b, alpha, Y, most):
 SPARSE_2x16 = make_sparse_rows_tile(2, 16, 8, False)
 SPARSE_1x16 = make_sparse_rows_tile(1, 16, 8, False)
 NONZERO_BITS_8 = make_nonzero_bits(8)
-WIDEN_16_SPARSE = make_widen(16)
 
 
 @KERNEL
@@ -593,9 +593,11 @@ def ternary_sparse_matmul_16(X, P, b, alpha, Y, most):
         return False
     # the rows' sums [n, 32], then 2 panels' chunks widened, each [64, 16], in
     # one allocation (see ternary_panel_matmul_*: an address does not keep an array alive)
-    scratch = np.zeros(n * 32 + 2 * 64 * 16 * 8 // 8 + 16)
+    scratch = np.empty(n * 32 + 2 * 64 * 16 * 8 // 8 + 16)
     first = (-scratch.ctypes.data) % 64 // 8
     sums = scratch[first:first + n * 32]
+    if words == 0:  # no input: every sum is 0.0 (the tiles write them otherwise)
+        sums[:] = 0.0
     s = sums.ctypes.data
     wide = s + 8 * ((n * 32 + 7) // 8 * 8)
     for q0 in range(0, P.shape[0], 2):
@@ -604,8 +606,8 @@ def ternary_sparse_matmul_16(X, P, b, alpha, Y, most):
             k0 = 64 * w
             kn = min(64, a - k0)
             for q in range(nq):
-                WIDEN_16_SPARSE(P.ctypes.data + (q0 + q) * P.strides[0] + 16 * k0,
-                                   kn, wide + 8 * 64 * 16 * q)
+                WIDEN_16(P.ctypes.data + (q0 + q) * P.strides[0] + 16 * k0, kn,
+                        wide + 8 * 64 * 16 * q)
             more = 1 if w > 0 else 0
             for r in range(n):
                 x = X[r].ctypes.data + 8 * k0
@@ -614,7 +616,7 @@ def ternary_sparse_matmul_16(X, P, b, alpha, Y, most):
                 else:
                     for q in range(nq):
                         SPARSE_1x16(masks[r, w], x, wide + 8 * 64 * 16 * q,
-                                           s + 8 * (32 * r + 16 * q), more)
+                              s + 8 * (32 * r + 16 * q), more)
         j = q0 * 16
         cols = min(nq * 16, b - j)
         for r in range(n):

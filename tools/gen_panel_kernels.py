@@ -359,18 +359,19 @@ def sparse_kernel(panel):
     sums; a last group of fewer panels runs a one-panel tile per panel."""
     lanes, panels = VECTOR_LANES[panel], SPARSE_PANELS[panel]
     single = SPARSE_SINGLE_WIDENED[panel]
-    f32 = "_f32" if single else ""
-    opt = ", single=True" if single else ""
-    width = panels * panel
-    esize = 4 if single else 8
-    return f"""SPARSE_{panels}x{panel}{f32.upper()} = make_sparse_rows_tile({panels}, {panel}, {lanes}, {single})
-SPARSE_1x{panel}{f32.upper()} = make_sparse_rows_tile(1, {panel}, {lanes}, {single})
+    f32 = "_F32" if single else ""
+    width, esize = panels * panel, 4 if single else 8
+    # the chunks are widened by the dense kernel's widen of this panel width and precision
+    # (ternary_kernel's WIDEN_<panel>[_F32], written before this kernel)
+    full, one = f"SPARSE_{panels}x{panel}{f32}", f"SPARSE_1x{panel}{f32}"
+    widen = f"WIDEN_{panel}{f32}"
+    return f"""{full} = make_sparse_rows_tile({panels}, {panel}, {lanes}, {single})
+{one} = make_sparse_rows_tile(1, {panel}, {lanes}, {single})
 NONZERO_BITS_{lanes} = make_nonzero_bits({lanes})
-WIDEN_{panel}_SPARSE{f32.upper()} = make_widen({panel}{opt})
 
 
 @KERNEL
-def ternary_sparse_matmul_{panel}{f32}(X, P, b, alpha, Y, most):
+def ternary_sparse_matmul_{panel}{f32.lower()}(X, P, b, alpha, Y, most):
     \"\"\"Y [n, b] = alpha * (X [n, a] . T), T ternary [a, b] in panels P (int8), as
     ternary_panel_matmul_*x{panel} gives it, bit for bit, summing each row over its nonzero
     inputs only (a zero input adds +-0.0, which changes no bit of the sum). Returns False,
@@ -394,9 +395,11 @@ def ternary_sparse_matmul_{panel}{f32}(X, P, b, alpha, Y, most):
         return False
     # the rows' sums [n, {width}], then {panels} panels' chunks widened, each [64, {panel}], in
     # one allocation (see ternary_panel_matmul_*: an address does not keep an array alive)
-    scratch = np.zeros(n * {width} + {panels} * 64 * {panel} * {esize} // 8 + 16)
+    scratch = np.empty(n * {width} + {panels} * 64 * {panel} * {esize} // 8 + 16)
     first = (-scratch.ctypes.data) % 64 // 8
     sums = scratch[first:first + n * {width}]
+    if words == 0:  # no input: every sum is 0.0 (the tiles write them otherwise)
+        sums[:] = 0.0
     s = sums.ctypes.data
     wide = s + 8 * ((n * {width} + 7) // 8 * 8)
     for q0 in range(0, P.shape[0], {panels}):
@@ -405,17 +408,17 @@ def ternary_sparse_matmul_{panel}{f32}(X, P, b, alpha, Y, most):
             k0 = 64 * w
             kn = min(64, a - k0)
             for q in range(nq):
-                WIDEN_{panel}_SPARSE{f32.upper()}(P.ctypes.data + (q0 + q) * P.strides[0] + {panel} * k0,
-                                   kn, wide + {esize} * 64 * {panel} * q)
+                {widen}(P.ctypes.data + (q0 + q) * P.strides[0] + {panel} * k0, kn,
+                        wide + {esize} * 64 * {panel} * q)
             more = 1 if w > 0 else 0
             for r in range(n):
                 x = X[r].ctypes.data + 8 * k0
                 if nq == {panels}:
-                    SPARSE_{panels}x{panel}{f32.upper()}(masks[r, w], x, wide, s + 8 * {width} * r, more)
+                    {full}(masks[r, w], x, wide, s + 8 * {width} * r, more)
                 else:
                     for q in range(nq):
-                        SPARSE_1x{panel}{f32.upper()}(masks[r, w], x, wide + {esize} * 64 * {panel} * q,
-                                           s + 8 * ({width} * r + {panel} * q), more)
+                        {one}(masks[r, w], x, wide + {esize} * 64 * {panel} * q,
+                              s + 8 * ({width} * r + {panel} * q), more)
         j = q0 * {panel}
         cols = min(nq * {panel}, b - j)
         for r in range(n):
