@@ -18,6 +18,7 @@ from . import checkpoint as ckpt
 from .bench_report import DENSE_OPERANDS, RELU_MATRICES, source_commit
 from .config import Config
 from .cores import farthest_round_trip_ns
+from .machine_load import load_between, snapshot
 from .peak import measured_peaks
 from .rng import Stream
 from .layers import CYCLES
@@ -443,6 +444,7 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
     from .validate import check_fits, memory_estimate
 
     rounds = min(TABLE_ROUNDS, steps)
+    load_before = snapshot()
     nominal, peak_desc = machine_peak_gflops_per_core()
     measured = measured_peaks()
     if measured is None:  # the nominal peak, and half of it unfused where adds share pipes
@@ -522,4 +524,5 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
             report["optimiser_stream_gbs"] = optimiser_stream_gbs(cfg.n_params)
             report["optimiser_arithmetic_ns"] = optimiser_arithmetic_ns()
         report["models"].append(entry)
+    report["load"] = load_between(load_before, snapshot())  # (reports since 2026-12-05)
     return report

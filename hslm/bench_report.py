@@ -3,6 +3,7 @@ loaded, so `hslm bench-compare` runs anywhere in a moment."""
 from __future__ import annotations
 
 from .errors import HslmError
+from .machine_load import describe as describe_load
 
 
 # The weight gradients' parts hslm bench's profile times (a report's weight_grads_ms)
@@ -30,6 +31,9 @@ def format_report(report):
             else "f64 peak not measured here: '% peak' is of the nominal peak"),
            "FLOPs per token: 2 per multiply-add of the ternary matrices (forward, input "
            "gradient, weight gradient at scored positions)"]
+    if report.get("load"):
+        out.append(f"beside the bench ({report['load']['wall_s']:.0f} s, Linux's /proc/stat): "
+                   f"{describe_load(report['load'])}; a busy machine's figures read low")
     for e in report["models"]:
         out.append(f"model {e['model']} ({e['params']:,} parameters, window {e['window']}, "
                    f"k {e['k']}, {e['flops_per_token'] / 1e6:.2f} MFLOP per token)")
@@ -254,7 +258,8 @@ def compare_reports(named) -> list:
         steps = f"{r['steps']} step{'s' if r['steps'] != 1 else ''}"
         return (f"{name}: {version}, {r.get('date', 'date not recorded')}, {steps}; "
                 f"{r.get('machine', '?')}; Python {r.get('python', '?')}, numpy "
-                f"{r.get('numpy', '?')}, numba {r.get('numba', '?')}")
+                f"{r.get('numpy', '?')}, numba {r.get('numba', '?')}"
+                + (f"; beside it {describe_load(r['load'])}" if r.get("load") else ""))
 
     out = [f"comparing {len(named)} bench reports, each against the first ({base_name}):",
            "  " + describe(base_name, base)] + ["  " + describe(n, r) for n, r in rest]

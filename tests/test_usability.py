@@ -498,6 +498,9 @@ def test_bench_times_its_runs_in_interleaved_rounds(tmp_path):
     report = json.loads(path.read_text())
     rows = report["models"][0]["rows"]
     assert report["rounds"] == 3 and len(rows) == 4
+    # what else ran beside it, where Linux says (hslm/machine_load.py)
+    assert (report["load"] is not None) == os.path.exists("/proc/stat")
+    assert ("beside the bench (" in out) == (report["load"] is not None)
     for r in rows:
         assert len(r["per_round"]) == 3 and len(r["losses"]) == 1 + 3 + 5
         assert r["tok_s"] == sorted(r["per_round"])[1]
@@ -1009,3 +1012,36 @@ def test_a_time_left_over_an_hour_is_given_in_hours():
     from hslm.progress import duration
     assert textsource.duration is duration
     assert [duration(s) for s in (7, 185, 7500)] == ["7s", "3m05s", "2h05m"]
+
+
+def test_bench_says_what_else_ran_beside_it():
+    """hslm/machine_load.py: the CPU time others took while the bench ran is the busy
+    time /proc/stat counts less the bench's own (os.times), and the hypervisor's steal,
+    each a share of all the CPUs' time. A child that spun 0.4 s of CPU and has exited but
+    is not yet waited for counts as another process; the same spin in this process
+    counts as ours (the control: taken from the busy time, not left in 'others')."""
+    from hslm import machine_load as ml
+    text = "cpu  300 0 100 900 5 0 0 40 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n"
+    assert ml.parse_cpu_line(text) == (400, 40)
+    assert ml.parse_cpu_line("cpu 1 2 3\n") is None and ml.parse_cpu_line("intr 1 2") is None
+    before = {"wall": 10.0, "busy": 1000, "steal": 0, "ours_s": 5.0}
+    after = {"wall": 12.0, "busy": 1300, "steal": 40, "ours_s": 6.0}
+    load = ml.load_between(before, after, cpus=2, hz=100)  # (3 s busy - 1 s ours) / 4 s
+    assert load == {"cpus": 2, "wall_s": 2.0, "others": 0.5, "steal": 0.1}
+    assert "other processes 50.0% and the hypervisor's steal 10.0% of the 2 CPUs'" \
+        in ml.describe(load)
+    assert ml.load_between(None, after) is None and ml.load_between(after, before) is None
+    if ml.snapshot() is None:
+        pytest.skip("no /proc/stat here")
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass"
+    a = ml.snapshot()
+    child = subprocess.Popen([sys.executable, "-c", spin])
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # exited, its times not ours yet
+    b = ml.snapshot()
+    child.wait()
+    load = ml.load_between(a, b)
+    assert load["others"] * load["cpus"] * load["wall_s"] >= 0.3, load
+    c = ml.snapshot()
+    exec(spin, {})
+    d = ml.snapshot()
+    assert d["ours_s"] - c["ours_s"] >= 0.35  # subtracted from the busy ticks as ours
