@@ -1,6 +1,10 @@
 """A model (not a measurement) of `mpiexec -n P hslm train` on P nodes of 16 cores.
 
-    python tools/mpi_model.py [--core-tok-s 2200] [--adam-ms 10.4] [--requantise-ms 5.6]
+    python tools/mpi_model.py [--core-tok-s 3440] [--adam-ms 3.9] [--requantise-ms 1.5]
+
+The defaults are one core of a 2-core AMD Zen 4 (2026-12-05, as built: hslm bench's
+docs/bench/zen4.json, batch 8 one thread; AdamW alone and requantising alone, each
+over hslm-3's arrays after 256 MB of other writes).
 
 Per step, each node runs w = ceil(B / P) windows of 27 tokens at the measured one-core
 rate: the windows phase (about half of it) on min(16, w) cores, the weight gradients
@@ -40,9 +44,9 @@ def step_seconds(B, P, link_gbit, core_tok_s, adam_s, requantise_s):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--core-tok-s", type=float, default=2200.0)
-    ap.add_argument("--adam-ms", type=float, default=10.4)
-    ap.add_argument("--requantise-ms", type=float, default=5.6)
+    ap.add_argument("--core-tok-s", type=float, default=3440.0)
+    ap.add_argument("--adam-ms", type=float, default=3.9)
+    ap.add_argument("--requantise-ms", type=float, default=1.5)
     a = ap.parse_args()
 
     def tok_s(B, P, gbit):
