@@ -25,7 +25,9 @@ the weight layouts it reads and which of two reductions it uses:
   threads than windows (StepRunner._gradient_teams) the threads form a team per
   window and split its rows; the backward runs in stages, and the threads take a
   stage's units as soon as every row has passed it, each first the units of the
-  tensors it then updates in the optimiser.
+  tensors it then updates in the optimiser. A slot's phases, and its share of the
+  optimiser's update (gradient's `then`), run in one task a step, with barriers
+  between them.
 
 Threads are plain Python threads running nogil Numba kernels: no Numba
 threading layer is involved, so forking and Ctrl-C behave as in any Python
@@ -33,8 +35,9 @@ program, and nothing depends on which layer a machine has.
 """
 from __future__ import annotations
 
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -277,9 +280,54 @@ class StepRunner:
             return [fn(j) for j in range(n)]
         return list(self.pool.map(fn, range(n)))
 
-    def gradient(self, model, vsa_table, windows: np.ndarray, k: int, G: np.ndarray) -> float:
-        """G = the batch's gradient (scaled by 1/(k B)); returns the step's mean loss."""
+    def _run_slots(self, work, n, barrier):
+        """work(j) for thread slots j = 0..n-1 at once (on this thread where n is 1), each
+        to its end. Where one raises, the barrier its slots wait at is broken, so that no
+        other waits for ever; the first error that is not that breaking is raised."""
+        if self.pool is None or n == 1:
+            for j in range(n):
+                work(j)
+            return
+
+        def guarded(j):
+            try:
+                work(j)
+            except BaseException:
+                if barrier is not None:
+                    barrier.abort()
+                raise
+        futures = [self.pool.submit(guarded, j) for j in range(n)]
+        wait(futures)
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)),
+                       errors[0])
+
+    def _optimise(self, then, barrier, marks, j):
+        """Slot j's part of a step once its gradient part is written: wait at the barrier
+        for every slot's, then then(its optimiser share); slot 0 marks when they all
+        had (the optimiser's start, for hslm bench's profile)."""
+        if barrier is not None:
+            barrier.wait()
+        if j == 0:
+            marks["optimiser"] = time.perf_counter()
+        then(self.optimiser_shares[j])
+
+    def gradient(self, model, vsa_table, windows: np.ndarray, k: int, G: np.ndarray,
+                 then=None) -> float:
+        """G = the batch's gradient (scaled by 1/(k B)); returns the step's mean loss.
+
+        then: None, or the optimiser's update of a share of the tensors, then(share),
+        run once G is whole for each thread slot j's share (self.optimiser_shares[j]).
+        The layerwise speeds run it in slot j's own task, after a barrier: one task per
+        slot and step instead of a round trip through the calling thread after each
+        phase, and slot j updates the tensors whose gradient it summed last
+        (staged_chunks' owners) on the same thread, as designed (a pool's tasks had gone
+        to whichever thread was free). On the 2-core AMD Zen 4, steps taken in turns
+        (tools/ab_steps.py): batch 1 on two threads 0.981x and 0.986x, batch 8 0.996x."""
         if self.world is not None:  # MPI: this rank's windows, summed in window order
+            if then is not None:
+                raise ValueError("StepRunner.gradient: MPI runs update through their world")
             return self.world.gradient(self, model, vsa_table, windows, k, G)
         B = windows.shape[0]
         scale = 1.0 / (k * B)
@@ -287,8 +335,9 @@ class StepRunner:
         if self.speed.reduction != "gradient units":
             G[:] = 0.0  # (by gradient units, each unit writes its part whole)
         if self.speed.reduction == "gradient units":
-            self._gradient_layerwise(model, vsa_table, windows, k, scale, G, losses)
-        elif self.threads == 1:
+            self._gradient_layerwise(model, vsa_table, windows, k, scale, G, losses, then)
+            return ordered_mean(losses)
+        if self.threads == 1:
             w = self.workers[0]
             for i in range(B):
                 losses[i] = w.window(model, vsa_table, windows[i], k, scale, G)
@@ -306,9 +355,17 @@ class StepRunner:
 
                 losses[g0:g0 + n] = self._map(one, n)
                 self._map(lambda r: add_in_order(G, self.bufs, n, cuts[r], cuts[r + 1]), N)
+        if then is not None:
+            t0 = time.perf_counter()
+            self.map_parts(then, self.optimiser_shares)
+            self._add_timing("optimiser", time.perf_counter() - t0)
         return ordered_mean(losses)
 
-    def _gradient_layerwise(self, model, vsa_table, windows, k, scale, G, losses):
+    def _add_timing(self, phase, seconds):
+        if self.timings is not None:  # (hslm bench's profile)
+            self.timings[phase] = self.timings.get(phase, 0.0) + seconds
+
+    def _gradient_layerwise(self, model, vsa_table, windows, k, scale, G, losses, then):
         B, N = windows.shape[0], self.threads
         if self.batch != B:
             self.acts_b = alloc_acts(self.cfg.dims(), B)
@@ -317,7 +374,7 @@ class StepRunner:
             self.batch = B
         kernel = self.speed.kernel
         if N > B:  # threads beyond the batch: teams split each window's rows
-            return self._gradient_teams(model, vsa_table, windows, k, scale, G, losses)
+            return self._gradient_teams(model, vsa_table, windows, k, scale, G, losses, then)
 
         def run_windows(j):  # thread slot j takes windows j, j + N, ...
             windows_layerwise(model, vsa_table, windows, self.vsa_b, k, scale, self.acts_b,
@@ -330,16 +387,32 @@ class StepRunner:
             gradients_from_records(model, self.acts_b, self.rec_b, windows, k, self.units, lo, hi,
                                    G, scr.xt, scr.dy_panels, True)
 
-        t0 = time.perf_counter()
-        self._map(run_windows, N)
-        t1 = time.perf_counter()
-        self._map(run_units, N)
-        if self.timings is not None:
-            self.timings["windows"] = self.timings.get("windows", 0.0) + t1 - t0
-            self.timings["weight gradients"] = (self.timings.get("weight gradients", 0.0)
-                                                + time.perf_counter() - t1)
+        # the phases in one task per slot, a barrier after each (a new one each step: one
+        # an error broke stays broken), so the windows' records are whole before any unit
+        # reads them, and G before any slot updates
+        barrier = threading.Barrier(N) if N > 1 else None
+        marks = {}
 
-    def _gradient_teams(self, model, vsa_table, windows, k, scale, G, losses):
+        def slot(j):
+            run_windows(j)
+            if barrier is not None:
+                barrier.wait()
+            if j == 0:
+                marks["windows"] = time.perf_counter()
+            run_units(j)
+            if then is not None:
+                self._optimise(then, barrier, marks, j)
+
+        t0 = time.perf_counter()
+        self._run_slots(slot, N, barrier)
+        t_end = time.perf_counter()
+        t2 = marks.get("optimiser", t_end)
+        self._add_timing("windows", marks["windows"] - t0)
+        self._add_timing("weight gradients", t2 - marks["windows"])
+        if then is not None:
+            self._add_timing("optimiser", t_end - t2)
+
+    def _gradient_teams(self, model, vsa_table, windows, k, scale, G, losses, then):
         """The layerwise gradient when threads outnumber the windows (N > B): slot j joins
         window j % B's team as member j // B. The members split the window's rows
         (team_rows) and run the forward over them (a member waits, inside the kernel, for
@@ -352,12 +425,15 @@ class StepRunner:
         per slot (windows.team_slot: its waits and its chunk counters are atomics, not Python),
         so no thread needs the GIL during the step. Every row gets the bits of the whole
         window's layers, each unit its windows in window order: who computes what, and
-        when, changes no bit."""
+        when, changes no bit. Then (then: the optimiser) each slot updates its share once
+        every slot has passed a barrier (gradient)."""
         B, N, nb = windows.shape[0], self.threads, self.cfg.blocks
         chunks = self.staged_chunks
         rows = self.team_slot_rows(B, k)
         sync = team_counters(N, nb)
         row_losses = np.empty((B, k))
+        barrier = threading.Barrier(N) if then is not None else None
+        marks = {}
 
         def slot(j):
             p0, p1 = rows[j]
@@ -369,8 +445,15 @@ class StepRunner:
             except BaseException:
                 sync[N] = 1  # the others stop waiting (and return False); this error surfaces
                 raise
+            if then is not None:
+                self._optimise(then, barrier, marks, j)
 
-        self._map(slot, N)
+        t0 = time.perf_counter()
+        self._run_slots(slot, N, barrier)
+        t_end = time.perf_counter()
+        if then is not None:
+            self._add_timing("optimiser", t_end - marks["optimiser"])
+        self._add_timing("windows and weight gradients", marks.get("optimiser", t_end) - t0)
         mean_losses(row_losses, k, 0, 1, losses)
 
     def team_slot_rows(self, B, k):

@@ -288,10 +288,9 @@ class Run:
         h = self.hyper
         windows = self.corpus.draw_windows(self.rng, h.batch, self.cfg.window)
         model = self.state.kernel_model()
-        loss = runner.gradient(model, self.tables.vsa, windows, h.loss_positions, self.grad)
-        self.step += 1
-        lr = self.lr_at(self.step)
-        bc1, bc2 = bias_corrections(self.step)
+        step = self.step + 1
+        lr = self.lr_at(step)
+        bc1, bc2 = bias_corrections(step)
 
         def adam(part):  # MPI: a rank's contiguous run of tensors (they are independent)
             adamw_step(self.state.theta, self.grad, self.m, self.v, self.state.offs, self.decay,
@@ -309,11 +308,15 @@ class Run:
             self.state.requantize(part[0], part[1], self.abs_sums)
 
         self.world = world = runner.world
+        if world is None:  # each thread slot updates its share once the gradient is whole
+            loss = runner.gradient(model, self.tables.vsa, windows, h.loss_positions, self.grad,
+                                   then=optimise_share)
+            self.step = step
+            return loss
+        loss = runner.gradient(model, self.tables.vsa, windows, h.loss_positions, self.grad)
+        self.step = step
         t0 = time.perf_counter()
-        if world is None:
-            runner.map_parts(optimise_share, runner.optimiser_shares)
-        else:  # MPI: each rank updates its own tensors, then all gather them
-            world.optimizer_step(self, runner, adam, requantize)
+        world.optimizer_step(self, runner, adam, requantize)  # each rank its own tensors
         if runner.timings is not None:  # (hslm bench's profile)
             runner.timings["optimiser"] = (runner.timings.get("optimiser", 0.0)
                                            + time.perf_counter() - t0)

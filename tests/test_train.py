@@ -142,6 +142,85 @@ def test_staged_weight_gradients_wait_for_their_stage():
     assert not np.isnan(G).any() and G.tobytes() != ref.tobytes()
 
 
+@pytest.mark.parametrize("B,N", [(2, 2), (1, 2), (3, 1)])
+def test_each_slot_updates_its_share_once_the_gradient_is_whole(monkeypatch, B, N):
+    """StepRunner.gradient(..., then): each thread slot j runs then(its optimiser share)
+    in its own task, on the thread that ran its part of the gradient (windows and units,
+    or a team's slot: B = 1), past a barrier: G is whole when any share is updated, even
+    with slot 1's gradient held back 0.2 s. The negative control (slots of whole
+    windows): with no barrier, slot 0 updates while slot 1's part of G is unwritten
+    (NaN). An error in one slot's gradient is raised as it is (not as the barrier it
+    broke), and no share is updated; nothing waits for ever."""
+    import threading
+    import time
+
+    from hslm import step as step_module
+    from hslm.config import PRESETS
+    from hslm.params import ModelState, init_params
+    from hslm.tables import Tables
+    cfg = PRESETS["hslm-tiny"]
+    tables = Tables(cfg)
+    model = ModelState(cfg, init_params(cfg, 5), tables, plain=False).kernel_model()
+    windows = np.random.default_rng(5).integers(0, cfg.vocab, (B, cfg.window + 1))
+    k = cfg.window
+    name = "team_slot" if N > B else "windows_layerwise"
+    real = getattr(step_module, name)
+    ran_on, fail = {}, {}
+
+    def part(*args):  # slot j's gradient part (j: the tenth argument of both)
+        j = args[9]
+        if j in fail:
+            raise fail[j]
+        ran_on.setdefault(j, set()).add(threading.get_ident())
+        if j == 1:
+            time.sleep(0.2)
+        return real(*args)
+    monkeypatch.setattr(step_module, name, part)
+
+    seen = []
+
+    def gradient_and_updates():
+        G = np.full(cfg.n_params, np.nan)
+        updates = []
+        seen.append(updates)
+
+        def then(share):
+            updates.append((threading.get_ident(), tuple(share), bool(np.isnan(G).any())))
+        runner = step_module.StepRunner(cfg, 3, N)
+        try:
+            runner.gradient(model, tables.vsa, windows, k, G, then=then)
+            return runner, updates
+        finally:
+            runner.close()
+
+    runner, updates = gradient_and_updates()
+    shares = [tuple(x) for x in runner.optimiser_shares]
+    assert sorted(u[1] for u in updates) == sorted(shares) and len(updates) == N
+    assert not any(u[2] for u in updates)  # G whole at every update
+    for ident, share, _ in updates:
+        assert ran_on[shares.index(share)] == {ident}  # the slot's own thread
+    if N > 1 and N <= B:  # (a team's slots wait for each other inside the kernel too,
+        # so there a missing barrier shows only by chance)
+        class NoBarrier:
+            def __init__(self, n):
+                pass
+
+            def wait(self):
+                pass
+
+            def abort(self):
+                pass
+        with monkeypatch.context() as m:
+            m.setattr(step_module.threading, "Barrier", NoBarrier)
+            _, updates = gradient_and_updates()
+        assert any(u[2] for u in updates)  # the control: an update before G was whole
+    if N > 1:
+        fail[0] = ValueError("slot 0 failed")
+        with pytest.raises(ValueError, match="slot 0 failed"):
+            gradient_and_updates()
+        assert seen[-1] == []  # slot 1 found the barrier broken: no share updated
+
+
 @pytest.mark.parametrize("N", [2, 3, 16])
 def test_staged_chunks_go_first_to_the_slot_that_updates_their_tensors(N):
     """The teams' weight-gradient chunks (StepRunner.staged_chunks) cover every unit once,
