@@ -69,5 +69,6 @@ def load_between(before, after, cpus=None, hz=None):
 def describe(load) -> str:
     """One phrase for a report's line: 'other processes 0.4% and the hypervisor's steal
     0.0% of the 2 CPUs' time'."""
+    cpus = "the CPU's" if load["cpus"] == 1 else f"the {load['cpus']} CPUs'"
     return (f"other processes {100 * load['others']:.1f}% and the hypervisor's steal "
-            f"{100 * load['steal']:.1f}% of the {load['cpus']} CPUs' time")
+            f"{100 * load['steal']:.1f}% of {cpus} time")

@@ -288,10 +288,12 @@ class StepRunner:
         kernels stop waiting), so that no slot waits for ever; every slot has ended
         before the first error that is not that breaking is raised."""
         def stop():
-            if barrier is not None:
-                barrier.abort()
-            if abort is not None:
-                abort()
+            try:
+                if barrier is not None:
+                    barrier.abort()
+            finally:  # (even if a second Ctrl-C lands in the first)
+                if abort is not None:
+                    abort()
 
         def guarded(j):
             try:
@@ -302,17 +304,20 @@ class StepRunner:
         futures = []
         try:
             if self.pool is not None:
-                futures = [self.pool.submit(guarded, j) for j in range(1, n)]
+                for j in range(1, n):
+                    futures.append(self.pool.submit(guarded, j))
             work(0)
-        except BaseException as e:
-            stop()
             wait(futures)
+        except BaseException as e:
+            try:
+                stop()
+            finally:
+                wait(futures)
             if isinstance(e, threading.BrokenBarrierError):  # another slot's error broke it
                 errors = [f.exception() for f in futures if f.exception() is not None]
                 raise next((x for x in errors
                             if not isinstance(x, threading.BrokenBarrierError)), e) from None
             raise
-        wait(futures)
         errors = [f.exception() for f in futures if f.exception() is not None]
         if errors:
             raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)),

@@ -147,10 +147,13 @@ def test_each_slot_updates_its_share_once_the_gradient_is_whole(monkeypatch, B, 
     """StepRunner.gradient(..., then): each thread slot j runs then(its optimiser share)
     in its own task (slot 0 on the calling thread), on the thread that ran its part of
     the gradient (windows and units, or a team's slot: B = 1), past a barrier: G is
-    whole when any share is updated, even with slot 1's gradient held back 0.2 s. The negative control (slots of whole
-    windows): with no barrier, slot 0 updates while slot 1's part of G is unwritten
-    (NaN). An error in one slot's gradient is raised as it is (not as the barrier it
-    broke), and no share is updated; nothing waits for ever."""
+    whole when any share is updated, even with slot 1's windows and units each held
+    back 0.2 s. The negative control (slots of whole windows): with no wait before the
+    update, slot 0 updates while slot 1's units are unwritten (NaN). An error in either
+    slot, before the first barrier, between the two or in the update, is raised as it is
+    (not as the barrier it broke), no share is updated where the error came before
+    them, and nothing waits for ever. The per-position speeds update after their
+    gradient, each share once."""
     import threading
     import time
 
@@ -164,63 +167,75 @@ def test_each_slot_updates_its_share_once_the_gradient_is_whole(monkeypatch, B, 
     windows = np.random.default_rng(5).integers(0, cfg.vocab, (B, cfg.window + 1))
     k = cfg.window
     name = "team_slot" if N > B else "windows_layerwise"
-    real = getattr(step_module, name)
+    real, real_units = getattr(step_module, name), step_module.gradients_from_records
     ran_on, fail = {}, {}
 
     def part(*args):  # slot j's gradient part (j: the tenth argument of both)
         j = args[9]
-        if j in fail:
-            raise fail[j]
+        if ("part", j) in fail:
+            raise fail["part", j]
         ran_on.setdefault(j, set()).add(threading.get_ident())
         if j == 1:
             time.sleep(0.2)
         return real(*args)
+
+    def units(*args):  # a slot's weight-gradient units (lo: the seventh argument)
+        if args[6] > 0:  # not slot 0's
+            if ("units", 1) in fail:
+                raise fail["units", 1]
+            time.sleep(0.2)
+        return real_units(*args)
     monkeypatch.setattr(step_module, name, part)
+    monkeypatch.setattr(step_module, "gradients_from_records", units)
 
     seen = []
 
-    def gradient_and_updates():
+    plain_model = ModelState(cfg, init_params(cfg, 5), tables).kernel_model()  # speeds 0-2
+
+    def gradient_and_updates(speed=3):
         G = np.full(cfg.n_params, np.nan)
         updates = []
         seen.append(updates)
 
         def then(share):
             updates.append((threading.get_ident(), tuple(share), bool(np.isnan(G).any())))
-        runner = step_module.StepRunner(cfg, 3, N)
+            if ("then", 1) in fail and tuple(share) == shares[1]:
+                raise fail["then", 1]
+        runner = step_module.StepRunner(cfg, speed, N)
         try:
-            runner.gradient(model, tables.vsa, windows, k, G, then=then)
-            return runner, updates
+            runner.gradient(model if speed == 3 else plain_model, tables.vsa, windows, k, G,
+                            then=then)
+            return updates
         finally:
             runner.close()
 
-    runner, updates = gradient_and_updates()
-    shares = [tuple(x) for x in runner.optimiser_shares]
+    shares = [tuple(x) for x in step_module.optimiser_shares(cfg, N)]
+    updates = gradient_and_updates()
     assert sorted(u[1] for u in updates) == sorted(shares) and len(updates) == N
     assert not any(u[2] for u in updates)  # G whole at every update
     for ident, share, _ in updates:
         assert ran_on[shares.index(share)] == {ident}  # the slot's own thread
+    updates = gradient_and_updates(speed=2)
+    assert sorted(u[1] for u in updates) == sorted(shares) and not any(u[2] for u in updates)
     if N > 1 and N <= B:  # (a team's slots wait for each other inside the kernel too,
         # so there a missing barrier shows only by chance)
-        class NoBarrier:
-            def __init__(self, n):
-                pass
-
-            def wait(self):
-                pass
-
-            def abort(self):
-                pass
+        def no_wait(self, then, barrier, marks, j):
+            marks["optimiser"] = time.perf_counter()
+            then(self.optimiser_shares[j])
         with monkeypatch.context() as m:
-            m.setattr(step_module.threading, "Barrier", NoBarrier)
-            _, updates = gradient_and_updates()
+            m.setattr(step_module.StepRunner, "_optimise", no_wait)
+            updates = gradient_and_updates()
         assert any(u[2] for u in updates)  # the control: an update before G was whole
     if N > 1:  # slot 0 runs on this thread, slot 1 in the pool: either may fail
-        for j in (0, 1):
+        where = [("part", 0), ("part", 1), ("then", 1)] + [("units", 1)] * (N <= B)
+        for key in where:
             fail.clear()
-            fail[j] = ValueError(f"slot {j} failed")
-            with pytest.raises(ValueError, match=f"slot {j} failed"):
+            fail[key] = ValueError(f"{key} failed")
+            with pytest.raises(ValueError) as raised:
                 gradient_and_updates()
-            assert seen[-1] == []  # the other found the barrier broken: no share updated
+            assert raised.value is fail[key]
+            if key[0] != "then":
+                assert seen[-1] == []  # the other found the barrier broken: no update
 
 
 @pytest.mark.parametrize("N", [2, 3, 16])
