@@ -301,7 +301,7 @@ class StepRunner:
             except BaseException:
                 stop()
                 raise
-        futures = []
+        futures, errors = [], []
         try:
             if self.pool is not None:
                 for j in range(1, n):
@@ -309,17 +309,13 @@ class StepRunner:
             work(0)
             wait(futures)
         except BaseException as e:
+            errors.append(e)
             try:
                 stop()
             finally:
                 wait(futures)
-            if isinstance(e, threading.BrokenBarrierError):  # another slot's error broke it
-                errors = [f.exception() for f in futures if f.exception() is not None]
-                raise next((x for x in errors
-                            if not isinstance(x, threading.BrokenBarrierError)), e) from None
-            raise
-        errors = [f.exception() for f in futures if f.exception() is not None]
-        if errors:
+        errors += [f.exception() for f in futures if f.exception() is not None]
+        if errors:  # a slot's own error rather than the barrier it broke for the others
             raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)),
                        errors[0])
 
@@ -460,18 +456,17 @@ class StepRunner:
         def slot(j):
             p0, p1 = rows[j]
             worker = self.workers[j]
-            try:
-                team_slot(model, vsa_table, windows, k, scale, self.acts_b, self.rec_b,
-                          worker.scr, worker.vsa_rows(p1), j, p0, p1, row_losses, sync,
-                          self.units, chunks, G, self.speed.kernel)
-            except BaseException:
-                sync[N] = 1  # the others stop waiting (and return False); this error surfaces
-                raise
+            team_slot(model, vsa_table, windows, k, scale, self.acts_b, self.rec_b,
+                      worker.scr, worker.vsa_rows(p1), j, p0, p1, row_losses, sync,
+                      self.units, chunks, G, self.speed.kernel)
             if then is not None:
                 self._optimise(then, barrier, marks, j)
 
+        def stop_waiting():  # a slot failed: the others' kernels stop waiting (return False)
+            sync[N] = 1
+
         t0 = time.perf_counter()
-        self._run_slots(slot, N, barrier, abort=lambda: sync.__setitem__(N, 1))
+        self._run_slots(slot, N, barrier, abort=stop_waiting)
         t_end = time.perf_counter()
         if then is not None:
             self._add_timing("optimiser", t_end - marks["optimiser"])

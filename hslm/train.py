@@ -308,18 +308,16 @@ class Run:
             self.state.requantize(part[0], part[1], self.abs_sums)
 
         self.world = world = runner.world
-        if world is None:  # each thread slot updates its share once the gradient is whole
-            loss = runner.gradient(model, self.tables.vsa, windows, h.loss_positions, self.grad,
-                                   then=optimise_share)
-            self.step = step
-            return loss
-        loss = runner.gradient(model, self.tables.vsa, windows, h.loss_positions, self.grad)
+        # in one process each thread slot updates its share once the gradient is whole
+        loss = runner.gradient(model, self.tables.vsa, windows, h.loss_positions, self.grad,
+                               then=optimise_share if world is None else None)
         self.step = step
-        t0 = time.perf_counter()
-        world.optimizer_step(self, runner, adam, requantize)  # each rank its own tensors
-        if runner.timings is not None:  # (hslm bench's profile)
-            runner.timings["optimiser"] = (runner.timings.get("optimiser", 0.0)
-                                           + time.perf_counter() - t0)
+        if world is not None:  # MPI: each rank updates its own tensors, then all gather them
+            t0 = time.perf_counter()
+            world.optimizer_step(self, runner, adam, requantize)
+            if runner.timings is not None:  # (hslm bench's profile)
+                runner.timings["optimiser"] = (runner.timings.get("optimiser", 0.0)
+                                               + time.perf_counter() - t0)
         return loss
 
     def validation_loss(self, runner: StepRunner) -> float:
