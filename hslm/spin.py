@@ -91,3 +91,19 @@ def wait_for(flags, first, step, count, value, abort):
                 yield_core()
                 spins = 0
     return True
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def wait_briefly(flags, i, value, abort, loads):
+    """Spin until flags[i] >= value (1), or flags[abort] != 0 (-1), for at most `loads`
+    loads of flags[i] (then 0): a wait in short pieces, so that its caller (hslm/slots.py)
+    can watch the clock, and Ctrl-C, between them."""
+    base = flags.ctypes.data
+    for s in range(loads):
+        if load_acquire(base + 8 * i) >= value:
+            return 1
+        if load_acquire(base + 8 * abort) != 0:
+            return -1
+        if (s + 1) % SPINS_PER_YIELD == 0:
+            yield_core()
+    return 0

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -45,6 +45,7 @@ from .config import TENSORS_PER_BLOCK
 from .jit import kernel_entry
 from .kernels import WGRAD_ROW_BLOCK, active_span, active_tiles
 from .layers import RELU_OUTPUT, alloc_acts, alloc_record, alloc_scratch, relu_side
+from .slots import SlotThreads, SpinBarrier
 from .speeds import KERNEL_PANELS, PER_POSITION, SPEEDS
 from .vsa import vsa_window
 from .windows import (every_block_forward, gradients_from_records, mean_losses, team_counters,
@@ -254,6 +255,8 @@ class StepRunner:
         self.threads = max(1, int(threads))
         self.workers = [Worker(cfg, speed) for _ in range(self.threads)]
         self.pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
+        # the layerwise speeds' slots 1.. (their tasks, _run_slots)
+        self.slot_threads = SlotThreads(self.threads) if self.threads > 1 else None
         self.bufs = None  # per position, several threads: one buffer per thread slot
         if self.speed.reduction == "window buffers" and self.threads > 1:
             self.bufs = np.zeros((self.threads, cfg.n_params))
@@ -268,6 +271,8 @@ class StepRunner:
     def close(self):
         if self.pool is not None:
             self.pool.shutdown(wait=True)
+        if self.slot_threads is not None:
+            self.slot_threads.close()
 
     def map_parts(self, fn, parts):
         """fn(part) for each part, one per thread slot."""
@@ -282,11 +287,12 @@ class StepRunner:
 
     def _run_slots(self, work, n, barrier, abort=None):
         """work(j) for thread slots j = 0..n-1 at once, each to its end: slot 0 on this
-        thread (already running: the pool's threads wake for the others), the others in
-        the pool. Where one raises, or this thread is interrupted (Ctrl-C) anywhere in
-        here, the barrier the slots wait at is broken and abort() called (a team's
-        kernels stop waiting), so that no slot waits for ever; every slot has ended
-        before the first error that is not that breaking is raised."""
+        thread (already running), the others on the slot threads (hslm/slots.py: they
+        spin between tasks rather than sleep). Where one raises, or this thread is
+        interrupted (Ctrl-C) anywhere in here, the barrier the slots wait at is broken
+        and abort() called (a team's kernels stop waiting), so that no slot waits for
+        ever; every slot has ended before the first error that is not that breaking is
+        raised."""
         def stop():
             try:
                 if barrier is not None:
@@ -301,20 +307,20 @@ class StepRunner:
             except BaseException:
                 stop()
                 raise
-        futures, errors = [], []
+        errors = []
         try:
-            if self.pool is not None:
-                for j in range(1, n):
-                    futures.append(self.pool.submit(guarded, j))
+            if n > 1:
+                self.slot_threads.submit(guarded, n)
             work(0)
-            wait(futures)
+            if n > 1:
+                errors += self.slot_threads.join()
         except BaseException as e:
             errors.append(e)
             try:
                 stop()
             finally:
-                wait(futures)
-        errors += [f.exception() for f in futures if f.exception() is not None]
+                if n > 1:
+                    errors += self.slot_threads.join()
         if errors:  # a slot's own error rather than the barrier it broke for the others
             raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)),
                        errors[0])
@@ -408,7 +414,7 @@ class StepRunner:
         # the phases in one task per slot, a barrier after each (a new one each step: one
         # an error broke stays broken), so the windows' records are whole before any unit
         # reads them, and G before any slot updates
-        barrier = threading.Barrier(N) if N > 1 else None
+        barrier = SpinBarrier(N) if N > 1 else None
         marks = {}
 
         def slot(j):
@@ -450,7 +456,7 @@ class StepRunner:
         rows = self.team_slot_rows(B, k)
         sync = team_counters(N, nb)
         row_losses = np.empty((B, k))
-        barrier = threading.Barrier(N) if then is not None else None
+        barrier = SpinBarrier(N) if then is not None else None
         marks = {}
 
         def slot(j):

@@ -226,7 +226,7 @@ def test_each_slot_updates_its_share_once_the_gradient_is_whole(monkeypatch, B, 
             m.setattr(step_module.StepRunner, "_optimise", no_wait)
             updates = gradient_and_updates()
         assert any(u[2] for u in updates)  # the control: an update before G was whole
-    if N > 1:  # slot 0 runs on this thread, slot 1 in the pool: either may fail
+    if N > 1:  # slot 0 runs on this thread, slot 1 on a slot thread: either may fail
         where = [("part", 0), ("part", 1), ("then", 1)] + [("units", 1)] * (N <= B)
         for key in where:
             fail.clear()

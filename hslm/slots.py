@@ -1,0 +1,146 @@
+"""The thread slots of a multi-thread step, which wait by spinning rather than sleeping.
+
+A multi-thread step (hslm/step.py, StepRunner._run_slots) runs one task per thread
+slot: slot 0 on the calling thread, slot j on a thread of its own (SlotThreads), with a
+barrier between the step's phases (SpinBarrier). Waiting by sleeping (a futex, as
+threading.Barrier and a thread pool's queue do) cost more than the wait itself on a
+shared 2-core Intel Xeon (KVM, 2026-12-05): two one-thread runs in two processes,
+stepping in lockstep through a sleeping barrier once a step, each ran 8-12% slower in
+every phase than running free, and as fast as free through a spinning one (a CPU that
+goes idle comes back slower; the hypervisor may give its core to someone else). So
+these waits spin (hslm/spin.py's acquire loads, without the GIL, yielding the core every
+SPINS_PER_YIELD loads, so that more threads than cores still make progress) for up to
+SPIN_SECONDS, then poll in short sleeps; a slot thread with no task for that long sleeps
+until the next one (as OpenMP's runtimes spin for a while before they sleep:
+KMP_BLOCKTIME, GOMP_SPINCOUNT). A wait changes when a thread goes on, never what it
+computes: no bit depends on it.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from .spin import add, publish, wait_briefly
+
+SPIN_SECONDS = 0.02  # a wait spins this long before it sleeps (a step's gaps: 0.2-1 ms)
+SPIN_LOADS = 1 << 16  # loads of the counter a piece of a spin (tens of microseconds)
+POLL_SECONDS = 1e-4  # past SPIN_SECONDS, a wait looks again after this sleep
+LINE = 8  # int64s a cache line: each counter on a line of its own
+
+
+def wait_until(flags, i, value, abort, sleep_after=True) -> int:
+    """Wait until flags[i] >= value (returns 1) or flags[abort] != 0 (-1): spinning for
+    SPIN_SECONDS, then polling in sleeps of POLL_SECONDS, or, with sleep_after False,
+    giving up then (0)."""
+    deadline = time.perf_counter() + SPIN_SECONDS
+    while True:
+        r = wait_briefly(flags, i, value, abort, SPIN_LOADS)
+        if r != 0:
+            return r
+        if time.perf_counter() > deadline:
+            if not sleep_after:
+                return 0
+            time.sleep(POLL_SECONDS)
+
+
+class SpinBarrier:
+    """threading.Barrier's wait() and abort() for n threads, waiting as wait_until does.
+    Each thread counts its own passes (a thread passes the k-th time once n k threads
+    have arrived), so one barrier serves any number of passes by the same n threads."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.flags = np.zeros(3 * LINE, np.int64)  # arrivals at [0], broken at [2 LINE]
+        self._passes = threading.local()
+
+    def wait(self):
+        if self.flags[2 * LINE] != 0:
+            raise threading.BrokenBarrierError
+        k = getattr(self._passes, "k", 0) + 1
+        self._passes.k = k
+        add(self.flags, 0, 1)
+        if wait_until(self.flags, 0, k * self.n, 2 * LINE) < 0:
+            raise threading.BrokenBarrierError
+
+    def abort(self):
+        """Break the barrier: every wait, now and later, raises BrokenBarrierError."""
+        publish(self.flags, 2 * LINE, 1)
+
+
+class SlotThreads:
+    """Threads for slots 1..n-1, kept for a run: submit(task, m) has slots 1..m-1 run
+    task(j) and join() waits for them; between tasks a thread spins (wait_until), then
+    sleeps on a condition until the next submit or close."""
+
+    def __init__(self, n: int):
+        self.n = n
+        # given[j] at LINE j (tasks submitted to slot j), done[j] at LINE (n + j)
+        self.flags = np.zeros(LINE * (2 * n + 1), np.int64)
+        self.never = LINE * 2 * n  # an abort counter that stays 0
+        self.tasks = [None] * n
+        self.errors = [None] * n
+        self.given = [0] * n
+        self.wake = threading.Condition()
+        self.closed = False
+        # the waits' kernels compiled (or loaded) now, not in a step
+        wait_briefly(self.flags, self.never, 0, self.never, 1)
+        add(self.flags, self.never, 0)
+        publish(self.flags, self.never, 0)
+        self.threads = [threading.Thread(target=self._serve, args=(j,), daemon=True,
+                                         name=f"hslm-slot-{j}") for j in range(1, n)]
+        for t in self.threads:
+            t.start()
+
+    def _serve(self, j):
+        k = 0
+        while True:
+            k += 1
+            if wait_until(self.flags, LINE * j, k, self.never, sleep_after=False) == 0:
+                with self.wake:  # (submit bumps the counter, then notifies under the lock)
+                    while self.flags[LINE * j] < k:
+                        self.wake.wait()
+            task = self.tasks[j]
+            if task is None:
+                return
+            try:
+                task(j)
+            except BaseException as e:  # noqa: BLE001 - raised by join, in the caller
+                self.errors[j] = e
+            finally:
+                self.tasks[j] = None
+                add(self.flags, LINE * (self.n + j), 1)
+
+    def submit(self, task, m: int):
+        """task(j) on slots j = 1..m-1 (m <= n), each on its own thread."""
+        for j in range(1, m):
+            self.tasks[j], self.errors[j] = task, None
+            self.given[j] += 1
+            add(self.flags, LINE * j, 1)
+        with self.wake:
+            self.wake.notify_all()
+
+    def join(self) -> list:
+        """Wait until every submitted task has ended; returns their exceptions (each once)."""
+        errors = []
+        for j in range(1, self.n):
+            wait_until(self.flags, LINE * (self.n + j), self.given[j], self.never)
+            if self.errors[j] is not None:
+                errors.append(self.errors[j])
+                self.errors[j] = None
+        return errors
+
+    def close(self):
+        """End the threads (after their tasks)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.join()
+        for j in range(1, self.n):
+            self.given[j] += 1
+            add(self.flags, LINE * j, 1)  # with no task: the thread returns
+        with self.wake:
+            self.wake.notify_all()
+        for t in self.threads:
+            t.join()

@@ -1,0 +1,132 @@
+"""The thread slots of a multi-thread step wait by spinning (hslm/slots.py): the barrier
+lets no thread through before all have arrived, breaks on abort, and a slot thread runs
+its tasks on its own thread, hands their errors back, and sleeps once idle past
+SPIN_SECONDS."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from hslm import slots
+
+
+def _passes(barrier, n, late, passes=3):
+    """n threads through `passes` waits of barrier, thread `late` arriving 0.05 s after
+    the others each time; the (event, pass, thread) events in the order they happened."""
+    events, lock = [], threading.Lock()
+
+    def run(j):
+        for p in range(passes):
+            if j == late:
+                time.sleep(0.05)
+            with lock:
+                events.append(("arrive", p, j))
+            barrier.wait()
+            with lock:
+                events.append(("leave", p, j))
+    threads = [threading.Thread(target=run, args=(j,)) for j in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return events
+
+
+def _in_step(events, n, passes=3):
+    """Whether every thread arrived at pass p before any left it, for every p."""
+    for p in range(passes):
+        arrivals = [i for i, e in enumerate(events) if e[:2] == ("arrive", p)]
+        leaves = [i for i, e in enumerate(events) if e[:2] == ("leave", p)]
+        if len(arrivals) != n or len(leaves) != n or max(arrivals) > min(leaves):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_spin_barrier_lets_no_thread_through_before_all_arrive(n):
+    assert _in_step(_passes(slots.SpinBarrier(n), n, late=n - 1), n)
+
+    class NoBarrier:  # the control: the same run without waiting is seen out of step
+        def wait(self):
+            pass
+    assert not _in_step(_passes(NoBarrier(), n, late=n - 1), n)
+
+
+def test_spin_barrier_abort_breaks_waits_now_and_later(monkeypatch):
+    monkeypatch.setattr(slots, "SPIN_SECONDS", 0.01)  # (past it, the wait sleeps and polls)
+    barrier = slots.SpinBarrier(2)
+    raised = []
+
+    def waiter():
+        try:
+            barrier.wait()
+        except threading.BrokenBarrierError:
+            raised.append(time.perf_counter())
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.1)
+    assert not raised and t.is_alive()  # waiting for the second thread
+    t0 = time.perf_counter()
+    barrier.abort()
+    t.join(5)
+    assert raised and raised[0] - t0 < 0.5
+    with pytest.raises(threading.BrokenBarrierError):
+        barrier.wait()
+
+
+def _cpu_seconds(native_id):
+    """A thread's CPU time so far (Linux: /proc/self/task/ID/stat, user + system ticks)."""
+    with open(f"/proc/self/task/{native_id}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_slot_threads_run_tasks_on_their_own_threads_and_sleep_when_idle(monkeypatch):
+    monkeypatch.setattr(slots, "SPIN_SECONDS", 0.3)
+    pool = slots.SlotThreads(3)
+    try:
+        ran = {}
+
+        def task(j):
+            ran[j] = threading.get_native_id()
+        for _ in range(3):
+            ran.clear()
+            pool.submit(task, 3)
+            assert pool.join() == []
+            assert sorted(ran) == [1, 2]
+            assert len({ran[1], ran[2], threading.get_native_id()}) == 3
+        pool.submit(task, 2)  # fewer slots than threads: slot 2 gets nothing
+        ran.clear()
+        pool.join()
+        assert sorted(ran) == [1]
+
+        failure = ValueError("slot failed")
+
+        def failing(j):
+            if j == 2:
+                raise failure
+        pool.submit(failing, 3)
+        assert pool.join() == [failure]
+        assert pool.join() == []  # each error once
+
+        if os.path.exists(f"/proc/self/task/{ran[1]}/stat"):
+            pool.submit(task, 3)
+            pool.join()
+            c0 = _cpu_seconds(ran[1])
+            time.sleep(0.2)  # within SPIN_SECONDS: spinning (the control)
+            c1 = _cpu_seconds(ran[1])
+            time.sleep(0.4)  # past it: asleep
+            c2 = _cpu_seconds(ran[1])
+            time.sleep(0.5)
+            c3 = _cpu_seconds(ran[1])
+            assert c1 - c0 >= 0.05, (c0, c1)
+            assert c3 - c2 <= 0.02, (c2, c3)
+            pool.submit(task, 3)  # and wakes for the next task
+            assert pool.join() == [] and sorted(ran) == [1, 2]
+    finally:
+        pool.close()
+    assert not any(t.is_alive() for t in pool.threads)
+    pool.close()  # (twice: nothing more)
