@@ -108,8 +108,8 @@ class SlotThreads:
                 task(j)
             except BaseException as e:  # noqa: BLE001 - raised by join, in the caller
                 self.errors[j] = e
-            finally:
-                self.tasks[j] = None
+            finally:  # (holding no task while it waits: a task's closure holds its arrays)
+                self.tasks[j] = task = None
                 add(self.flags, LINE * (self.n + j), 1)
 
     def submit(self, task, m: int):
