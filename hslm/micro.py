@@ -91,9 +91,10 @@ def single_widened(info=None, panel=None) -> bool:
     tile loses most to. On an AMD Zen 4 built for AVX2, the kernel alone ran 2-4% faster
     hot, 1-5% with its panels and rows in far caches (docs/performance-history.md,
     2026-12-05). Not on Intel's cores, where by the published port tables the conversion
-    takes one of the two FMA ports (not measured), nor with 512-bit vectors, whose 9 x 16
-    tile ran 5-9% slower so. The bits do not depend on it: -1, 0 and +1 are exact in
-    either."""
+    takes one of the two FMA ports (on the 2-core Xeon of the README, built for AVX2, the
+    products ran 1.09x slower so: steps in turns, 2026-12-05), nor with 512-bit vectors,
+    whose 9 x 16 tile ran 5-9% slower so. The bits do not depend on it: -1, 0
+    and +1 are exact in either."""
     info = cpu_info() if info is None else info
     panel = TERNARY_PANEL if panel is None else panel  # (this build's, set below)
     return panel in panel_kernels.SINGLE_WIDENED and amd_family(info) >= 0x17
@@ -105,7 +106,9 @@ def skips_relu_zeros(info=None) -> bool:
     bits): on AMD's family 19h (Zen 3 and Zen 4), where it was measured, built for either
     width: on a Zen 4 such a product took 0.71-0.73 of the dense kernel's time with half
     its inputs zero, and broke even at 75% nonzero (SPARSE_MOST stops short of that).
-    Elsewhere (Intel, Zen 5's full-width AVX-512, the first Zen) not measured: dense."""
+    On the 2-core Xeon of the README (2026-12-05) the windows phase ran 1.035x slower with
+    it as built and 1.055x built for AVX2 (steps in turns): dense there. Zen 5's
+    full-width AVX-512 and the first Zen: not measured, dense."""
     info = cpu_info() if info is None else info
     return amd_family(info) == 0x19
 

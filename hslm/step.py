@@ -31,7 +31,9 @@ the weight layouts it reads and which of two reductions it uses:
 
 Threads are plain Python threads running nogil Numba kernels: no Numba
 threading layer is involved, so forking and Ctrl-C behave as in any Python
-program, and nothing depends on which layer a machine has.
+program, and nothing depends on which layer a machine has. The layerwise speeds'
+slots 1..N-1 run on threads kept for the run, which wait by spinning, between the
+step's phases and between steps, rather than by sleeping (hslm/slots.py).
 """
 from __future__ import annotations
 
