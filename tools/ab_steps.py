@@ -134,6 +134,8 @@ def main():
     for phase in phases:
         ta = np.array([t[phase] for t in times[0]])
         tb = np.array([t[phase] for t in times[1]])
+        if not (ta > 0).all() or not (tb > 0).all():  # a part one tree does not time
+            continue
         q1, ratio, q3 = np.quantile(tb / ta, [0.25, 0.5, 0.75])
         print(f"  {phase:<18} {1e3 * np.median(ta):8.2f} {1e3 * np.median(tb):8.2f} "
               f"{ratio:7.4f}   ({q1:.4f}-{q3:.4f})")
