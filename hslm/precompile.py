@@ -142,7 +142,9 @@ def _run_job(name: str, vocab: int) -> None:
         return
     if name == "optimiser":  # AdamW, alone and requantising as it goes, as warm_up calls it
         from .optim import warm_up_optimiser
+        from .slots import compile_waits
         warm_up_optimiser()
+        compile_waits()  # (and the thread slots' waits: small, and every run's)
         return
     from .speeds import KERNEL_PANELS, PER_POSITION, SPEEDS
     cfg, model, vsa_table, windows = _tiny()

@@ -30,6 +30,15 @@ POLL_SECONDS = 1e-4  # past SPIN_SECONDS, a wait looks again after this sleep
 LINE = 8  # int64s a cache line: each counter on a line of its own
 
 
+def compile_waits():
+    """Compile (or load) the kernels the waits here call (a first run's compile jobs do it
+    ahead, hslm/precompile.py: the optimiser's job)."""
+    flags = np.zeros(1, np.int64)
+    wait_briefly(flags, 0, 0, 0, 1)
+    add(flags, 0, 0)
+    publish(flags, 0, 0)
+
+
 def wait_until(flags, i, value, abort, sleep_after=True) -> int:
     """Wait until flags[i] >= value (returns 1) or flags[abort] != 0 (-1): spinning for
     SPIN_SECONDS, then polling in sleeps of POLL_SECONDS, or, with sleep_after False,
@@ -84,10 +93,7 @@ class SlotThreads:
         self.given = [0] * n
         self.wake = threading.Condition()
         self.closed = False
-        # the waits' kernels compiled (or loaded) now, not in a step
-        wait_briefly(self.flags, self.never, 0, self.never, 1)
-        add(self.flags, self.never, 0)
-        publish(self.flags, self.never, 0)
+        compile_waits()  # (now, not in a step)
         self.threads = [threading.Thread(target=self._serve, args=(j,), daemon=True,
                                          name=f"hslm-slot-{j}") for j in range(1, n)]
         for t in self.threads:

@@ -31,15 +31,15 @@ the weight layouts it reads and which of two reductions it uses:
 
 Threads are plain Python threads running nogil Numba kernels: no Numba
 threading layer is involved, so forking and Ctrl-C behave as in any Python
-program, and nothing depends on which layer a machine has. The layerwise speeds'
-slots 1..N-1 run on threads kept for the run, which wait by spinning, between the
-step's phases and between steps, rather than by sleeping (hslm/slots.py).
+program, and nothing depends on which layer a machine has. Thread slots 1..N-1
+run on threads kept for the run (at every speed), which wait by spinning, between
+the step's phases and between steps, rather than by sleeping (hslm/slots.py).
 """
 from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+import weakref
 
 import numpy as np
 
@@ -256,9 +256,11 @@ class StepRunner:
         self.speed = SPEEDS[speed]
         self.threads = max(1, int(threads))
         self.workers = [Worker(cfg, speed) for _ in range(self.threads)]
-        self.pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
-        # the layerwise speeds' slots 1.. (their tasks, _run_slots)
+        # slots 1..N-1's threads (_run_slots; _map and map_parts too), ended by close() or
+        # once the runner is gone (they hold no reference to it)
         self.slot_threads = SlotThreads(self.threads) if self.threads > 1 else None
+        if self.slot_threads is not None:
+            weakref.finalize(self, self.slot_threads.close)
         self.bufs = None  # per position, several threads: one buffer per thread slot
         if self.speed.reduction == "window buffers" and self.threads > 1:
             self.bufs = np.zeros((self.threads, cfg.n_params))
@@ -271,21 +273,27 @@ class StepRunner:
         self._team_rows_for = None  # (batch, k) of the team rows below
 
     def close(self):
-        if self.pool is not None:
-            self.pool.shutdown(wait=True)
         if self.slot_threads is not None:
             self.slot_threads.close()
 
     def map_parts(self, fn, parts):
-        """fn(part) for each part, one per thread slot."""
-        if self.pool is None or len(parts) == 1:
-            return [fn(p) for p in parts]
-        return list(self.pool.map(fn, parts))
+        """[fn(part) for part in parts], spread over the thread slots as _map spreads them
+        (elementwise work: who takes which part changes no bit)."""
+        return self._map(lambda i: fn(parts[i]), len(parts))
 
     def _map(self, fn, n):
-        if self.pool is None or n == 1:
-            return [fn(j) for j in range(n)]
-        return list(self.pool.map(fn, range(n)))
+        """[fn(i) for i in range(n)]: slot j takes i = j, j + m, ... (m = min(n, threads);
+        slot 0 on this thread, the others on the slot threads, _run_slots)."""
+        if self.slot_threads is None or n <= 1:
+            return [fn(i) for i in range(n)]
+        out = [None] * n
+        m = min(n, self.threads)
+
+        def work(j):
+            for i in range(j, n, m):
+                out[i] = fn(i)
+        self._run_slots(work, m, None)
+        return out
 
     def _run_slots(self, work, n, barrier, abort=None):
         """work(j) for thread slots j = 0..n-1 at once, each to its end: slot 0 on this

@@ -130,3 +130,18 @@ def test_slot_threads_run_tasks_on_their_own_threads_and_sleep_when_idle(monkeyp
         pool.close()
     assert not any(t.is_alive() for t in pool.threads)
     pool.close()  # (twice: nothing more)
+
+
+def test_a_step_runner_dropped_without_close_ends_its_slot_threads():
+    import gc
+
+    from hslm.config import PRESETS
+    from hslm.step import StepRunner
+    runner = StepRunner(PRESETS["hslm-tiny"], 3, 3)
+    threads = list(runner.slot_threads.threads)
+    assert len(threads) == 2 and all(t.is_alive() for t in threads)
+    del runner
+    gc.collect()
+    for t in threads:
+        t.join(5)
+    assert not any(t.is_alive() for t in threads)
