@@ -10,9 +10,9 @@ every phase than running free, and as fast as free through a spinning one (a CPU
 goes idle comes back slower; the hypervisor may give its core to someone else). So
 these waits spin (hslm/spin.py's acquire loads, without the GIL, yielding the core every
 SPINS_PER_YIELD loads, so that more threads than cores still make progress) for up to
-SPIN_SECONDS, then poll in short sleeps; a slot thread with no task for that long sleeps
-until the next one (as OpenMP's runtimes spin for a while before they sleep:
-KMP_BLOCKTIME, GOMP_SPINCOUNT). A wait changes when a thread goes on, never what it
+SPIN_SECONDS, then look once every POLL_SECONDS of sleep; a slot thread with no task
+for that long sleeps until the next one (as OpenMP's runtimes spin for a while before
+they sleep: KMP_BLOCKTIME, GOMP_SPINCOUNT). A wait changes when a thread goes on, never what it
 computes: no bit depends on it.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from .spin import add, publish, wait_briefly
 
 SPIN_SECONDS = 0.02  # a wait spins this long before it sleeps (a step's gaps: 0.2-1 ms)
 SPIN_LOADS = 1 << 16  # loads of the counter a piece of a spin (tens of microseconds)
-POLL_SECONDS = 1e-4  # past SPIN_SECONDS, a wait looks again after this sleep
+POLL_SECONDS = 1e-3  # past SPIN_SECONDS, a wait looks again after this sleep
 LINE = 8  # int64s a cache line: each counter on a line of its own
 
 
@@ -41,23 +41,28 @@ def compile_waits():
 
 def wait_until(flags, i, value, abort, sleep_after=True) -> int:
     """Wait until flags[i] >= value (returns 1) or flags[abort] != 0 (-1): spinning for
-    SPIN_SECONDS, then polling in sleeps of POLL_SECONDS, or, with sleep_after False,
-    giving up then (0)."""
+    SPIN_SECONDS, then looking once every POLL_SECONDS of sleep, or, with sleep_after
+    False, giving up then (0)."""
     deadline = time.perf_counter() + SPIN_SECONDS
+    loads = SPIN_LOADS
     while True:
-        r = wait_briefly(flags, i, value, abort, SPIN_LOADS)
+        r = wait_briefly(flags, i, value, abort, loads)
         if r != 0:
             return r
-        if time.perf_counter() > deadline:
+        if loads == 1 or time.perf_counter() > deadline:
             if not sleep_after:
                 return 0
+            loads = 1  # from now on a look between sleeps, not a spin
             time.sleep(POLL_SECONDS)
 
 
 class SpinBarrier:
-    """threading.Barrier's wait() and abort() for n threads, waiting as wait_until does.
-    Each thread counts its own passes (a thread passes the k-th time once n k threads
-    have arrived), so one barrier serves any number of passes by the same n threads."""
+    """A barrier for n threads, waiting as wait_until does, with the two calls of
+    threading.Barrier that StepRunner uses: wait() (returning nothing) and abort(). Each
+    thread counts its own passes (a thread passes the k-th time once n k threads have
+    arrived), so one barrier serves any number of passes by the same n threads. Unlike
+    threading.Barrier's, a wait that fails (a Ctrl-C) does not break it: the caller
+    aborts it (StepRunner._run_slots)."""
 
     def __init__(self, n: int):
         self.n = n
@@ -104,9 +109,9 @@ class SlotThreads:
         while True:
             k += 1
             if wait_until(self.flags, LINE * j, k, self.never, sleep_after=False) == 0:
-                with self.wake:  # (submit bumps the counter, then notifies under the lock)
-                    while self.flags[LINE * j] < k:
-                        self.wake.wait()
+                with self.wake:  # (submit bumps the counter, then notifies under the lock;
+                    while self.flags[LINE * j] < k:  # the timeout: a notify a Ctrl-C lost)
+                        self.wake.wait(0.05)
             task = self.tasks[j]
             if task is None:
                 return
@@ -119,13 +124,19 @@ class SlotThreads:
                 add(self.flags, LINE * (self.n + j), 1)
 
     def submit(self, task, m: int):
-        """task(j) on slots j = 1..m-1 (m <= n), each on its own thread."""
-        for j in range(1, m):
-            self.tasks[j], self.errors[j] = task, None
-            self.given[j] += 1
-            add(self.flags, LINE * j, 1)
-        with self.wake:
-            self.wake.notify_all()
+        """task(j) on slots j = 1..m-1 (m <= n), each on its own thread, once every task
+        before has ended (one a second Ctrl-C left running: its end would clear the new
+        one)."""
+        for j in range(1, self.n):
+            wait_until(self.flags, LINE * (self.n + j), self.given[j], self.never)
+        try:
+            for j in range(1, m):
+                self.tasks[j], self.errors[j] = task, None
+                self.given[j] += 1
+                add(self.flags, LINE * j, 1)
+        finally:  # (even if a Ctrl-C lands between a bump and here)
+            with self.wake:
+                self.wake.notify_all()
 
     def join(self) -> list:
         """Wait until every submitted task has ended; returns their exceptions (each once)."""
@@ -141,8 +152,8 @@ class SlotThreads:
         """End the threads (after their tasks)."""
         if self.closed:
             return
-        self.closed = True
         self.join()
+        self.closed = True
         for j in range(1, self.n):
             self.given[j] += 1
             add(self.flags, LINE * j, 1)  # with no task: the thread returns

@@ -302,7 +302,8 @@ class StepRunner:
         interrupted (Ctrl-C) anywhere in here, the barrier the slots wait at is broken
         and abort() called (a team's kernels stop waiting), so that no slot waits for
         ever; every slot has ended before the first error that is not that breaking is
-        raised."""
+        raised (unless a second Ctrl-C interrupts that wait: then the next submit waits
+        for the slot, SlotThreads.submit)."""
         def stop():
             try:
                 if barrier is not None:

@@ -145,3 +145,77 @@ def test_a_step_runner_dropped_without_close_ends_its_slot_threads():
     for t in threads:
         t.join(5)
     assert not any(t.is_alive() for t in threads)
+
+
+def _joined(pool, seconds=5.0):
+    """pool.join()'s errors, or None where it had not returned within `seconds` (a hang
+    fails the test instead of stopping it)."""
+    out = []
+    t = threading.Thread(target=lambda: out.append(pool.join()), daemon=True)
+    t.start()
+    t.join(seconds)
+    return out[0] if out else None
+
+
+def test_a_submit_waits_for_a_task_still_running_and_a_lost_wake_up_costs_only_time(
+        monkeypatch):
+    """After a join a second Ctrl-C cut short, the next submit waits for the task still
+    running (its end had cleared the new one, and the thread had ended); and a Ctrl-C
+    between a task's hand-over and the notify leaves a sleeping slot thread to wake on
+    its own (a timed sleep) and run it."""
+    monkeypatch.setattr(slots, "SPIN_SECONDS", 0.01)
+    pool = slots.SlotThreads(2)
+    try:
+        ran = []
+        pool.submit(lambda j: (time.sleep(0.3), ran.append("A")), 2)
+        time.sleep(0.05)  # (as if the join after it had been interrupted)
+        pool.submit(lambda j: ran.append("B"), 2)
+        assert _joined(pool) == [] and ran == ["A", "B"] and pool.threads[0].is_alive()
+
+        time.sleep(0.1)  # the slot thread asleep
+        real_add = slots.add
+        interrupted = []
+
+        def add_then_interrupt(flags, i, value):
+            out = real_add(flags, i, value)
+            if not interrupted:
+                interrupted.append(True)
+                raise KeyboardInterrupt
+            return out
+        monkeypatch.setattr(slots, "add", add_then_interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            pool.submit(lambda j: ran.append("C"), 2)
+        monkeypatch.setattr(slots, "add", real_add)
+        assert _joined(pool, 1.0) == [] and ran[-1] == "C"
+    finally:
+        if _joined(pool) is not None:  # (a pool left hanging is not closed)
+            pool.close()
+
+
+def test_a_long_wait_sleeps_past_spin_seconds(monkeypatch):
+    """Past SPIN_SECONDS a wait looks once a POLL_SECONDS' sleep: little CPU; within it, it
+    spins (the control)."""
+    import numpy as np
+
+    from hslm.spin import publish
+    flags = np.zeros(3 * slots.LINE, np.int64)
+    slots.wait_until(flags, 0, 0, slots.LINE)  # (compiled)
+
+    def cpu_of_a_wait(seconds):
+        used = []
+
+        def waiter():
+            c0 = time.thread_time()
+            slots.wait_until(flags, 0, 1, slots.LINE)
+            used.append(time.thread_time() - c0)
+        flags[0] = 0
+        t = threading.Thread(target=waiter)
+        t.start()
+        time.sleep(seconds)
+        publish(flags, 0, 1)
+        t.join()
+        return used[0]
+    monkeypatch.setattr(slots, "SPIN_SECONDS", 10.0)
+    assert cpu_of_a_wait(0.5) > 0.25  # spinning
+    monkeypatch.setattr(slots, "SPIN_SECONDS", 0.01)
+    assert cpu_of_a_wait(1.0) < 0.1  # asleep but for a look every POLL_SECONDS
