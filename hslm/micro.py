@@ -93,8 +93,8 @@ def single_widened(info=None, panel=None) -> bool:
     2026-12-05). Not on Intel's cores, where by the published port tables the conversion
     takes one of the two FMA ports (on the 2-core Xeon of the README, built for AVX2, the
     products ran 1.09x slower so: steps in turns, 2026-12-05), nor with 512-bit vectors,
-    whose 9 x 16 tile ran 5-9% slower so. The bits do not depend on it: -1, 0
-    and +1 are exact in either."""
+    whose 9 x 16 tile ran 5-9% slower so. The bits do not depend on it: -1, 0 and +1 are
+    exact in either."""
     info = cpu_info() if info is None else info
     panel = TERNARY_PANEL if panel is None else panel  # (this build's, set below)
     return panel in panel_kernels.SINGLE_WIDENED and amd_family(info) >= 0x17

@@ -12,8 +12,8 @@ these waits spin (hslm/spin.py's acquire loads, without the GIL, yielding the co
 SPINS_PER_YIELD loads, so that more threads than cores still make progress) for up to
 SPIN_SECONDS, then look once every POLL_SECONDS of sleep; a slot thread with no task
 for that long sleeps until the next one (as OpenMP's runtimes spin for a while before
-they sleep: KMP_BLOCKTIME, GOMP_SPINCOUNT). A wait changes when a thread goes on, never what it
-computes: no bit depends on it.
+they sleep: KMP_BLOCKTIME, GOMP_SPINCOUNT). A wait changes when a thread goes on, never
+what it computes: no bit depends on it.
 """
 from __future__ import annotations
 
