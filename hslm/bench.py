@@ -112,6 +112,7 @@ def start_run(cfg, hyper, corpus, speed, threads):
         tracemalloc.stop()
     return {**timed_share(f"speed {speed} on {threads} thread(s)",
                           lambda: run.train_step(runner)),
+            "rest": runner.rest,
             "speed": speed, "threads": threads, "batch": hyper.batch, "run": run,
             "runner": runner, "losses": losses, "memory_bytes": memory}
 
@@ -144,6 +145,8 @@ def time_in_rounds(entries, steps, rounds, tokens_per_step, progress=None,
             for _ in range(n):
                 e["losses"].append(e["step"]())
             dt = time.perf_counter() - t0
+            if e.get("rest"):  # (its threads do not spin into the next entry's round)
+                e["rest"]()
             if apart:
                 e.setdefault("round_trip_ns", []).append([before, round_trip()])
             e["seconds"] += dt
@@ -160,8 +163,8 @@ def finish_run(e):
     """The run's row: its checkpoint's digest and size; its runner closed."""
     e["runner"].close()
     digest, size = checkpoint_digest(e.pop("run"))
-    for key in ("runner", "step", "label"):
-        del e[key]
+    for key in ("runner", "step", "label", "rest"):
+        e.pop(key, None)
     return {**e, "digest": digest, "checkpoint_bytes": size}
 
 

@@ -91,8 +91,9 @@ class SlotThreads:
     def __init__(self, n: int):
         self.n = n
         # given[j] at LINE j (tasks submitted to slot j), done[j] at LINE (n + j)
-        self.flags = np.zeros(LINE * (2 * n + 1), np.int64)
+        self.flags = np.zeros(LINE * (2 * n + 2), np.int64)
         self.never = LINE * 2 * n  # an abort counter that stays 0
+        self.resting = LINE * (2 * n + 1)  # nonzero: an idle thread sleeps at once (rest)
         self.tasks = [None] * n
         self.errors = [None] * n
         self.given = [0] * n
@@ -108,7 +109,7 @@ class SlotThreads:
         k = 0
         while True:
             k += 1
-            if wait_until(self.flags, LINE * j, k, self.never, sleep_after=False) == 0:
+            if wait_until(self.flags, LINE * j, k, self.resting, sleep_after=False) <= 0:
                 with self.wake:  # (submit bumps the counter, then notifies under the lock;
                     while self.flags[LINE * j] < k:  # the timeout: a notify a Ctrl-C lost)
                         self.wake.wait(0.05)
@@ -129,6 +130,7 @@ class SlotThreads:
         one)."""
         for j in range(1, self.n):
             wait_until(self.flags, LINE * (self.n + j), self.given[j], self.never)
+        publish(self.flags, self.resting, 0)
         try:
             for j in range(1, m):
                 self.tasks[j], self.errors[j] = task, None
@@ -137,6 +139,11 @@ class SlotThreads:
         finally:  # (even if a Ctrl-C lands between a bump and here)
             with self.wake:
                 self.wake.notify_all()
+
+    def rest(self):
+        """Until the next submit, a thread with no task sleeps at once instead of spinning
+        (a run that hands the machine to another for a while: hslm bench's rounds)."""
+        publish(self.flags, self.resting, 1)
 
     def join(self) -> list:
         """Wait until every submitted task has ended; returns their exceptions (each once)."""

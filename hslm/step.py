@@ -276,6 +276,12 @@ class StepRunner:
         if self.slot_threads is not None:
             self.slot_threads.close()
 
+    def rest(self):
+        """The slot threads sleep at once until the next step, rather than spin (the
+        machine goes to another run for a while: hslm bench's rounds)."""
+        if self.slot_threads is not None:
+            self.slot_threads.rest()
+
     def map_parts(self, fn, parts):
         """[fn(part) for part in parts], spread over the thread slots as _map spreads them
         (elementwise work: who takes which part changes no bit)."""

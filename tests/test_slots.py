@@ -126,6 +126,18 @@ def test_slot_threads_run_tasks_on_their_own_threads_and_sleep_when_idle(monkeyp
             assert c3 - c2 <= 0.02, (c2, c3)
             pool.submit(task, 3)  # and wakes for the next task
             assert pool.join() == [] and sorted(ran) == [1, 2]
+            pool.rest()  # asleep at once, within SPIN_SECONDS
+            time.sleep(0.05)
+            c4 = _cpu_seconds(ran[1])
+            time.sleep(0.2)
+            c5 = _cpu_seconds(ran[1])
+            assert c5 - c4 <= 0.02, (c4, c5)
+            ran.clear()
+            pool.submit(task, 3)
+            assert pool.join() == [] and sorted(ran) == [1, 2]
+            c6 = _cpu_seconds(ran[1])
+            time.sleep(0.2)  # and spins again after it (the rest lasts until a submit)
+            assert _cpu_seconds(ran[1]) - c6 >= 0.05
     finally:
         pool.close()
     assert not any(t.is_alive() for t in pool.threads)

@@ -73,6 +73,8 @@ def worker(tree, model, batch, threads):
         t0 = time.perf_counter()
         run.train_step(runner)
         times = {"step": time.perf_counter() - t0, **runner.timings}
+        if hasattr(runner, "rest"):  # (its slot threads do not spin into the other's step)
+            runner.rest()
         if hz:
             for k, name in enumerate(("forward-products", "backward-products", "Wup-Wdown",
                                       "dense-operands")):
