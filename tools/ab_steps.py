@@ -24,6 +24,10 @@ of arrays match the first's types, and every call of its kernels goes through Nu
 slow typeof in Python instead: 3.6 against 1.1 ms a step for hslm-tiny, about 5% of
 hslm-3's.)
 
+Where a tree's runner can rest its slot threads (StepRunner.rest, since 597ba27), a worker
+does after each step, so that they do not spin on a CPU through the other's step: each
+multi-thread step then starts with its threads waking, in both trees alike.
+
 The kernels come from each tree's own Numba cache (compiled on the first use, as for
 `hslm train`). Environment variables pass through, so `NUMBA_CPU_NAME=haswell
 NUMBA_CPU_FEATURES=""` compares the AVX2 builds.
