@@ -128,8 +128,7 @@ class SlotThreads:
         """task(j) on slots j = 1..m-1 (m <= n), each on its own thread, once every task
         before has ended (one a second Ctrl-C left running: its end would clear the new
         one)."""
-        for j in range(1, self.n):
-            wait_until(self.flags, LINE * (self.n + j), self.given[j], self.never)
+        self._wait_for_tasks()
         publish(self.flags, self.resting, 0)
         try:
             for j in range(1, m):
@@ -145,11 +144,16 @@ class SlotThreads:
         (a run that hands the machine to another for a while: hslm bench's rounds)."""
         publish(self.flags, self.resting, 1)
 
-    def join(self) -> list:
-        """Wait until every submitted task has ended; returns their exceptions (each once)."""
-        errors = []
+    def _wait_for_tasks(self):
+        """Until every task submitted has ended."""
         for j in range(1, self.n):
             wait_until(self.flags, LINE * (self.n + j), self.given[j], self.never)
+
+    def join(self) -> list:
+        """Wait until every submitted task has ended; returns their exceptions (each once)."""
+        self._wait_for_tasks()
+        errors = []
+        for j in range(1, self.n):
             if self.errors[j] is not None:
                 errors.append(self.errors[j])
                 self.errors[j] = None

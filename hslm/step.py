@@ -399,11 +399,12 @@ class StepRunner:
         if then is not None:
             t0 = time.perf_counter()
             self.map_parts(then, self.optimiser_shares)
-            self._add_timing("optimiser", time.perf_counter() - t0)
+            self.add_timing("optimiser", time.perf_counter() - t0)
         return ordered_mean(losses)
 
-    def _add_timing(self, phase, seconds):
-        if self.timings is not None:  # (hslm bench's profile)
+    def add_timing(self, phase, seconds):
+        """Adds seconds to the phase's time where hslm bench's profile collects them."""
+        if self.timings is not None:
             self.timings[phase] = self.timings.get(phase, 0.0) + seconds
 
     def _gradient_layerwise(self, model, vsa_table, windows, k, scale, G, losses, then):
@@ -448,10 +449,10 @@ class StepRunner:
         self._run_slots(slot, N, barrier)
         t_end = time.perf_counter()
         t2 = marks.get("optimiser", t_end)
-        self._add_timing("windows", marks["windows"] - t0)
-        self._add_timing("weight gradients", t2 - marks["windows"])
+        self.add_timing("windows", marks["windows"] - t0)
+        self.add_timing("weight gradients", t2 - marks["windows"])
         if then is not None:
-            self._add_timing("optimiser", t_end - t2)
+            self.add_timing("optimiser", t_end - t2)
 
     def _gradient_teams(self, model, vsa_table, windows, k, scale, G, losses, then):
         """The layerwise gradient when threads outnumber the windows (N > B): slot j joins
@@ -492,8 +493,8 @@ class StepRunner:
         self._run_slots(slot, N, barrier, abort=stop_waiting)
         t_end = time.perf_counter()
         if then is not None:
-            self._add_timing("optimiser", t_end - marks["optimiser"])
-        self._add_timing("windows and weight gradients", marks.get("optimiser", t_end) - t0)
+            self.add_timing("optimiser", t_end - marks["optimiser"])
+        self.add_timing("windows and weight gradients", marks.get("optimiser", t_end) - t0)
         mean_losses(row_losses, k, 0, 1, losses)
 
     def team_slot_rows(self, B, k):

@@ -315,9 +315,7 @@ class Run:
         if world is not None:  # MPI: each rank updates its own tensors, then all gather them
             t0 = time.perf_counter()
             world.optimizer_step(self, runner, adam, requantize)
-            if runner.timings is not None:  # (hslm bench's profile)
-                runner.timings["optimiser"] = (runner.timings.get("optimiser", 0.0)
-                                               + time.perf_counter() - t0)
+            runner.add_timing("optimiser", time.perf_counter() - t0)
         return loss
 
     def validation_loss(self, runner: StepRunner) -> float:
