@@ -17,7 +17,7 @@ from . import __version__
 from . import checkpoint as ckpt
 from .bench_report import DENSE_OPERANDS, RELU_MATRICES, source_commit
 from .config import Config
-from .cores import farthest_round_trip_ns
+from .cores import farthest_round_trip_ns, fma_together
 from .machine_load import load_between, snapshot
 from .peak import measured_peaks
 from .rng import Stream
@@ -124,7 +124,7 @@ def timed_share(label, step):
 
 
 def time_in_rounds(entries, steps, rounds, tokens_per_step, progress=None,
-                   round_trip=farthest_round_trip_ns):
+                   round_trip=farthest_round_trip_ns, sharing=fma_together):
     """Train every entry (timed_share) `steps` timed steps, in `rounds` rounds: each round
     gives each entry in turn (a rotating order) one untimed step, then its share of the
     timed steps, so that a slow spell of a shared machine falls on all alike and none is
@@ -133,14 +133,19 @@ def time_in_rounds(entries, steps, rounds, tokens_per_step, progress=None,
     median of its rounds'. An entry on several threads also gets, for each round, the
     cores' round trip (round_trip(): hslm/cores.py) just before its timed steps and just
     after, in round_trip_ns: where a hypervisor moves the CPUs between dies, it says
-    which rounds ran on one."""
+    which rounds ran on one; and whether the CPUs had a core's arithmetic each just
+    before and just after (sharing(): hslm/cores.py's fma_together), in fma_together:
+    where they were one core's two hardware threads, or a neighbour's thread ran on a
+    CPU's core, it says which rounds had half a core."""
     done = 0
     for r in range(rounds):
         n = (steps - done) // (rounds - r)
         for e in entries[r % len(entries):] + entries[:r % len(entries)]:
             e["losses"].append(e["step"]())
             apart = e.get("threads", 1) > 1 and round_trip is not None
+            shared = e.get("threads", 1) > 1 and sharing is not None
             before = round_trip() if apart else None
+            pace = sharing() if shared else None
             t0 = time.perf_counter()
             for _ in range(n):
                 e["losses"].append(e["step"]())
@@ -149,6 +154,8 @@ def time_in_rounds(entries, steps, rounds, tokens_per_step, progress=None,
                 e["rest"]()
             if apart:
                 e.setdefault("round_trip_ns", []).append([before, round_trip()])
+            if shared:
+                e.setdefault("fma_together", []).append([pace, sharing()])
             e["seconds"] += dt
             e["per_round"].append(n * tokens_per_step / dt)
             if progress:

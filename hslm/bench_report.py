@@ -146,21 +146,38 @@ def format_report(report):
 def _rounds_apart(rows):
     """Lines for the runs on several threads that measured how far apart their cores were
     (reports since 2026-12-05; none where no probe could run, as with one CPU): each
-    round's tok/s with the round trip before and after it."""
+    round's tok/s with the round trip before and after it, and (reports since 11:20 UTC
+    that day) the FMA loop's pace on every CPU at once before and after it."""
     def ns(x):
         return "-" if x is None else f"{x:.0f}"
-    out = []
+
+    def pace(x):
+        return "-" if x is None else f"{x:.2f}"
+
+    def probed(pairs, n):
+        return (pairs and len(pairs) == n and any(x is not None for pair in pairs
+                                                  for x in pair))
+    out, shared = [], False
     for r in rows:
+        n = len(r.get("per_round", []))
         trips = r.get("round_trip_ns") or []
-        if (trips and len(trips) == len(r.get("per_round", []))
-                and any(x is not None for pair in trips for x in pair)):
-            out.append(f"  batch {r['batch']}, speed {r['speed']} on {r['threads']} threads: "
-                       + ", ".join(f"{tok:.1f} tok/s ({ns(a)} / {ns(b)} ns)" for tok, (a, b)
-                                   in zip(r["per_round"], r["round_trip_ns"])))
+        if not probed(trips, n):
+            continue
+        paces = r.get("fma_together") or []  # (reports since 2026-12-05 11:20 UTC)
+        paces = paces if probed(paces, n) else [None] * n
+        shared = shared or paces[0] is not None
+        out.append(f"  batch {r['batch']}, speed {r['speed']} on {r['threads']} threads: "
+                   + ", ".join(f"{tok:.1f} tok/s ({ns(a)} / {ns(b)} ns"
+                               + ("" if p is None else f"; {pace(p[0])} / {pace(p[1])}")
+                               + ")" for tok, (a, b), p
+                               in zip(r["per_round"], r["round_trip_ns"], paces)))
     if out:
         out.insert(0, "round by round, with how far apart the cores were (a cache line's round "
                       "trip between the farthest CPUs, just before / after the round; "
-                      "hslm/cores.py):")
+                      "hslm/cores.py)" + (
+                          "; and the FMA loop's pace on every CPU at once, the slowest's share "
+                          "of one CPU's alone (about 0.5: CPUs sharing a core's pipes, with "
+                          "each other or a neighbour)" if shared else "") + ":")
     return out
 
 

@@ -145,3 +145,76 @@ def farthest_round_trip_ns():
     figures = [round_trip_ns(cpus[0], c) for c in others[::step][:MAX_PAIRS]]
     figures = [f for f in figures if f is not None]
     return max(figures) if figures else None
+
+
+# Whether the CPUs have a core's arithmetic each: hslm/peak.py's FMA loop on every CPU at
+# once, against one alone. On the shared 2-core Intel Xeon (2026-12-05) the two virtual
+# CPUs were at times one core's two hardware threads (a round trip of 40 ns against
+# 115-230 ns otherwise): the loop ran at 56 GFLOP/s on each at once against 107 alone,
+# and batch 1 on two threads at 1.03x one thread in a bench round. A neighbour's thread
+# on a CPU's core shows the same way, and the round trip does not see it.
+FMA_SECONDS = 0.02  # each timing of the loop: alone, then on every CPU at once
+MAX_TOGETHER = 64  # CPUs a probe loads at once (a thread each)
+
+_fma = None  # (engine, function, multiplicands, iterations) of hslm/peak.py's FMA loop
+
+
+def _fma_loop():
+    global _fma
+    with _lock:
+        if _fma is None:
+            from .micro import wide_vectors
+            from .peak import XS, _compiled, _iterations
+            engine, fn = _compiled(8 if wide_vectors() else 4, True)
+            xs = (ctypes.c_double * XS)(*[1e-9 * (1 + j / XS) for j in range(XS)])
+            _fma = (engine, fn, xs, _iterations(fn, xs, FMA_SECONDS))
+    return _fma
+
+
+def fma_together(cpus=None):
+    """The FMA loop's pace (hslm/peak.py) with a copy pinned to each of `cpus` at once
+    (default: every CPU this process may use, at most MAX_TOGETHER), the slowest copy's,
+    as a share of its pace on the first CPU alone just before: about 1.0 where each CPU
+    has a core's FMA pipes to itself, about 0.5 where two are one core's two hardware
+    threads, or where another guest's thread was busy on a CPU's core. None with fewer
+    than two CPUs, or where threads cannot be pinned or the loop cannot be built."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    try:
+        cpus = sorted(os.sched_getaffinity(0)) if cpus is None else list(cpus)
+        _, fn, xs, n = _fma_loop()
+    except Exception:  # noqa: BLE001 - an llvmlite without MCJIT: no figure, nothing else
+        return None
+    cpus = cpus[:MAX_TOGETHER]
+    if len(cpus) < 2:
+        return None
+
+    def timed(cpus):
+        start = threading.Barrier(len(cpus))
+        seconds = [None] * len(cpus)
+
+        def copy(i, cpu):
+            try:
+                os.sched_setaffinity(0, {cpu})  # this thread only (Linux)
+            except OSError:
+                start.abort()
+                return
+            try:
+                start.wait()
+            except threading.BrokenBarrierError:
+                return
+            t0 = time.perf_counter()
+            fn(n, 0.9999999, 1e-9, ctypes.addressof(xs))
+            seconds[i] = time.perf_counter() - t0
+
+        threads = [threading.Thread(target=copy, args=(i, c), daemon=True)
+                   for i, c in enumerate(cpus)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return None if None in seconds else max(seconds)
+
+    alone = timed(cpus[:1])
+    together = timed(cpus) if alone is not None else None
+    return None if together is None else alone / together

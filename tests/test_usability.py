@@ -507,12 +507,19 @@ def test_bench_times_its_runs_in_interleaved_rounds(tmp_path):
         # on 2 threads, how far apart the cores were just before and after each round
         assert (len(r["round_trip_ns"]) == 3 and all(len(x) == 2 for x in r["round_trip_ns"])
                 if r["threads"] == 2 else "round_trip_ns" not in r)
+        # and whether the CPUs had a core's arithmetic each (cores.fma_together)
+        assert (len(r["fma_together"]) == 3 and all(len(x) == 2 for x in r["fma_together"])
+                if r["threads"] == 2 else "fma_together" not in r)
     assert len({tuple(r["losses"]) for r in rows}) == 1 and len({r["digest"] for r in rows}) == 1
     probed = any(x is not None for r in rows for pair in r.get("round_trip_ns", [])
                  for x in pair)  # (no figure where the process may use one CPU)
     assert ("round by round, with how far apart the cores were" in out) == probed
+    paced = any(x is not None for r in rows for pair in r.get("fma_together", [])
+                for x in pair)
     assert sum(line.startswith("  batch 2, speed ") and " on 2 threads: " in line
-               and line.count(" ns)") == 3 for line in out.splitlines()) == 2 * probed
+               and line.count(" ns") == 3 and line.count(" ns; ") == 3 * paced
+               for line in out.splitlines()) == 2 * probed
+    assert ("the FMA loop's pace on every CPU at once" in out) == (probed and paced)
     from hslm.bench_report import format_report
     for r in rows:  # a report whose probes all failed prints no such line
         r["round_trip_ns"] = [[None, None]] * 3
@@ -610,6 +617,25 @@ def test_core_round_trip_is_measured_and_gives_up_rather_than_hang(monkeypatch):
     flag = ctypes.addressof(line)
     assert cores._pingpong()(flag, 0, 0, 5, 1000) == 1 and line[0] == 1
     assert cores._pingpong()(flag, 1, 0, 5, 1000) == 1 and line[0] == 2  # (its turn: 1)
+
+
+def test_fma_together_sees_cpus_that_share_a_core():
+    """hslm/cores.py's fma_together: the FMA loop on several CPUs at once, the slowest
+    copy's pace against one alone. Two copies pinned to one CPU take turns on it, so each
+    takes about twice as long: the probe reads about 0.5, the case of two hardware threads
+    of one core (the control that it sees sharing at all). On two CPUs it gives a share;
+    with one CPU, or a CPU the process may not use, no figure."""
+    from hslm import cores
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("no CPU affinity here")
+    cpus = sorted(os.sched_getaffinity(0))
+    one = [cpus[0], cpus[0]]
+    assert all(0.25 < x < 0.7 for x in [cores.fma_together(one) for _ in range(2)])
+    if len(cpus) >= 2:
+        x = cores.fma_together()
+        assert x is not None and 0.25 < x < 2.0, x
+    assert cores.fma_together(cpus[:1]) is None
+    assert cores.fma_together([cpus[0], 1 << 20]) is None  # a CPU not in the process's set
 
 
 def test_the_unfused_peak_loop_fits_16_registers():
@@ -958,8 +984,9 @@ def test_active_tile_cost_times_the_tile_and_fits_a_row_and_a_position(tmp_path)
 def test_threads_by_placement_sorts_rounds_by_how_far_apart_the_cpus_were(monkeypatch, capsys):
     """tools/threads_by_placement.py, its probe scripted: rounds whose two probes are
     both under twice the smallest seen count as one die ("near"), both over three times
-    it as two ("far"); a round between is left out and counted. Each case gets its
-    rounds, step times and ratio."""
+    it as two ("far"); a round between is left out and counted; a round whose FMA pace
+    (cores.fma_together) was under HALF_CORE before or after counts as "half a core",
+    whatever its round trips. Each case gets its rounds, step times and ratio."""
     import importlib.util
     import itertools
 
@@ -970,15 +997,20 @@ def test_threads_by_placement_sorts_rounds_by_how_far_apart_the_cpus_were(monkey
     spec.loader.exec_module(tool)
     probes = itertools.chain([60.0], itertools.cycle([60.0, 61.0, 400.0, 420.0, 60.0, 400.0]))
     monkeypatch.setattr(cores, "farthest_round_trip_ns", lambda: next(probes))
+    paces = itertools.cycle([1.0, 0.98] * 3 + [0.5, 0.97])  # every fourth round's before
+    monkeypatch.setattr(cores, "fma_together", lambda: next(paces))
     tool.main(["--minutes", "0.02", "--model", "hslm-tiny", "--batch", "2", "--steps", "2"])
     lines = capsys.readouterr().out.splitlines()
     assert "the smallest round trip seen 60 ns: near < 120 ns, far > 180 ns" in lines[0]
-    near, far = (next(x for x in lines if f"batch   2, {c} " in x) for c in ("near", "far"))
-    assert "near (60-61 ns)" in near and "far (400-420 ns)" in far, lines
-    counts = [int(x.split("ns), ")[1].split()[0]) for x in (near, far)]
+    near, far, half = (next(x for x in lines if f"batch   2, {c} " in x)
+                       for c in ("near", "far", "half a core"))
+    assert "near (60-61 ns, FMA pace 0.98-1.00)" in near, lines
+    assert "far (400-420 ns, FMA pace 0.98-1.00)" in far, lines
+    assert ", FMA pace 0.50-0.97)" in half, lines
+    counts = [int(x.split("), ")[1].split()[0]) for x in (near, far, half)]
     left = next(x for x in lines if "left out" in x)
-    assert counts[0] >= 1 and counts[1] >= 1 and int(left.split(": ")[1].split()[0]) >= 1, lines
-    assert all(x.rstrip().endswith("x)") for x in (near, far))
+    assert min(counts) >= 1 and int(left.split(": ")[1].split()[0]) >= 1, lines
+    assert all(x.rstrip().endswith("x)") for x in (near, far, half))
 
 
 def test_ab_steps_times_two_trees_in_turns_and_compares_their_bytes(tmp_path):
