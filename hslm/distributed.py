@@ -433,6 +433,7 @@ class World:
         """Speed 3: the rank's windows' records; the chunk's units add their sums."""
         from .layers import alloc_acts, alloc_record
         from .step import split_by_cost
+        from .slots import NO_GATE
         from .windows import gradients_from_records, windows_layerwise
         nb, N = mine.shape[0], runner.threads
         cfg = runner.cfg
@@ -459,7 +460,7 @@ class World:
                 scr = runner.workers[j].scr
                 gradients_from_records(model, self.acts, self.rec, mine, k, runner.units,
                                        parts[j][0], parts[j][1], G, scr.xt, scr.dy_panels,
-                                       False)
+                                       False, NO_GATE, 0)
             runner._map(run_units, N)
         return fold
 
@@ -518,6 +519,7 @@ class World:
         tensors it owns: G is final there, with no pipeline to wait on."""
         from .layers import Acts, Record, alloc_acts, alloc_record
         from .step import split_by_cost
+        from .slots import NO_GATE
         from .windows import gradients_from_records, windows_layerwise
         cfg, N = runner.cfg, runner.threads
         B = windows.shape[0]
@@ -560,7 +562,7 @@ class World:
         def run_units(j):
             scr = runner.workers[j].scr
             gradients_from_records(model, A, R, windows, k, units, parts[j][0], parts[j][1], G,
-                                   scr.xt, scr.dy_panels, True)
+                                   scr.xt, scr.dy_panels, True, NO_GATE, 0)
 
         runner._map(run_units, N)
 

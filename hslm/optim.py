@@ -14,6 +14,8 @@ from .adam_loop import (B1, B2, CLIP, DECAY, EPS, N_PARAMS, ONE_MINUS_B1, ONE_MI
 from .jit import kernel_entry
 from .micro import adam_lanes
 from .params import Trits, quantize_into
+from .slots import NO_GATE
+from .spin import gate_opens
 
 BETA1, BETA2, ADAM_EPS = 0.9, 0.999, 1e-8
 CLIP_NORM = 1.0
@@ -69,9 +71,12 @@ def adamw_step(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, norms
 
 @kernel_entry(allocates=True)
 def adamw_kernel(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, norms, abs_sums,
-                 moment_sums, tensors, trits, requantise):
+                 moment_sums, tensors, trits, requantise, gate, target):
     """adamw_tensors' work, requantising each tensor (into trits) when requantise: one
-    compiled kernel for both (trits=None had made a second one, 3 s of a first run)."""
+    compiled kernel for both (trits=None had made a second one, 3 s of a first run).
+    False, having done nothing, where its gate does not open (spin.gate_opens)."""
+    if not gate_opens(gate, target):
+        return False
     params = np.empty(N_PARAMS)
     params[STEP_SIZE] = lr / bc1
     params[SQRT_BC2] = math.sqrt(bc2)
@@ -84,7 +89,7 @@ def adamw_kernel(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, nor
     G, M, V, W = grad.ctypes.data, m.ctypes.data, v.ctypes.data, theta.ctypes.data
     nt = tensors.shape[0]
     if nt == 0:
-        return
+        return True
     ci = 0  # the norm cursor: at element c of tensor tensors[ci]
     c = offs[tensors[0]]
     for ti in range(nt):
@@ -125,19 +130,22 @@ def adamw_kernel(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, nor
         moment_sums[t] = sums[1]
         if requantise:
             quantize_into(theta, offs, trits, abs_sums, True, t, t + 1)
+    return True
 
 
 def adamw_tensors(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, norms, abs_sums,
-                  moment_sums, tensors, trits=None):
+                  moment_sums, tensors, trits=None, gate=NO_GATE, target=0) -> bool:
     """adamw_step for the tensors listed (increasing, not necessarily contiguous: a
     thread's share, hslm.step.optimiser_shares); the norm cursor runs along the list.
     With trits (a Trits), each tensor is requantised (params.quantize_into) as soon as
     it is updated: its parameters are then still in a near cache. Requantising them all
     afterwards took 2.1-2.2 ms a step here, theta (17 MB) coming back from memory: the
     optimiser 8.16 to 7.68 ms. (Calling the optimiser tensor by tensor to that end had
-    broken the norm cursor: 8.0 to 8.5-11 ms.)"""
-    adamw_kernel(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, norms, abs_sums,
-                 moment_sums, tensors, _NO_TRITS if trits is None else trits, trits is not None)
+    broken the norm cursor: 8.0 to 8.5-11 ms.) gate, target: a barrier the kernel
+    waits for first (spin.gate_opens); False where it did not open (nothing done)."""
+    return adamw_kernel(theta, grad, m, v, offs, decay, bc1, bc2, lr, weight_decay, norms,
+                        abs_sums, moment_sums, tensors, _NO_TRITS if trits is None else trits,
+                        trits is not None, gate, target)
 
 
 def _unquantised_trits(n: int) -> Trits:

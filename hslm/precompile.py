@@ -159,6 +159,7 @@ def _run_job(name: str, vocab: int) -> None:
         from .step import Worker
         Worker(cfg, 3).window_loss(model, vsa_table, windows[0], k)
         return
+    from .slots import NO_GATE
     from .windows import (gradients_from_records, mean_losses, team_counters, team_slot,
                           windows_backward, windows_forward)
     A, R, S, vsa = _layerwise_buffers(cfg)
@@ -184,7 +185,7 @@ def _run_job(name: str, vocab: int) -> None:
         from .step import gradient_units
         units, _ = gradient_units(cfg)
         gradients_from_records(model, A, R, windows, k, units, 0, len(units),
-                               np.zeros(cfg.n_params), S.xt, S.dy_panels, True)
+                               np.zeros(cfg.n_params), S.xt, S.dy_panels, True, NO_GATE, 0)
     else:
         raise ValueError(f"unknown compile job {name!r}")
 

@@ -22,12 +22,15 @@ import time
 
 import numpy as np
 
-from .spin import add, publish, wait_briefly
+from .spin import GATE_ARRIVALS, GATE_BROKEN, add, gate_opens, publish, wait_briefly
 
 SPIN_SECONDS = 0.02  # a wait spins this long before it sleeps (a step's gaps: 0.2-1 ms)
 SPIN_LOADS = 1 << 16  # loads of the counter a piece of a spin (tens of microseconds)
 POLL_SECONDS = 1e-3  # past SPIN_SECONDS, a wait looks again after this sleep
 LINE = 8  # int64s a cache line: each counter on a line of its own
+# The gate of a kernel call with no barrier before it (its target 0: open at once); an
+# int64 array as a SpinBarrier's flags are, so that the kernels compile once.
+NO_GATE = np.zeros(3 * LINE, np.int64)
 
 
 def compile_waits():
@@ -37,6 +40,7 @@ def compile_waits():
     wait_briefly(flags, 0, 0, 0, 1)
     add(flags, 0, 0)
     publish(flags, 0, 0)
+    gate_opens(flags, 0)
 
 
 def wait_until(flags, i, value, abort, sleep_after=True) -> int:
@@ -62,25 +66,41 @@ class SpinBarrier:
     thread counts its own passes (a thread passes the k-th time once n k threads have
     arrived), so one barrier serves any number of passes by the same n threads. Unlike
     threading.Barrier's, a wait that fails (a Ctrl-C) does not break it: the caller
-    aborts it (StepRunner._run_slots)."""
+    aborts it (StepRunner._run_slots).
+
+    wait() is arrive() then wait_target(its target). A thread may instead hand the
+    target to the next phase's kernel, whose gate (spin.gate_opens on flags) waits for
+    it inside the kernel: in wait(), every thread but the last returned to Python at the
+    same moment, and each took the GIL in turn; on the 2-core Xeon a thread that found
+    it taken slept in CPython's GIL wait and passed 0.13-0.18 ms after the last arrival
+    (hslm/step.py, StepRunner._gated)."""
 
     def __init__(self, n: int):
         self.n = n
-        self.flags = np.zeros(3 * LINE, np.int64)  # arrivals at [0], broken at [2 LINE]
+        # arrivals at GATE_ARRIVALS, broken at GATE_BROKEN (spin.gate_opens reads them)
+        self.flags = np.zeros(3 * LINE, np.int64)
         self._passes = threading.local()
 
-    def wait(self):
-        if self.flags[2 * LINE] != 0:
+    def arrive(self) -> int:
+        """Count this thread in; returns the arrivals its pass waits for."""
+        if self.flags[GATE_BROKEN] != 0:
             raise threading.BrokenBarrierError
         k = getattr(self._passes, "k", 0) + 1
         self._passes.k = k
-        add(self.flags, 0, 1)
-        if wait_until(self.flags, 0, k * self.n, 2 * LINE) < 0:
+        add(self.flags, GATE_ARRIVALS, 1)
+        return k * self.n
+
+    def wait_target(self, target: int):
+        """Wait until `target` threads have arrived (BrokenBarrierError if it breaks)."""
+        if wait_until(self.flags, GATE_ARRIVALS, target, GATE_BROKEN) < 0:
             raise threading.BrokenBarrierError
+
+    def wait(self):
+        self.wait_target(self.arrive())
 
     def abort(self):
         """Break the barrier: every wait, now and later, raises BrokenBarrierError."""
-        publish(self.flags, 2 * LINE, 1)
+        publish(self.flags, GATE_BROKEN, 1)
 
 
 class SlotThreads:

@@ -107,3 +107,22 @@ def wait_briefly(flags, i, value, abort, loads):
         if (s + 1) % SPINS_PER_YIELD == 0:
             yield_core()
     return 0
+
+
+# A gate: the start of a nogil kernel that waits there for a barrier's arrivals
+# (hslm/slots.py, SpinBarrier.arrive), so that a thread that waits for the others passes
+# the barrier inside the kernel, without the GIL. Its flags: the arrivals at
+# GATE_ARRIVALS, nonzero at GATE_BROKEN once the barrier is broken (SpinBarrier's layout).
+GATE_ARRIVALS = 0
+GATE_BROKEN = 16
+GATE_LOADS = 1 << 22  # loads a gate spins before it gives up (milliseconds: see gate_opens)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def gate_opens(gate, target):
+    """True once gate[GATE_ARRIVALS] >= target (at once for target <= 0); False where the
+    barrier is broken, or after GATE_LOADS loads: its kernel then returns without doing
+    anything, and its caller waits in Python (hslm/step.py, StepRunner._gated: there the
+    wait can sleep, and Ctrl-C is seen) and calls it again with target 0."""
+    return target <= 0 or wait_briefly(gate, GATE_ARRIVALS, target, GATE_BROKEN,
+                                       GATE_LOADS) > 0

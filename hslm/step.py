@@ -27,7 +27,7 @@ the weight layouts it reads and which of two reductions it uses:
   stage's units as soon as every row has passed it, each first the units of the
   tensors it then updates in the optimiser. A slot's phases, and its share of the
   optimiser's update (gradient's `then`), run in one task a step, with barriers
-  between them.
+  between them, each waited for inside the next phase's kernel (StepRunner._gated).
 
 Threads are plain Python threads running nogil Numba kernels: no Numba
 threading layer is involved, so forking and Ctrl-C behave as in any Python
@@ -47,7 +47,7 @@ from .config import TENSORS_PER_BLOCK
 from .jit import kernel_entry
 from .kernels import WGRAD_ROW_BLOCK, active_span, active_tiles
 from .layers import RELU_OUTPUT, alloc_acts, alloc_record, alloc_scratch, relu_side
-from .slots import SlotThreads, SpinBarrier
+from .slots import NO_GATE, SlotThreads, SpinBarrier
 from .speeds import KERNEL_PANELS, PER_POSITION, SPEEDS
 from .vsa import vsa_window
 from .windows import (every_block_forward, gradients_from_records, mean_losses, team_counters,
@@ -203,7 +203,8 @@ class Worker:
         windows_layerwise(model, vsa_table, windows, self.vsa.reshape((1,) + self.vsa.shape), k,
                           scale, self.acts, self.rec, self.scr, 0, 1, losses, sp.kernel)
         gradients_from_records(model, self.acts, self.rec, windows, k, self.units, 0,
-                               len(self.units), out, self.scr.xt, self.scr.dy_panels, False)
+                               len(self.units), out, self.scr.xt, self.scr.dy_panels, False,
+                               NO_GATE, 0)
         return losses[0]
 
     def vsa_rows(self, p1):
@@ -343,14 +344,34 @@ class StepRunner:
                        errors[0])
 
     def _optimise(self, then, barrier, marks, j):
-        """Slot j's part of a step once its gradient part is written: wait at the barrier
-        for every slot's, then then(its optimiser share); slot 0 marks when they all
-        had (the optimiser's start, for hslm bench's profile)."""
-        if barrier is not None:
-            barrier.wait()
+        """Slot j's part of a step once its gradient part is written: then(its optimiser
+        share), which waits at the barrier for every slot's part (_gated); slot 0 marks
+        when its own part was written (the optimiser's start, for the profile: with one
+        thread the same moment; with several, the wait at the barrier counts in the
+        optimiser's time)."""
+        target = barrier.arrive() if barrier is not None else 0
         if j == 0:
             marks["optimiser"] = time.perf_counter()
-        then(self.optimiser_shares[j])
+        self._gated(barrier, target,
+                    lambda gate, target: then(self.optimiser_shares[j], gate, target))
+
+    @staticmethod
+    def _gated(barrier, target, call):
+        """call(gate, target), a kernel that first waits inside itself for the barrier's
+        `target` arrivals (spin.gate_opens), with no Python or GIL between the last
+        arrival and its work: where threads waited in SpinBarrier.wait and then called
+        the kernel, every thread but the last came back to Python at the same moment and
+        took the GIL in turn, and on the 2-core Xeon one passed 0.13-0.18 ms after the
+        last arrival at each barrier (a thread that finds the GIL taken sleeps in
+        CPython's wait for it); with N threads such a pass costs about N times that.
+        Where the gate gives up (a wait of milliseconds, or a broken barrier) the call
+        returns False having done nothing: the wait goes on in Python (which may sleep,
+        sees Ctrl-C and raises if the barrier broke), then the call runs ungated."""
+        if barrier is None:
+            call(NO_GATE, 0)
+        elif not call(barrier.flags, target):
+            barrier.wait_target(target)
+            call(NO_GATE, 0)
 
     def gradient(self, model, vsa_table, windows: np.ndarray, k: int, G: np.ndarray,
                  then=None) -> float:
@@ -423,25 +444,25 @@ class StepRunner:
                               self.rec_b, self.workers[j].scr, j, N, losses, kernel,
                               self.timings if j == 0 else None)
 
-        def run_units(j):
+        def run_units(j, target):  # once the barrier has every slot's windows (_gated)
             lo, hi = self.parts[j]
             scr = self.workers[j].scr
-            gradients_from_records(model, self.acts_b, self.rec_b, windows, k, self.units, lo, hi,
-                                   G, scr.xt, scr.dy_panels, True)
+            self._gated(barrier, target, lambda gate, target: gradients_from_records(
+                model, self.acts_b, self.rec_b, windows, k, self.units, lo, hi, G, scr.xt,
+                scr.dy_panels, True, gate, target))
 
         # the phases in one task per slot, a barrier after each (a new one each step: one
         # an error broke stays broken), so the windows' records are whole before any unit
-        # reads them, and G before any slot updates
+        # reads them, and G before any slot updates; each phase's kernel waits for it
         barrier = SpinBarrier(N) if N > 1 else None
         marks = {}
 
         def slot(j):
             run_windows(j)
-            if barrier is not None:
-                barrier.wait()
-            if j == 0:
+            target = barrier.arrive() if barrier is not None else 0
+            if j == 0:  # (its windows done: with several threads the wait counts below)
                 marks["windows"] = time.perf_counter()
-            run_units(j)
+            run_units(j, target)
             if then is not None:
                 self._optimise(then, barrier, marks, j)
 

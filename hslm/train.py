@@ -27,6 +27,7 @@ from .hyper import HYPER_NAMES, Hyper
 from .optim import adamw_step, adamw_tensors, bias_corrections, learning_rate
 from .params import ModelState, init_params, ternary_mask
 from .rng import Stream
+from .slots import NO_GATE
 from .speeds import SPEEDS
 from .tables import Tables
 from .token_cache import TEXT_SHA_MEMO
@@ -299,10 +300,12 @@ class Run:
 
         trits = self.state.trits()
 
-        def optimise_share(share):  # a thread's tensors (hslm.step.optimiser_shares)
-            adamw_tensors(self.state.theta, self.grad, self.m, self.v, self.state.offs,
-                          self.decay, bc1, bc2, lr, h.weight_decay, self.norms, self.abs_sums,
-                          self.moment_sums, share, trits)  # requantised as it goes
+        def optimise_share(share, gate=NO_GATE, target=0):
+            """A thread's tensors (hslm.step.optimiser_shares), requantised as it goes,
+            once its gate opens (StepRunner._gated); False where it did not open."""
+            return adamw_tensors(self.state.theta, self.grad, self.m, self.v, self.state.offs,
+                                 self.decay, bc1, bc2, lr, h.weight_decay, self.norms,
+                                 self.abs_sums, self.moment_sums, share, trits, gate, target)
 
         def requantize(part):  # alpha from the update's sums
             self.state.requantize(part[0], part[1], self.abs_sums)

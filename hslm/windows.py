@@ -36,7 +36,7 @@ from .layers import (CYCLES, COLUMN_SUM, MATRIX, RELU_INPUT, block_backward, blo
                      block_keys_values, block_queries, blocks_backward, blocks_forward,
                      embed_forward, head_backward, head_forward, loss_rows,
                      relu_side, view1, view2, window_loss_rows, weight_grad_operands)
-from .spin import add, publish, wait_for
+from .spin import add, gate_opens, publish, wait_for
 from .vsa import vsa_window
 
 # A constant 0 passed where the same kernel elsewhere gets a variable: Numba compiles a
@@ -271,7 +271,7 @@ def team_slot(model, vsa_table, windows, k, scale, A, R, S, vsa, slot, p0, p1, r
             if not wait_for(sync, N + 1 + chunks[c, 2], 1, 1, N, N):
                 return False
             gradients_from_records(model, A, R, windows, k, units, chunks[c, 0], chunks[c, 1],
-                                   G, S.xt, S.dy_panels, True)
+                                   G, S.xt, S.dy_panels, True, sync, NO_LITERAL_0)
     return True
 
 
@@ -400,8 +400,11 @@ def relu_weight_grads(model, A, R, B, t, s, k, units, u0, u1, out, WG, fresh, M,
 
 
 @kernel_entry(allocates=True)
-def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, fresh):
-    """Speed 3's weight-gradient phase for a batch of windows.
+def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, fresh, gate,
+                           target):
+    """Speed 3's weight-gradient phase for a batch of windows. Returns False, having done
+    nothing, where its gate does not open (spin.gate_opens(gate, target): a barrier's
+    arrivals, waited for here; target <= 0: none), else True.
 
     A, R and tokens hold every window of the batch. For each unit u0..u1-1
     (tensor t, rows r0..r1), adds into `out` each window's sum in window order; a
@@ -424,6 +427,8 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, f
     2.5-3 ms a step here (by the time a unit's rows were summed, the 17 MB memset had
     gone to memory), and zeroing each unit just before its sums 1.3 ms (a memset of its
     rows)."""
+    if not gate_opens(gate, target):
+        return False
     D = model.dims
     offs = model.offs
     s = D.window - k
@@ -513,6 +518,7 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, f
                         for i in range(n):
                             E[tok[s + r], i] += row[i]
         u = ue
+    return True
 
 
 # ------------------------------------------------------------ forward only

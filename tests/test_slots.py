@@ -231,3 +231,99 @@ def test_a_long_wait_sleeps_past_spin_seconds(monkeypatch):
     assert cpu_of_a_wait(0.5) > 0.25  # spinning
     monkeypatch.setattr(slots, "SPIN_SECONDS", 0.01)
     assert cpu_of_a_wait(1.0) < 0.1  # asleep but for a look every POLL_SECONDS
+
+
+def test_a_gated_kernel_passes_the_barrier_inside_and_falls_back_to_python():
+    """A phase's kernel may wait for a barrier at its start (spin.gate_opens), so that no
+    thread needs the GIL the moment the last one arrives (StepRunner._gated). The gate
+    opens once the arrivals reach the target (at once for target 0), gives up where the
+    barrier is broken or after GATE_LOADS loads (the kernel then does nothing and says
+    so), and _gated then waits in Python and calls again: threads arriving 2 ms late (the
+    gate opens inside) and 0.3 s late (past the gate's spin) are both kept in step; a call
+    that ignores its gate is seen out of step (the control); a barrier broken while a
+    thread waits raises BrokenBarrierError."""
+    import numpy as np
+
+    from hslm.spin import GATE_BROKEN, gate_opens
+    from hslm.step import StepRunner
+
+    flags = np.zeros(3 * slots.LINE, np.int64)
+    assert gate_opens(flags, 0) and not gate_opens(flags, 1)  # (the second after its spin)
+    flags[0] = 2
+    assert gate_opens(flags, 2) and not gate_opens(flags, 3)
+    flags[GATE_BROKEN] = 1
+    assert not gate_opens(flags, 2 + 1)
+
+    def run(n, late, delay, honest=True, passes=3):
+        barrier, events, lock, calls = slots.SpinBarrier(n), [], threading.Lock(), []
+
+        def call(gate, target):  # a kernel's gate, then its "work": the leave event
+            calls.append(target)
+            if honest and not gate_opens(gate, target):
+                return False
+            with lock:
+                events.append(("leave", p_of[threading.get_ident()], j_of[threading.get_ident()]))
+            return True
+        p_of, j_of = {}, {}
+
+        def slot(j):
+            j_of[threading.get_ident()] = j
+            for p in range(passes):
+                p_of[threading.get_ident()] = p
+                if j == late:
+                    time.sleep(delay)
+                with lock:
+                    events.append(("arrive", p, j))
+                StepRunner._gated(barrier, barrier.arrive(), call)
+        threads = [threading.Thread(target=slot, args=(j,)) for j in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return events, calls
+
+    for n in (2, 3):
+        events, calls = run(n, n - 1, 0.002)
+        assert _in_step(events, n)
+        events, calls = run(n, n - 1, 0.3, passes=2)
+        assert _in_step(events, n, passes=2) and 0 in calls  # (gave up, called again)
+        assert not _in_step(run(n, n - 1, 0.05, honest=False)[0], n)
+
+    barrier = slots.SpinBarrier(2)
+    raised = []
+
+    def waiter():
+        try:
+            StepRunner._gated(barrier, barrier.arrive(),
+                              lambda gate, target: gate_opens(gate, target))
+        except threading.BrokenBarrierError:
+            raised.append(True)
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.05)
+    barrier.abort()
+    t.join(5)
+    assert not t.is_alive() and raised == [True]
+
+
+def test_the_optimiser_kernel_does_nothing_until_its_gate_opens():
+    """adamw_tensors with a gate whose barrier has not had its arrivals returns False and
+    leaves every array as it was (byte for byte); once they are in, it updates."""
+    import numpy as np
+
+    from hslm.optim import adamw_tensors
+
+    rng = np.random.default_rng(0)
+    theta, g = rng.standard_normal(6), rng.standard_normal(6)
+    m, v = np.zeros(6), np.zeros(6)
+    arrays = [theta, g, m, v]
+    before = [a.tobytes() for a in arrays]
+    args = (np.array([0, 2, 6]), np.array([True, False]), 0.1, 0.001, 0.01, 0.1, np.zeros(2),
+            np.zeros(2), np.zeros(2), np.array([0, 1], np.int64))
+    barrier = slots.SpinBarrier(2)
+    target = barrier.arrive()  # one of two arrived
+    assert adamw_tensors(theta, g, m, v, *args, None, barrier.flags, target) is False
+    assert [a.tobytes() for a in arrays] == before
+    barrier.flags[0] += 1  # the other arrives
+    assert adamw_tensors(theta, g, m, v, *args, None, barrier.flags, target) is True
+    assert theta.tobytes() != before[0] and m.tobytes() != before[2]
