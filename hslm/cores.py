@@ -153,7 +153,7 @@ def farthest_round_trip_ns():
 # 115-230 ns otherwise): the loop ran at 56 GFLOP/s on each at once against 107 alone,
 # and batch 1 on two threads at 1.03x one thread in a bench round. A neighbour's thread
 # on a CPU's core shows the same way, and the round trip does not see it.
-FMA_SECONDS = 0.02  # each timing of the loop: alone, then on every CPU at once
+FMA_SECONDS = 0.02  # each timing of the loop: alone, on every CPU at once, alone again
 MAX_TOGETHER = 64  # CPUs a probe loads at once (a thread each)
 
 _fma = None  # (engine, function, multiplicands, iterations) of hslm/peak.py's FMA loop
@@ -174,7 +174,8 @@ def _fma_loop():
 def fma_together(cpus=None):
     """The FMA loop's pace (hslm/peak.py) with a copy pinned to each of `cpus` at once
     (default: every CPU this process may use, at most MAX_TOGETHER), the slowest copy's,
-    as a share of its pace on the first CPU alone just before: about 1.0 where each CPU
+    as a share of its pace on the first CPU alone (the faster of a run just before and
+    one just after): about 1.0 where each CPU
     has a core's FMA pipes to itself, about 0.5 where two are one core's two hardware
     threads, or where another guest's thread was busy on a CPU's core. None with fewer
     than two CPUs, or where threads cannot be pinned or the loop cannot be built."""
@@ -215,6 +216,9 @@ def fma_together(cpus=None):
             t.join()
         return None if None in seconds else max(seconds)
 
+    # alone before and after (the faster: a neighbour's moment on the first CPU's core
+    # during one of them would read as more than one core's pace at once)
     alone = timed(cpus[:1])
     together = timed(cpus) if alone is not None else None
-    return None if together is None else alone / together
+    again = timed(cpus[:1]) if together is not None else None
+    return None if again is None else min(alone, again) / together
