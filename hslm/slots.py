@@ -61,8 +61,9 @@ def wait_until(flags, i, value, abort, sleep_after=True) -> int:
 
 
 class SpinBarrier:
-    """A barrier for n threads, waiting as wait_until does, with the two calls of
-    threading.Barrier that StepRunner uses: wait() (returning nothing) and abort(). Each
+    """A barrier for n threads, waiting as wait_until does, with threading.Barrier's
+    wait() (returning nothing) and abort(), and arrive() and wait_target(), which
+    StepRunner uses with a kernel's gate in between (below). Each
     thread counts its own passes (a thread passes the k-th time once n k threads have
     arrived), so one barrier serves any number of passes by the same n threads. Unlike
     threading.Barrier's, a wait that fails (a Ctrl-C) does not break it: the caller

@@ -16,7 +16,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from .vector_tiles import declare
+from .vector_tiles import declare, make_cycle_counter
 
 SPINS_PER_YIELD = 1024
 
@@ -115,14 +115,33 @@ def wait_briefly(flags, i, value, abort, loads):
 # GATE_ARRIVALS, nonzero at GATE_BROKEN once the barrier is broken (SpinBarrier's layout).
 GATE_ARRIVALS = 0
 GATE_BROKEN = 16
-GATE_LOADS = 1 << 22  # loads a gate spins before it gives up (milliseconds: see gate_opens)
+# A gate gives up after GATE_CYCLES of the time-stamp counter (2-4 ms at its 2-4 GHz),
+# looked at after each yield: a count of loads alone is no time, since a yield on a CPU
+# another task wants may last a time slice (4,096 yields took 5.7 s beside a busy loop,
+# where the main thread saw no Ctrl-C). GATE_LOADS bounds it where there is no counter.
+GATE_CYCLES = 1 << 23
+GATE_LOADS = 1 << 22
+CYCLES = make_cycle_counter()
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def gate_opens(gate, target):
     """True once gate[GATE_ARRIVALS] >= target (at once for target <= 0); False where the
-    barrier is broken, or after GATE_LOADS loads: its kernel then returns without doing
-    anything, and its caller waits in Python (hslm/step.py, StepRunner._gated: there the
-    wait can sleep, and Ctrl-C is seen) and calls it again with target 0."""
-    return target <= 0 or wait_briefly(gate, GATE_ARRIVALS, target, GATE_BROKEN,
-                                       GATE_LOADS) > 0
+    barrier is broken, or after GATE_CYCLES (or GATE_LOADS loads): its kernel then
+    returns without doing anything, and its caller waits in Python (hslm/step.py,
+    StepRunner._gated: there the wait can sleep, and Ctrl-C is seen) and calls it again
+    with target 0."""
+    if target <= 0:
+        return True
+    base = gate.ctypes.data
+    start = CYCLES()
+    for s in range(GATE_LOADS):
+        if load_acquire(base + 8 * GATE_ARRIVALS) >= target:
+            return True
+        if load_acquire(base + 8 * GATE_BROKEN) != 0:
+            return False
+        if (s + 1) % SPINS_PER_YIELD == 0:
+            yield_core()
+            if CYCLES() - start > GATE_CYCLES:
+                return False
+    return False

@@ -369,7 +369,7 @@ class StepRunner:
         sees Ctrl-C and raises if the barrier broke), then the call runs ungated."""
         if barrier is None:
             call(NO_GATE, 0)
-        elif not call(barrier.flags, target):
+        elif call(barrier.flags, target) is False:
             barrier.wait_target(target)
             call(NO_GATE, 0)
 
@@ -377,8 +377,12 @@ class StepRunner:
                  then=None) -> float:
         """G = the batch's gradient (scaled by 1/(k B)); returns the step's mean loss.
 
-        then: None, or the optimiser's update of a share of the tensors, then(share),
-        run once G is whole for each thread slot j's share (self.optimiser_shares[j]).
+        then: None, or the optimiser's update of a share of the tensors, then(share,
+        gate, target), run once G is whole for each thread slot j's share
+        (self.optimiser_shares[j]). It waits for the barrier first, inside its kernel
+        (spin.gate_opens(gate, target): at once for target 0), and returns False, having
+        done nothing, only where that gate did not open (_gated then waits in Python
+        and calls it again with target 0); anything else counts as done.
         The layerwise speeds run it in slot j's own task, after a barrier: one task per
         slot and step instead of a round trip through the calling thread after each
         phase, and slot j updates the tensors whose gradient it summed last
@@ -419,7 +423,7 @@ class StepRunner:
                 self._map(lambda r: add_in_order(G, self.bufs, n, cuts[r], cuts[r + 1]), N)
         if then is not None:
             t0 = time.perf_counter()
-            self.map_parts(then, self.optimiser_shares)
+            self.map_parts(lambda share: then(share, NO_GATE, 0), self.optimiser_shares)
             self.add_timing("optimiser", time.perf_counter() - t0)
         return ordered_mean(losses)
 

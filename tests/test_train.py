@@ -158,6 +158,8 @@ def test_each_slot_updates_its_share_once_the_gradient_is_whole(monkeypatch, B, 
     import time
 
     from hslm import step as step_module
+    from hslm.slots import NO_GATE
+    from hslm.spin import gate_opens
     from hslm.config import PRESETS
     from hslm.params import ModelState, init_params
     from hslm.tables import Tables
@@ -197,7 +199,9 @@ def test_each_slot_updates_its_share_once_the_gradient_is_whole(monkeypatch, B, 
         updates = []
         seen.append(updates)
 
-        def then(share):
+        def then(share, gate, target):  # (a kernel waits at its gate first)
+            if not gate_opens(gate, target):
+                return False
             updates.append((threading.get_ident(), tuple(share), bool(np.isnan(G).any())))
             if ("then", 1) in fail and tuple(share) == shares[1]:
                 raise fail["then", 1]
@@ -221,7 +225,7 @@ def test_each_slot_updates_its_share_once_the_gradient_is_whole(monkeypatch, B, 
         # so there a missing barrier shows only by chance)
         def no_wait(self, then, barrier, marks, j):
             marks["optimiser"] = time.perf_counter()
-            then(self.optimiser_shares[j])
+            then(self.optimiser_shares[j], NO_GATE, 0)
         with monkeypatch.context() as m:
             m.setattr(step_module.StepRunner, "_optimise", no_wait)
             updates = gradient_and_updates()
