@@ -175,10 +175,10 @@ def fma_together(cpus=None):
     """The FMA loop's pace (hslm/peak.py) with a copy pinned to each of `cpus` at once
     (default: every CPU this process may use, at most MAX_TOGETHER), the slowest copy's,
     as a share of its pace on the first CPU alone (the faster of a run just before and
-    one just after): about 1.0 where each CPU
-    has a core's FMA pipes to itself, about 0.5 where two are one core's two hardware
-    threads, or where another guest's thread was busy on a CPU's core. None with fewer
-    than two CPUs, or where threads cannot be pinned or the loop cannot be built."""
+    one just after): about 1.0 where each CPU has a core's FMA pipes to itself, about
+    0.5 where two are one core's two hardware threads, or where another guest's thread
+    was busy on a CPU's core. None with fewer than two CPUs, or where threads cannot be
+    pinned or the loop cannot be built."""
     if not hasattr(os, "sched_setaffinity"):
         return None
     try:
