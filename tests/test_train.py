@@ -242,6 +242,28 @@ def test_each_slot_updates_its_share_once_the_gradient_is_whole(monkeypatch, B, 
                 assert seen[-1] == []  # the other found the barrier broken: no update
 
 
+@pytest.mark.parametrize("N", [1, 2, 3, 16])
+def test_optimiser_shares_cover_every_tensor_once_heaviest_first(N):
+    """optimiser_shares: every tensor in exactly one share, each share increasing, the
+    shares within one tensor's cost of each other (largest first to the least loaded),
+    and the heaviest share slot 0's (the calling thread, which starts the step first),
+    the rest in order of cost. The control: the greedy split alone, before the order,
+    gives hslm-3's two slots the lighter share first."""
+    from hslm import step as step_module
+    from hslm.config import PRESETS
+    cfg = PRESETS["hslm-3"]
+    cost = step_module.optimiser_cost(cfg)
+    shares = step_module.optimiser_shares(cfg, N)
+    assert len(shares) == N
+    assert sorted(int(t) for s in shares for t in s) == list(range(len(cost)))
+    assert all(list(s) == sorted(s) for s in shares)
+    loads = [float(cost[s].sum()) for s in shares]
+    assert loads == sorted(loads, reverse=True)
+    assert loads[0] - loads[-1] <= cost.max()
+    if N == 2:
+        assert loads[0] > loads[1]  # (the greedy split had given slot 0 the lighter one)
+
+
 @pytest.mark.parametrize("N", [2, 3, 16])
 def test_staged_chunks_go_first_to_the_slot_that_updates_their_tensors(N):
     """The teams' weight-gradient chunks (StepRunner.staged_chunks) cover every unit once,
