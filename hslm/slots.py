@@ -26,6 +26,7 @@ from .spin import GATE_ARRIVALS, GATE_BROKEN, add, gate_opens, publish, wait_bri
 
 SPIN_SECONDS = 0.02  # a wait spins this long before it sleeps (a step's gaps: 0.2-1 ms)
 SPIN_LOADS = 1 << 16  # loads of the counter a piece of a spin (tens of microseconds)
+SPIN_CYCLES = 1 << 20  # and time-stamp cycles (0.3-0.5 ms: a piece where yields are slow)
 POLL_SECONDS = 1e-3  # past SPIN_SECONDS, a wait looks again after this sleep
 LINE = 8  # int64s a cache line: each counter on a line of its own
 # The gate of a kernel call with no barrier before it (its target 0: open at once); an
@@ -37,7 +38,7 @@ def compile_waits():
     """Compile (or load) the kernels the waits here call (a first run's compile jobs do it
     ahead, hslm/precompile.py: the optimiser's job)."""
     flags = np.zeros(1, np.int64)
-    wait_briefly(flags, 0, 0, 0, 1)
+    wait_briefly(flags, 0, 0, 0, 1, SPIN_CYCLES)
     add(flags, 0, 0)
     publish(flags, 0, 0)
     gate_opens(flags, 0)
@@ -50,7 +51,7 @@ def wait_until(flags, i, value, abort, sleep_after=True) -> int:
     deadline = time.perf_counter() + SPIN_SECONDS
     loads = SPIN_LOADS
     while True:
-        r = wait_briefly(flags, i, value, abort, loads)
+        r = wait_briefly(flags, i, value, abort, loads, SPIN_CYCLES)
         if r != 0:
             return r
         if loads == 1 or time.perf_counter() > deadline:

@@ -19,6 +19,7 @@ from numba.extending import intrinsic
 from .vector_tiles import declare, make_cycle_counter
 
 SPINS_PER_YIELD = 1024
+CYCLES = make_cycle_counter()  # the time-stamp counter (wait_briefly's bound)
 
 
 def _i64_pointer(builder, addr):
@@ -94,11 +95,15 @@ def wait_for(flags, first, step, count, value, abort):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def wait_briefly(flags, i, value, abort, loads):
+def wait_briefly(flags, i, value, abort, loads, cycles):
     """Spin until flags[i] >= value (1), or flags[abort] != 0 (-1), for at most `loads`
-    loads of flags[i] (then 0): a wait in short pieces, so that its caller (hslm/slots.py)
-    can watch the clock, and Ctrl-C, between them."""
+    loads of flags[i] or `cycles` of the time-stamp counter, looked at after each yield
+    (then 0): a wait in short pieces, so that its caller (hslm/slots.py) can watch the
+    clock, and Ctrl-C, between them. A count of loads alone is no time: a yield on a CPU
+    another task wants may last a time slice (4,096 yields took 5.7 s beside a busy loop;
+    a piece of 65,536 loads 93 ms). Without a counter (it reads 0) only `loads` bounds it."""
     base = flags.ctypes.data
+    start = CYCLES()
     for s in range(loads):
         if load_acquire(base + 8 * i) >= value:
             return 1
@@ -106,6 +111,8 @@ def wait_briefly(flags, i, value, abort, loads):
             return -1
         if (s + 1) % SPINS_PER_YIELD == 0:
             yield_core()
+            if CYCLES() - start > cycles:
+                return 0
     return 0
 
 
@@ -116,12 +123,9 @@ def wait_briefly(flags, i, value, abort, loads):
 GATE_ARRIVALS = 0
 GATE_BROKEN = 16
 # A gate gives up after GATE_CYCLES of the time-stamp counter (2-4 ms at its 2-4 GHz),
-# looked at after each yield: a count of loads alone is no time, since a yield on a CPU
-# another task wants may last a time slice (4,096 yields took 5.7 s beside a busy loop,
-# where the main thread saw no Ctrl-C). GATE_LOADS bounds it where there is no counter.
+# or GATE_LOADS loads where there is no counter (wait_briefly).
 GATE_CYCLES = 1 << 23
 GATE_LOADS = 1 << 22
-CYCLES = make_cycle_counter()
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -131,17 +135,5 @@ def gate_opens(gate, target):
     returns without doing anything, and its caller waits in Python (hslm/step.py,
     StepRunner._gated: there the wait can sleep, and Ctrl-C is seen) and calls it again
     with target 0."""
-    if target <= 0:
-        return True
-    base = gate.ctypes.data
-    start = CYCLES()
-    for s in range(GATE_LOADS):
-        if load_acquire(base + 8 * GATE_ARRIVALS) >= target:
-            return True
-        if load_acquire(base + 8 * GATE_BROKEN) != 0:
-            return False
-        if (s + 1) % SPINS_PER_YIELD == 0:
-            yield_core()
-            if CYCLES() - start > GATE_CYCLES:
-                return False
-    return False
+    return target <= 0 or wait_briefly(gate, GATE_ARRIVALS, target, GATE_BROKEN,
+                                       GATE_LOADS, GATE_CYCLES) > 0
