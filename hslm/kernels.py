@@ -180,6 +180,12 @@ ACTIVE_ROW = make_active_rows_tile(ACTIVE_VECS, ACTIVE_LANES)
 ACTIVE_ROW_LESS = make_active_rows_tile(ACTIVE_VECS - 1, ACTIVE_LANES)
 ACTIVE_ROW_ANY = make_active_rows_tile(ACTIVE_VECS, ACTIVE_LANES, exact=False)
 PREFETCH_TO_L2 = make_prefetch_to_l2()
+# Rows ahead that active_masks and aligned_rows ask into L2 as they read a step's records
+# (last written in the forward or the backward, fetched from far caches): the hardware's
+# prefetch, within a 4 KB page, left these reads at about 8 GB/s here. (The dense
+# matrices' operand copies, output_grad_panels and input_columns, ran 0.88x with it, but
+# their tiles after them as much slower: left without.)
+ROWS_AHEAD = 4
 
 
 @kernel_inner
@@ -188,13 +194,15 @@ def active_masks(X, j0, j1, M):
     (X [k, F]: the ReLU's outputs at the scored positions; a NaN is not active).
     Indexed from 0 within slices: with j from j0 Numba cannot rule out a negative index,
     and the check on each one kept LLVM from vectorising the loop (13.0 against 1.9 us a
-    call of 27 x 729 here, on Zen 5)."""
+    call of 27 x 729 here, on Zen 5). Asks for the row ROWS_AHEAD on while it reads each."""
     n = j1 - j0
     for w in range(M.shape[0]):
         m = M[w, j0:j1]
         for j in range(n):
             m[j] = 0
     for t in range(X.shape[0]):
+        if t + ROWS_AHEAD < X.shape[0]:  # a later row's lines, on their way meanwhile
+            PREFETCH_TO_L2(X[t + ROWS_AHEAD, j0:j1].ctypes.data, (j1 - j0) * 8)
         bit = t & 63
         x = X[t, j0:j1]
         m = M[t >> 6, j0:j1]
@@ -289,10 +297,16 @@ def copy_rows(X, Y):
 def aligned_rows(X, flat, start):
     """X [k, n] copied into flat's aligned_view(flat, start, k, n), which it returns. The
     tile's vector loads from records' rows (243 doubles apart) split cache lines: 1.24
-    against 0.99-1.03 ms for Wdown's gradient."""
+    against 0.99-1.03 ms for Wdown's gradient. Asks for the row ROWS_AHEAD on while it
+    copies each."""
     k, n = X.shape
     out = aligned_view(flat, start, k, n)
-    copy_rows(X, out)
+    for r in range(k):
+        if r + ROWS_AHEAD < k:  # a later row's lines, on their way meanwhile
+            PREFETCH_TO_L2(X[r + ROWS_AHEAD].ctypes.data, n * 8)
+        src, dst = X[r], out[r]
+        for c in range(n):
+            dst[c] = src[c]
     return out
 
 
