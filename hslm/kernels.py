@@ -189,6 +189,14 @@ ROWS_AHEAD = 4
 
 
 @kernel_inner
+def columns_to_l2(S, j0, j1):
+    """The cache lines of S[t, j0:j1] for every row t asked into L2 (a hint: no value
+    changes): a block of units' sparse factor for active_rows_grad, a call ahead."""
+    for t in range(S.shape[0]):
+        PREFETCH_TO_L2(S.ctypes.data + t * S.strides[0] + j0 * 8, (j1 - j0) * 8)
+
+
+@kernel_inner
 def active_masks(X, j0, j1, M):
     """M[w, j] for j0 <= j < j1: bit t % 64 of word w = t // 64 set where X[t, j] > 0.0
     (X [k, F]: the ReLU's outputs at the scored positions; a NaN is not active).

@@ -30,8 +30,8 @@ import numpy as np
 from .config import TENSORS_PER_BLOCK
 from .jit import kernel_entry, kernel_inner, kernel_part
 from .kernels import (PREFETCH_TO_L2, active_masks, active_rows_grad, aligned_rows, aligned_view,
-                      column_sum_rows, copy_rows, input_columns, output_grad_panels,
-                      transpose_rows)
+                      column_sum_rows, columns_to_l2, copy_rows, input_columns,
+                      output_grad_panels, transpose_rows)
 from .micro import WGRAD_PANEL, panel_matmul_add, panel_matmul_add2
 from .layers import (CYCLES, COLUMN_SUM, MATRIX, RELU_INPUT, block_backward, block_forward,
                      block_keys_values, block_queries, blocks_backward, blocks_forward,
@@ -345,7 +345,10 @@ def relu_weight_grads(model, A, R, B, t, s, k, units, u0, u1, out, WG, fresh, M,
     touched by the optimiser a step ago (0.71 -> 0.30 ms a step on the 2-core Xeon,
     batch 8; the whole block's lines at once slowed the sums after them). Asking for
     Wup's lines of G while its rows are summed slowed the sums by more than it saved;
-    transpose_rows asks for them a strip ahead instead.
+    transpose_rows asks for them a strip ahead instead. Before each window's call, that
+    window's sparse factor for the next block of rows (its k rows' columns j1..) is asked
+    into L2 too (columns_to_l2): Wdown's tile took 3.79 ms a step, 3.28 run again at once
+    with those lines near, and the tile's own asks reach only 8 units ahead.
 
     M [B, words, F] holds the windows' masks of active positions (active_masks), every
     column's, for block masks_of[0]: W_up makes them and W_down, the block's next
@@ -380,6 +383,8 @@ def relu_weight_grads(model, A, R, B, t, s, k, units, u0, u1, out, WG, fresh, M,
                         a0 = ahead * (w - w0) // (w1 - w0)
                         PREFETCH_TO_L2(G[j1].ctypes.data + a0,
                                        ahead * (w - w0 + 1) // (w1 - w0) - a0)
+                    if j1 < rb:  # this window's factor for the next block of rows
+                        columns_to_l2(A.relu[w, b, s:], j1, min(j1 + RELU_ROW_BLOCK, rb))
                     dy = aligned_view(buf, (w - w0) * room, k, d)
                     active_rows_grad(M[w], A.relu[w, b, s:], dy, 0, d, j0, j1, rows,
                                      fresh and w == 0)
@@ -405,6 +410,8 @@ def relu_weight_grads(model, A, R, B, t, s, k, units, u0, u1, out, WG, fresh, M,
             for j0 in range(0, F, RELU_ROW_BLOCK):
                 j1 = min(j0 + RELU_ROW_BLOCK, F)
                 for w in range(w0, w1):
+                    if j1 < F:  # this window's factor for the next block of rows
+                        columns_to_l2(R.d_u[w, b, :k], j1, min(j1 + RELU_ROW_BLOCK, F))
                     h = aligned_view(buf, (w - w0) * room, k, n)
                     active_rows_grad(M[w], R.d_u[w, b, :k], h, 0, n, j0, j1, T[j0:j1],
                                      fresh and w == 0)
