@@ -81,6 +81,25 @@ def _pingpong():
     return _compiled[1]
 
 
+def _on_cpus(body, cpus):
+    """body(i, pinned) on a thread of its own for each cpus[i], all at once, each pinned to
+    its CPU first (pinned: whether that took); returns once every one has ended."""
+    def pinned_body(i, cpu):
+        try:
+            os.sched_setaffinity(0, {cpu})  # this thread only (Linux)
+        except OSError:
+            body(i, False)
+            return
+        body(i, True)
+
+    threads = [threading.Thread(target=pinned_body, args=(i, c), daemon=True)
+               for i, c in enumerate(cpus)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def round_trip_ns(cpu_a: int, cpu_b: int, trips: int = TRIPS):
     """Nanoseconds a round trip of a cache line from CPU cpu_a to cpu_b and back takes
     (the median of three timings of `trips`), or None where the threads cannot be pinned
@@ -100,10 +119,8 @@ def round_trip_ns(cpu_a: int, cpu_b: int, trips: int = TRIPS):
     total = WARM_TRIPS + rounds * trips
     results = {}
 
-    def player(me, cpu):
-        try:
-            os.sched_setaffinity(0, {cpu})  # this thread only (Linux)
-        except OSError:  # (the other one's wait then runs to SPIN_LIMIT)
+    def player(me, pinned):
+        if not pinned:  # (the other one's wait then runs to SPIN_LIMIT)
             results[me] = None
             return
         if me == 1:
@@ -121,12 +138,7 @@ def round_trip_ns(cpu_a: int, cpu_b: int, trips: int = TRIPS):
             start += trips
         results[me] = sorted(times)[1] / trips * 1e9 if done else None
 
-    threads = [threading.Thread(target=player, args=(me, cpu), daemon=True)
-               for me, cpu in ((0, cpu_a), (1, cpu_b))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _on_cpus(player, (cpu_a, cpu_b))
     return results.get(0) if results.get(1) else None
 
 
@@ -194,10 +206,8 @@ def fma_together(cpus=None):
         start = threading.Barrier(len(cpus))
         seconds = [None] * len(cpus)
 
-        def copy(i, cpu):
-            try:
-                os.sched_setaffinity(0, {cpu})  # this thread only (Linux)
-            except OSError:
+        def copy(i, pinned):
+            if not pinned:
                 start.abort()
                 return
             try:
@@ -208,12 +218,7 @@ def fma_together(cpus=None):
             fn(n, 0.9999999, 1e-9, ctypes.addressof(xs))
             seconds[i] = time.perf_counter() - t0
 
-        threads = [threading.Thread(target=copy, args=(i, c), daemon=True)
-                   for i, c in enumerate(cpus)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        _on_cpus(copy, cpus)
         return None if None in seconds else max(seconds)
 
     # alone before and after (the faster: a neighbour's moment on the first CPU's core

@@ -180,7 +180,7 @@ ACTIVE_ROW = make_active_rows_tile(ACTIVE_VECS, ACTIVE_LANES)
 ACTIVE_ROW_LESS = make_active_rows_tile(ACTIVE_VECS - 1, ACTIVE_LANES)
 ACTIVE_ROW_ANY = make_active_rows_tile(ACTIVE_VECS, ACTIVE_LANES, exact=False)
 PREFETCH_TO_L2 = make_prefetch_to_l2()
-# Rows ahead that active_masks and aligned_rows ask into L2 as they read a step's records
+# Rows ahead that active_masks and copy_rows ask into L2 as they read a step's records
 # (last written in the forward or the backward, fetched from far caches): the hardware's
 # prefetch, within a 4 KB page, left these reads at about 8 GB/s here. (The dense
 # matrices' operand copies, output_grad_panels and input_columns, ran 0.88x with it, but
@@ -295,9 +295,13 @@ def aligned_view(flat, start, k, n):
 
 @kernel_inner
 def copy_rows(X, Y):
-    """Y[:] = X, both [k, n] with rows contiguous."""
-    for r in range(X.shape[0]):
-        for c in range(X.shape[1]):
+    """Y[:] = X, both [k, n] with rows contiguous. Asks for X's row ROWS_AHEAD on while it
+    copies each (X is often a step's records, or G, from far caches)."""
+    k, n = X.shape
+    for r in range(k):
+        if r + ROWS_AHEAD < k:  # a later row's lines, on their way meanwhile
+            PREFETCH_TO_L2(X[r + ROWS_AHEAD].ctypes.data, n * 8)
+        for c in range(n):
             Y[r, c] = X[r, c]
 
 
@@ -305,16 +309,10 @@ def copy_rows(X, Y):
 def aligned_rows(X, flat, start):
     """X [k, n] copied into flat's aligned_view(flat, start, k, n), which it returns. The
     tile's vector loads from records' rows (243 doubles apart) split cache lines: 1.24
-    against 0.99-1.03 ms for Wdown's gradient. Asks for the row ROWS_AHEAD on while it
-    copies each."""
+    against 0.99-1.03 ms for Wdown's gradient."""
     k, n = X.shape
     out = aligned_view(flat, start, k, n)
-    for r in range(k):
-        if r + ROWS_AHEAD < k:  # a later row's lines, on their way meanwhile
-            PREFETCH_TO_L2(X[r + ROWS_AHEAD].ctypes.data, n * 8)
-        src, dst = X[r], out[r]
-        for c in range(n):
-            dst[c] = src[c]
+    copy_rows(X, out)
     return out
 
 
