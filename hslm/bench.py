@@ -15,13 +15,15 @@ from numba import njit
 
 from . import __version__
 from . import checkpoint as ckpt
-from .bench_report import DENSE_OPERANDS, RELU_MATRICES, source_commit
+from .bench_report import BACKWARD, DENSE_OPERANDS, FORWARD, RELU_MATRICES, source_commit
 from .config import Config
 from .cores import farthest_round_trip_ns, fma_together
 from .machine_load import load_between, snapshot
 from .peak import measured_peaks
 from .rng import Stream
-from .layers import CYCLES
+from .layers import (CLOCK_BWD_ATTENTION, CLOCK_BWD_NORMS, CLOCK_BWD_PRODUCTS, CLOCK_FWD_ATTENTION,
+                     CLOCK_FWD_NORMS, CLOCK_FWD_PRODUCTS, CLOCK_LOSS, CLOCK_OPERANDS,
+                     CLOCK_RELU_MATRICES, CLOCK_SLOTS, CYCLES)
 from .micro import (amd_family, cpu_info, half_width_avx2, half_width_avx512,
                     skips_relu_zeros)
 from .speeds import DEFAULT_SPEED, SPEEDS
@@ -254,23 +256,36 @@ def versus_torch(cfg, hyper, corpus, steps, rounds=TORCH_ROUNDS):
             "per_round": tok}
 
 
+# The forward's and the backward's parts besides their matrix products that the profile
+# times (Model.clock's slots), as its report names them (parts_ms, reports since
+# 2026-12-05 15:50 UTC)
+PHASE_PARTS = {
+    FORWARD: [("attention (rotary, panels, scores, outputs)", CLOCK_FWD_ATTENTION),
+              ("the norms (the blocks' and the head's)", CLOCK_FWD_NORMS)],
+    BACKWARD: [("the loss and its gradient (cross-entropy)", CLOCK_LOSS),
+               ("attention's gradient (panels, rotary)", CLOCK_BWD_ATTENTION),
+               ("through the norms (the blocks' and head's)", CLOCK_BWD_NORMS)],
+}
+
+
 def profile_layerwise(cfg, hyper, corpus, steps=PROFILE_STEPS):
     """Per-phase milliseconds of a speed-3 step on one thread: [(phase, ms)], each the
     median over `steps` steps (or calls), which a slow spell of a shared machine moves
     less than a mean; the share of the MLP's ReLU units active at the last step's
     scored positions (the products at the others, 0.0, are skipped); and, timed inside
-    the step by the cycle counter ({} where the machine has none), the forward's and the
-    backward's matrix products and the weight gradients' W_up and W_down and dense
-    operands, in ms."""
+    the step by the cycle counter ({} where the machine has none), in ms: the forward's
+    and the backward's matrix products, the weight gradients' W_up and W_down and dense
+    operands, and the forward's and the backward's other parts ({phase: [(part, ms)]}:
+    attention, the norms, the loss; PHASE_PARTS)."""
     from .vsa import vsa_window
 
     run = Run.fresh(cfg, hyper, corpus, plain=False)
     runner = StepRunner(cfg, DEFAULT_SPEED, 1)
-    # the same kernels, given a clock of 4 (Model.clock), count cycles: the forward's and
-    # the backward's matrix products apart from the rest of those phases, the weight
-    # gradients' W_up and W_down and the dense matrices' operands
+    # the same kernels, given a clock of CLOCK_SLOTS (Model.clock), count cycles: the
+    # forward's and the backward's matrix products and other parts apart from the rest of
+    # those phases, the weight gradients' W_up and W_down and the dense matrices' operands
     hz = cycles_per_second()
-    clock = run.state.clock = np.zeros(4)
+    clock = run.state.clock = np.zeros(CLOCK_SLOTS)
     try:
         run.train_step(runner)  # warm
         per_step = []
@@ -281,8 +296,13 @@ def profile_layerwise(cfg, hyper, corpus, steps=PROFILE_STEPS):
             run.train_step(runner)
             x = {"step": time.perf_counter() - t0, **runner.timings}
             if hz:
-                x["forward products"], x["backward products"] = clock[0] / hz, clock[1] / hz
-                x["relu matrices"], x["operands"] = clock[2] / hz, clock[3] / hz
+                x["forward products"] = clock[CLOCK_FWD_PRODUCTS] / hz
+                x["backward products"] = clock[CLOCK_BWD_PRODUCTS] / hz
+                x["relu matrices"] = clock[CLOCK_RELU_MATRICES] / hz
+                x["operands"] = clock[CLOCK_OPERANDS] / hz
+                for phase_parts in PHASE_PARTS.values():
+                    for label, slot in phase_parts:
+                        x[label] = clock[slot] / hz
             # what this step spent outside its timed phases (the medians of the phases
             # need not add up to the median step: that difference could read negative)
             x["other"] = x["step"] - sum(x[key] for key in (
@@ -308,8 +328,7 @@ def profile_layerwise(cfg, hyper, corpus, steps=PROFILE_STEPS):
         # optimiser are timed inside the step: there their operands come from farther away
         # than when a phase runs alone, back to back (the forward alone ran 1-3 ms faster)
         t_fwd, t_bwd = med["forward"] - t_vsa, med["backward"]
-        rows = [("VSA stream", t_vsa), ("forward", t_fwd),
-                ("backward through the layers' inputs", t_bwd),
+        rows = [("VSA stream", t_vsa), (FORWARD, t_fwd), (BACKWARD, t_bwd),
                 (WEIGHT_GRADIENTS, t_wg),
                 ("optimiser + requantise", med["optimiser"])]
         rows.append(("other (drawing windows, Python)", med["other"]))
@@ -317,12 +336,13 @@ def profile_layerwise(cfg, hyper, corpus, steps=PROFILE_STEPS):
         active = float(np.count_nonzero(relu > 0.0) / relu.size)
     finally:
         runner.close()
-    products = ({"forward": 1e3 * med["forward products"],
-                 "backward through the layers' inputs": 1e3 * med["backward products"]}
-                if hz else {})
+    products = ({FORWARD: 1e3 * med["forward products"],
+                 BACKWARD: 1e3 * med["backward products"]} if hz else {})
+    parts = ({phase: [(label, 1e3 * med[label]) for label, _ in phase_parts]
+              for phase, phase_parts in PHASE_PARTS.items()} if hz else {})
     weight_grads = ({RELU_MATRICES: 1e3 * med["relu matrices"],
                      DENSE_OPERANDS: 1e3 * med["operands"]} if hz else {})
-    return [(name, 1e3 * t) for name, t in rows], active, products, weight_grads
+    return [(name, 1e3 * t) for name, t in rows], active, products, weight_grads, parts
 
 
 @njit(cache=True, nogil=True)
@@ -368,8 +388,8 @@ def phase_work(cfg, hyper):
     scored = hyper.batch * hyper.loss_positions
     P = cfg.n_params
     ternary = sum(int(np.prod(s)) for _, s, kind in cfg.tensors() if kind == "ternary")
-    return {"forward": (2.0 * cfg.forward_macs(tokens, scored), "FLOP"),
-            "backward through the layers' inputs": (2.0 * macs * scored, "FLOP"),
+    return {FORWARD: (2.0 * cfg.forward_macs(tokens, scored), "FLOP"),
+            BACKWARD: (2.0 * macs * scored, "FLOP"),
             WEIGHT_GRADIENTS: (2.0 * macs * scored, "unfused FLOP"),
             "optimiser + requantise": (7.0 * 8 * P + 2 * 1 * ternary, "B")}
 
@@ -527,7 +547,7 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
         if profile and name == models[0]:
             hyper = Hyper(batch=batches[0], loss_positions=k, seed=1729)
             (entry["profile_ms"], entry["relu_active"], entry["products_ms"],
-             entry["weight_grads_ms"]) = profile_layerwise(cfg, hyper, corpus)
+             entry["weight_grads_ms"], entry["parts_ms"]) = profile_layerwise(cfg, hyper, corpus)
             entry["phase_work"] = phase_work(cfg, hyper)
             entry["relu_matrices_flop"] = relu_matrix_flops(cfg, hyper)
             entry["relu_inputs_skipped"] = skips_relu_zeros()  # (reports since 2026-12-05)

@@ -9,6 +9,12 @@ from .machine_load import describe as describe_load
 # The weight gradients' parts hslm bench's profile times (a report's weight_grads_ms)
 RELU_MATRICES = "W_up and W_down"
 DENSE_OPERANDS = "the dense matrices' operands"
+# The profile's phases whose matrix products and other parts it times apart (a report's
+# products_ms and parts_ms), and what is left of each once they are
+FORWARD = "forward"
+BACKWARD = "backward through the layers' inputs"
+REST_OF = {FORWARD: "the rest (residuals, bias, ReLU, embedding)",
+           BACKWARD: "the rest (residuals, ReLU's mask, scales)"}
 
 
 def format_report(report):
@@ -109,8 +115,14 @@ def format_report(report):
                     out.append(f"    {'of which its ternary matrix products':44s} "
                                f"{products:8.1f} ms{'':7s}  {rate:6.1f} GFLOP/s "
                                f"{100 * rate / peak:5.1f}% of the FMA peak")
-                    out.append(f"    {'the rest (attention, norms, rotary, others)':44s} "
-                               f"{max(ms - products, 0.0):8.1f} ms")
+                    parts = (e.get("parts_ms") or {}).get(name)  # (reports since 2026-12-05)
+                    if parts:
+                        out.extend(f"    {label:44s} {part_ms:8.1f} ms" for label, part_ms in parts)
+                        rest = ms - products - sum(part_ms for _, part_ms in parts)
+                        out.append(f"    {REST_OF[name]:44s} {max(rest, 0.0):8.1f} ms")
+                    else:
+                        out.append(f"    {'the rest (attention, norms, rotary, others)':44s} "
+                                   f"{max(ms - products, 0.0):8.1f} ms")
                 split = e.get("weight_grads_ms") or {}
                 if name.startswith("weight gradients") and len(split) == 2 and work:
                     relu_ms, ops_ms = split[RELU_MATRICES], split[DENSE_OPERANDS]
@@ -316,12 +328,35 @@ def compare_reports(named) -> list:
                 out.append("    speed-3 profile, ms per step:")
                 for phase, ms in pe:
                     if phase in pb:
-                        ratio = f"{ms / pb[phase]:5.2f}x" if pb[phase] > 0 else ""
-                        out.append(f"      {phase:46s} {pb[phase]:7.1f} -> {ms:7.1f}  {ratio}")
+                        out.append(_compared(f"      {phase:46s}", pb[phase], ms))
+                        for label, ms_b, ms_e in _timed_parts(b, e, phase):
+                            out.append(_compared(f"        {label:44s}", ms_b, ms_e))
                 tot_b, tot_e = sum(pb.values()), sum(ms for _, ms in pe)
                 out.append(f"      {'step':46s} {tot_b:7.1f} -> {tot_e:7.1f}  "
                            f"{tot_e / tot_b:5.2f}x")
     return out, differ
+
+
+def _compared(head, ms_b, ms_e):
+    """A line of bench-compare's profile: a time in both reports and their ratio."""
+    return f"{head} {ms_b:7.1f} -> {ms_e:7.1f}  " + (f"{ms_e / ms_b:5.2f}x" if ms_b > 0 else "")
+
+
+def _timed_parts(b, e, phase):
+    """[(label, ms in b, ms in e)]: the parts of a profiled phase that both reports timed
+    by the cycle counter (products_ms, weight_grads_ms, parts_ms; older reports have
+    fewer)."""
+    out = []
+    for key in ("products_ms", "weight_grads_ms"):
+        pb, pe = b.get(key) or {}, e.get(key) or {}
+        if key == "products_ms" and phase in pb and phase in pe:
+            out.append(("of which its ternary matrix products", pb[phase], pe[phase]))
+        if key == "weight_grads_ms" and phase.startswith("weight gradients"):
+            out.extend((label, pb[label], pe[label]) for label in pe if label in pb)
+    parts_b = dict((b.get("parts_ms") or {}).get(phase) or [])
+    out.extend((label, parts_b[label], ms) for label, ms in
+               (e.get("parts_ms") or {}).get(phase) or [] if label in parts_b)
+    return out
 
 
 def torch_ratios(entry):

@@ -49,6 +49,31 @@ LABEL_SMOOTH = 0.1  # epsilon of the K-position objective
 
 CYCLES = make_cycle_counter()  # (hslm bench's profile: Model.clock)
 
+# Model.clock's slots: cycles hslm bench's profile counts (one thread) where the clock
+# has CLOCK_SLOTS elements (a run's has 2, never written; the products and the weight
+# gradients' two parts are counted from 4 on, as reports and tools before these parts had)
+CLOCK_FWD_PRODUCTS, CLOCK_BWD_PRODUCTS, CLOCK_RELU_MATRICES, CLOCK_OPERANDS = 0, 1, 2, 3
+CLOCK_FWD_ATTENTION = 4  # rotary, the cache's panels, scores, softmax, outputs
+CLOCK_FWD_NORMS = 5      # the blocks' norms and gains, the head's norm
+CLOCK_BWD_ATTENTION = 6  # the backward's panels, attention's gradient, rotary's
+CLOCK_BWD_NORMS = 7      # through the blocks' norms and gains, and the head's norm
+CLOCK_LOSS = 8           # the loss and its gradient (softmax cross-entropy)
+CLOCK_SLOTS = 9
+
+
+@kernel_inner
+def part_starts(model):
+    """The cycle counter where the profile times a step's parts (else 0)."""
+    return CYCLES() if model.clock.shape[0] >= CLOCK_SLOTS else 0
+
+
+@kernel_inner
+def part_ends(model, slot, c0):
+    """Adds the cycles since part_starts's c0 to clock[slot] where the profile times the
+    parts (a hint of time: no value changes)."""
+    if model.clock.shape[0] >= CLOCK_SLOTS:
+        model.clock[slot] += CYCLES() - c0
+
 # The parts of a block and of the head (and of the weight gradients, hslm/windows.py),
 # each called from one place in each kernel that uses it (the forward or backward over
 # a thread's windows, a position's column, a team member's rows): Numba inlines them
@@ -239,7 +264,7 @@ def ternary_forward(model, t, m, n, X, Y, kernel):
         c0 = CYCLES() if timed else 0
         ternary_panels(model.Pf, model.pf_offs, model.alpha, t, m, n, X, Y)
         if timed:
-            model.clock[0] += CYCLES() - c0
+            model.clock[CLOCK_FWD_PRODUCTS] += CYCLES() - c0
     elif kernel == KERNEL_ROWS:
         ternary_matmul_rows(X, view2(model.Tf, model.offs, t, m, n), model.alpha[t], Y)
     else:
@@ -256,7 +281,7 @@ def ternary_input_grad(model, t, m, n, DY, DX, kernel):
         c0 = CYCLES() if timed else 0
         ternary_panels(model.Pb, model.pb_offs, model.alpha, t, n, m, DY, DX)
         if timed:
-            model.clock[1] += CYCLES() - c0
+            model.clock[CLOCK_BWD_PRODUCTS] += CYCLES() - c0
     elif kernel == KERNEL_ROWS:
         ternary_matmul_rows(DY, view2(model.Tb, model.offs, t, n, m), model.alpha[t], DX)
     else:
@@ -282,7 +307,7 @@ def panels_skipping_zeros(model, clock, P, poffs, t, a, b, X, Y):
 def ternary_forward_relu(model, t, m, n, X, Y, kernel):
     """ternary_forward for an X of the ReLU's (panels_skipping_zeros at speed 3)."""
     if kernel is None:
-        panels_skipping_zeros(model, 0, model.Pf, model.pf_offs, t, m, n, X, Y)
+        panels_skipping_zeros(model, CLOCK_FWD_PRODUCTS, model.Pf, model.pf_offs, t, m, n, X, Y)
     else:
         ternary_forward(model, t, m, n, X, Y, kernel)
 
@@ -291,7 +316,7 @@ def ternary_forward_relu(model, t, m, n, X, Y, kernel):
 def ternary_input_grad_relu(model, t, m, n, DY, DX, kernel):
     """ternary_input_grad for a DY of the ReLU's (zero where its unit is not active)."""
     if kernel is None:
-        panels_skipping_zeros(model, 1, model.Pb, model.pb_offs, t, n, m, DY, DX)
+        panels_skipping_zeros(model, CLOCK_BWD_PRODUCTS, model.Pb, model.pb_offs, t, n, m, DY, DX)
     else:
         ternary_input_grad(model, t, m, n, DY, DX, kernel)
 
@@ -389,12 +414,14 @@ def norm_gain_forward(model, A, w, b, p0, p1):
     """n = rms(x_b) * gamma_b for rows p0..p1-1.   x [L, d] -> rms [L], x_normed, n [L, d]."""
     D = model.dims
     gamma = view1(model.theta, model.offs, tensor_index(D, b, GAMMA))
+    c0 = part_starts(model)
     rms_rows(A.x[w, b, p0:p1], A.x_normed[w, b, p0:p1], A.rms[w, b, p0:p1])
     for p in range(p0, p1):
         xr = A.x_normed[w, b, p]
         n = A.n[w, b, p]
         for i in range(D.width):
             n[i] = xr[i] * gamma[i]
+    part_ends(model, CLOCK_FWD_NORMS, c0)
 
 
 @kernel_part
@@ -404,6 +431,7 @@ def norm_gain_backward(model, A, R, w, b, s, r0, r1, DQ, DK, DV, DX):
     DV is overwritten with dn * gamma; DX may be DK (every row is read before any is written)."""
     D = model.dims
     gamma = view1(model.theta, model.offs, tensor_index(D, b, GAMMA))
+    c0 = part_starts(model)
     for r in range(r0, r1):
         xr = A.x_normed[w, b, s + r]
         dn = DV[r]  # reused: dv Wv^T becomes dn * gamma
@@ -413,6 +441,7 @@ def norm_gain_backward(model, A, R, w, b, s, r0, r1, DQ, DK, DV, DX):
             dn[i] = g * gamma[i]
     rms_backward_rows(A.x[w, b, s + r0:s + r1], A.rms[w, b, s + r0:s + r1], DV[r0:r1],
                       DX[r0:r1])
+    part_ends(model, CLOCK_BWD_NORMS, c0)
 
 
 # ------------------------------------------------------------------ rotary
@@ -650,9 +679,11 @@ def keys_values_forward(model, A, w, b, p0, p1, kernel):
     N = A.n[w, b]
     ternary_forward(model, tensor_index(D, b, WK), d, d, N[p0:p1], A.k[w, b, p0:p1], kernel)
     ternary_forward(model, tensor_index(D, b, WV), d, d, N[p0:p1], A.v[w, b, p0:p1], kernel)
+    c0 = part_starts(model)
     for p in range(p0, p1):
         rotary_forward(A.k[w, b, p], model.cos, model.sin, p, H, dh)
     cache_panels(A, w, b, p0, p1, H, dh)
+    part_ends(model, CLOCK_FWD_ATTENTION, c0)
 
 
 @kernel_part
@@ -663,10 +694,12 @@ def queries_attention_forward(model, A, w, b, q0, p1, kernel):
     d, H, dh = D.width, D.heads, D.head_width
     ternary_forward(model, tensor_index(D, b, WQ), d, d, A.n[w, b, q0:p1], A.q[w, b, q0:p1],
                     kernel)
+    c0 = part_starts(model)
     for p in range(q0, p1):
         rotary_forward(A.q[w, b, p], model.cos, model.sin, p, H, dh)
     attention_rows(A.q[w, b], A.k_cols[w, b], A.v_rows[w, b], q0, p1, H, dh, model.attn_scale,
                    A.attn[w, b], A.attn_out[w, b])
+    part_ends(model, CLOCK_FWD_ATTENTION, c0)
 
 
 @kernel_inner
@@ -698,6 +731,7 @@ def qkv_attention_backward(model, A, R, S, w, b, s, r0, r1, cached, kernel):
     to_l2(R.d_v[w, b, r0:r1])
     ternary_input_grad(model, tensor_index(D, b, WO), d, d, R.d_h[w, b, r0:r1], dO[r0:r1],
                        kernel)
+    c0 = part_starts(model)
     backward_panels(A, w, b, cached, s + r1, H, dh, S.v_cols[b], S.k_rows[b])
     attention_rows_backward(A.q[w, b], S.v_cols[b], S.k_rows[b], A.attn[w, b], s, r0, r1, H, dh,
                             model.attn_scale, dO, R.d_q[w, b], R.d_k[w, b], R.d_v[w, b])
@@ -705,6 +739,7 @@ def qkv_attention_backward(model, A, R, S, w, b, s, r0, r1, cached, kernel):
         p = s + r
         rotary_backward(R.d_q[w, b, r], model.cos, model.sin, p, H, dh)
         rotary_backward(R.d_k[w, b, r], model.cos, model.sin, p, H, dh)
+    part_ends(model, CLOCK_BWD_ATTENTION, c0)
     ternary_input_grad(model, tensor_index(D, b, WQ), d, d, R.d_q[w, b, r0:r1], S.tmp1[r0:r1],
                        kernel)
     ternary_input_grad(model, tensor_index(D, b, WK), d, d, R.d_k[w, b, r0:r1], S.tmp2[r0:r1],
@@ -862,7 +897,9 @@ def attention_norm_backward(model, A, R, S, w, b, s, r0, r1, cached, kernel):
 def head_forward(model, A, w, p0, p1, kernel):
     """z = c (rms(x_final) Wout) + bout for rows p0..p1-1.   x_final [L, d] -> logits [L, V]."""
     D = model.dims
+    c0 = part_starts(model)
     rms_rows(A.x_final[w, p0:p1], A.x_final_normed[w, p0:p1], A.rms_final[w, p0:p1])
+    part_ends(model, CLOCK_FWD_NORMS, c0)
     t = wout_index(D)
     Z = A.logits[w]
     ternary_forward(model, t, D.width, D.vocab, A.x_final_normed[w, p0:p1], Z[p0:p1], kernel)
@@ -886,8 +923,10 @@ def head_backward(model, A, R, S, w, s, r0, r1, kernel):
             dY[r, j] = c * R.d_logits[w, r, j]
     dXR = S.d_x_final_normed
     ternary_input_grad(model, wout_index(D), D.width, D.vocab, dY[r0:r1], dXR[r0:r1], kernel)
+    c0 = part_starts(model)
     rms_backward_rows(A.x_final[w, s + r0:s + r1], A.rms_final[w, s + r0:s + r1], dXR[r0:r1],
                       R.d_block_out[w, D.blocks - 1, r0:r1])
+    part_ends(model, CLOCK_BWD_NORMS, c0)
 
 
 # -------------------------------------------------------------------- loss

@@ -33,10 +33,11 @@ from .kernels import (PREFETCH_TO_L2, active_masks, active_rows_grad, aligned_ro
                       column_sum_rows, columns_to_l2, copy_rows, input_columns,
                       output_grad_panels, transpose_rows)
 from .micro import WGRAD_PANEL, panel_matmul_add, panel_matmul_add2
-from .layers import (CYCLES, COLUMN_SUM, MATRIX, RELU_INPUT, block_backward, block_forward,
-                     block_keys_values, block_queries, blocks_backward, blocks_forward,
-                     embed_forward, head_backward, head_forward, loss_rows,
-                     relu_side, view1, view2, window_loss_rows, weight_grad_operands)
+from .layers import (CLOCK_LOSS, CLOCK_OPERANDS, CLOCK_RELU_MATRICES, CYCLES, COLUMN_SUM, MATRIX,
+                     RELU_INPUT, block_backward, block_forward, block_keys_values, block_queries,
+                     blocks_backward, blocks_forward, embed_forward, head_backward, head_forward,
+                     loss_rows, part_ends, part_starts, relu_side, view1, view2,
+                     window_loss_rows, weight_grad_operands)
 from .spin import add, gate_opens, publish, wait_for
 from .vsa import vsa_window
 
@@ -291,7 +292,9 @@ def windows_backward(model, windows, k, scale, A, R, S, first, step, r0, r1, row
     B = windows.shape[0]
     if head:
         for w in range(first, B, step):
+            c0 = part_starts(model)
             window_loss_rows(A, R, w, windows[w], s, r0, r1, scale, row_losses[w])
+            part_ends(model, CLOCK_LOSS, c0)
             head_backward(model, A, R, S, w, s, r0, r1, kernel)
     for b in range(b1 - 1, b0 - 1, -1):
         blocks_backward(model, A, R, S, b, first, step, B, s, r0, r1, kernel)
@@ -458,7 +461,7 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, f
     # block share their input, so the two after the first reuse its columns, where the
     # batch is one group of windows, at most WGRAD_WINDOWS, and the same rows come again)
     xt_of = np.full((XT.shape[0], 3), -1, np.int64)
-    timed = model.clock.shape[0] > 2  # hslm bench's profile (Model.clock [2] and [3])
+    timed = model.clock.shape[0] > 2  # hslm bench's profile (Model.clock)
     u = u0
     while u < u1:
         t = units[u, 0]
@@ -470,7 +473,7 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, f
             relu_weight_grads(model, A, R, B, t, s, k, units, u, ue, out, WG, fresh, M,
                               masks_of)
             if timed:
-                model.clock[2] += CYCLES() - c0
+                model.clock[CLOCK_RELU_MATRICES] += CYCLES() - c0
             u = ue
             continue
         operands = weight_grad_operands(model, A, R, NO_LITERAL_0, t, s, k)
@@ -489,7 +492,7 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, f
                         input_columns(X, ra, rb, XT[w - w0])
                         held[0], held[1], held[2] = X.ctypes.data, ra, rb
                 if timed:
-                    model.clock[3] += CYCLES() - c0
+                    model.clock[CLOCK_OPERANDS] += CYCLES() - c0
                 npan = (n + WGRAD_PANEL - 1) // WGRAD_PANEL
                 for v in range(u, ue):
                     r0, r1 = units[v, 1], units[v, 2]

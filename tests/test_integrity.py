@@ -37,10 +37,12 @@ def files(tmp_path_factory):
 
 
 def test_the_profiles_timed_products_change_no_bit_and_count_cycles():
-    """hslm bench's profile runs speed 3 with a clock of 4 (Model.clock: each matrix
-    product's cycles, the weight gradients' W_up and W_down and dense operands'): the same
-    step bytes as with the clock of 2 every run has, and cycles counted only there (the
+    """hslm bench's profile runs speed 3 with a clock of CLOCK_SLOTS (Model.clock: each
+    matrix product's cycles, the weight gradients' W_up and W_down and dense operands',
+    and the forward's and backward's attention, norms and loss): the same step bytes as
+    with the clock of 2 every run has, and cycles counted only there, in every slot (the
     control: the step's bytes do change from the start's)."""
+    from hslm.layers import CLOCK_SLOTS
     cfg = PRESETS["hslm-tiny"]
     corpus = Corpus(TEXT, cfg.vocab, cfg.window, "test text")
     out = []
@@ -49,7 +51,7 @@ def test_the_profiles_timed_products_change_no_bit_and_count_cycles():
         start = run.state.theta.tobytes()
         runner = StepRunner(cfg, 3, 1)
         if timed:
-            run.state.clock = np.zeros(4)
+            run.state.clock = np.zeros(CLOCK_SLOTS)
         try:
             run.train_step(runner)
         finally:

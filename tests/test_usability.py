@@ -452,7 +452,24 @@ def test_bench_compares_speeds_threads_batches_and_torch_on_small_models(tmp_pat
     for phase, ms in products.items():
         assert 0.0 < ms <= profile[phase] * 1.05 + 0.05, (phase, ms, profile[phase])
     assert out.count("of which its ternary matrix products") == 2
-    assert out.count("the rest (attention, norms, rotary, others)") == 2
+    # and their other parts, timed in the step likewise (attention, norms, the loss), each
+    # with a time, within its phase with the products; then what is left of the phase
+    parts = report["models"][0]["parts_ms"]
+    assert sorted(parts) == sorted(products)
+    assert [len(parts[p]) for p in ("forward", "backward through the layers' inputs")] == [2, 3]
+    for phase, phase_parts in parts.items():
+        assert all(ms > 0.0 for _, ms in phase_parts), phase_parts
+        assert products[phase] + sum(ms for _, ms in phase_parts) <= profile[phase] * 1.05 + 0.05
+        for label, ms in phase_parts:
+            assert out.count(label) == 1, (label, out)
+    assert out.count("the rest (residuals, bias, ReLU, embedding)") == 1
+    assert out.count("the rest (residuals, ReLU's mask, scales)") == 1
+    assert "the rest (attention, norms, rotary, others)" not in out
+    # a report from before the parts were timed prints its phases' rest as it did then
+    from hslm.bench_report import format_report
+    older = json.loads(report_path.read_text())
+    del older["models"][0]["parts_ms"]
+    assert "\n".join(format_report(older)).count("the rest (attention, norms, rotary, others)") == 2
     # the weight gradients' W_up and W_down and the dense matrices' operands, timed in the
     # step likewise, within their phase; both have every matrix kind here (hslm-tiny)
     # the optimiser's ceiling: the longer of one pass over its arrays and its arithmetic
@@ -1023,7 +1040,9 @@ def test_ab_steps_times_two_trees_in_turns_and_compares_their_bytes(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     rows = {line.split()[0]: line.split() for line in r.stdout.splitlines()[2:-1]}
     phases = {"step", "forward", "backward", "windows", "weight", "optimiser"}
-    cycle_counted = {"forward-products", "backward-products", "Wup-Wdown", "dense-operands"}
+    cycle_counted = {"forward-products", "backward-products", "Wup-Wdown", "dense-operands",
+                     "forward-attention", "forward-norms", "loss", "backward-attention",
+                     "backward-norms"}
     from hslm.bench import cycles_per_second
     assert set(rows) == (phases | cycle_counted if cycles_per_second() else phases)
     assert 0.2 < float(rows["step"][3]) < 5.0  # the same code: B / A near 1

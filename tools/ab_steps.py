@@ -62,7 +62,17 @@ def worker(tree, model, batch, threads):
         hz = cycles_per_second() if threads == 1 else 0
     except ImportError:
         hz = 0
-    clock = np.zeros(4)
+    names = ["forward-products", "backward-products", "Wup-Wdown", "dense-operands"]
+    try:  # (trees since 2026-12-05 15:50 UTC: the forward's and backward's other parts)
+        from hslm import layers
+        extra = {layers.CLOCK_FWD_ATTENTION: "forward-attention",
+                 layers.CLOCK_FWD_NORMS: "forward-norms", layers.CLOCK_LOSS: "loss",
+                 layers.CLOCK_BWD_ATTENTION: "backward-attention",
+                 layers.CLOCK_BWD_NORMS: "backward-norms"}
+        names += [extra[slot] for slot in range(len(names), layers.CLOCK_SLOTS)]
+    except AttributeError:
+        pass
+    clock = np.zeros(len(names))
     if hz:
         run.state.clock = clock
     run.train_step(runner)  # compiles or loads the kernels, untimed
@@ -80,8 +90,7 @@ def worker(tree, model, batch, threads):
         if hasattr(runner, "rest"):  # (its slot threads do not spin into the other's step)
             runner.rest()
         if hz:
-            for k, name in enumerate(("forward-products", "backward-products", "Wup-Wdown",
-                                      "dense-operands")):
+            for k, name in enumerate(names):
                 times[name] = clock[k] / hz
         print(json.dumps(times), flush=True)
     runner.close()
