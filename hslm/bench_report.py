@@ -142,6 +142,7 @@ def format_report(report):
                             line += (f"{'':7s}  {rate:6.1f} GFLOP/s {100 * rate / unfused:5.1f}% "
                                      f"of the unfused peak{of}")
                         out.append(line)
+            out += _step_at_ceilings(report, e, total)
             if e.get("relu_active") is not None:
                 out.append(f"  (the MLP's ReLU units were active at {100 * e['relu_active']:.1f}% "
                            "of the scored positions; the weight gradients of Wdown and Wup skip "
@@ -335,6 +336,47 @@ def compare_reports(named) -> list:
                 out.append(f"      {'step':46s} {tot_b:7.1f} -> {tot_e:7.1f}  "
                            f"{tot_e / tot_b:5.2f}x")
     return out, differ
+
+
+def _step_at_ceilings(report, e, total):
+    """The profile's last line: how long a step would take, and what share of the FMA peak
+    it would reach, with every matrix product at its ceiling (the ternary products at the
+    FMA peak, the weight gradients at the unfused one, W_up's and W_down's over their
+    active products only) and the optimiser at its bound; then with the step's other
+    parts (attention, norms, the loss, the operands' copies, the VSA stream, Python) as
+    timed. What item 2 of issue 12 asks of a core (60%) against what it allows. Products
+    that skip their inputs' zeros (relu_inputs_skipped) are charged in full, so there the
+    bound is a little high. [] for older reports, without the parts it needs."""
+    peak = report["peak_gflops_per_core"]
+    unfused = report.get("unfused_peak_gflops_per_core")
+    bw, ns = report.get("optimiser_stream_gbs"), report.get("optimiser_arithmetic_ns")
+    work, products = e.get("phase_work") or {}, e.get("products_ms") or {}
+    split = e.get("weight_grads_ms") or {}
+    phases = dict(e["profile_ms"])
+    wg = next((name for name in phases if name.startswith("weight gradients")), None)
+    opt = next((name for name, (_, unit) in work.items() if unit == "B"), None)
+    if (not (unfused and bw and ns and wg and opt and len(split) == 2)
+            or any(name not in products or name not in work for name in (FORWARD, BACKWARD))
+            or "relu_matrices_flop" not in e):
+        return []
+    relu_flop, active = e["relu_matrices_flop"], e.get("relu_active", 1.0)
+    bound = ((work[FORWARD][0] + work[BACKWARD][0]) / peak
+             + (work[wg][0] - relu_flop * (1.0 - active)) / unfused) / 1e6  # ms
+    bound += max(work[opt][0] / bw / 1e6, e["params"] * ns / 1e6)
+    other = (total - sum(phases[name] for name in (FORWARD, BACKWARD, wg, opt))
+             + sum(phases[name] - products[name] for name in (FORWARD, BACKWARD))
+             + split[DENSE_OPERANDS])
+    flop = sum(amount for amount, unit in work.values() if unit != "B")
+
+    def share(ms):
+        return 100 * flop / (ms / 1e3) / 1e9 / peak
+
+    return [f"  a step at the ceilings (every matrix product at its peak, W_up's and W_down's "
+            f"over their active products, the optimiser at its bound): {bound:.1f} ms, "
+            f"{share(bound):.1f}% of the FMA peak as counted above; with the step's other "
+            f"parts as timed "
+            f"(attention, norms, the loss, the operands' copies, the VSA stream, Python: "
+            f"{other:.1f} ms) {bound + other:.1f} ms, {share(bound + other):.1f}%"]
 
 
 def _compared(head, ms_b, ms_e):

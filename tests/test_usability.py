@@ -465,6 +465,27 @@ def test_bench_compares_speeds_threads_batches_and_torch_on_small_models(tmp_pat
     assert out.count("the rest (residuals, bias, ReLU, embedding)") == 1
     assert out.count("the rest (residuals, ReLU's mask, scales)") == 1
     assert "the rest (attention, norms, rotary, others)" not in out
+    # what a step would take with every product at its ceiling and the optimiser at its
+    # bound (W_up's and W_down's products: the active ones), and with the other parts as timed
+    m = report["models"][0]
+    work, peak = m["phase_work"], report["peak_gflops_per_core"]
+    unfused = report["unfused_peak_gflops_per_core"]
+    bwd, wg_name, opt = ("backward through the layers' inputs",
+                         next(k for k in profile if k.startswith("weight gradients")),
+                         "optimiser + requantise")
+    skipped = m["relu_matrices_flop"] * (1.0 - m["relu_active"])
+    bound = ((work["forward"][0] + work[bwd][0]) / peak
+             + (work[wg_name][0] - skipped) / unfused) / 1e6
+    bound += max(work[opt][0] / report["optimiser_stream_gbs"] / 1e6,
+                 m["params"] * report["optimiser_arithmetic_ns"] / 1e6)
+    other = (profile["VSA stream"] + profile["other (drawing windows, Python)"]
+             + profile["forward"] - products["forward"] + profile[bwd] - products[bwd]
+             + m["weight_grads_ms"]["the dense matrices' operands"])
+    flop = work["forward"][0] + work[bwd][0] + work[wg_name][0]
+    line = next(x for x in out.splitlines() if "a step at the ceilings" in x)
+    assert f"at its bound): {bound:.1f} ms, {100 * flop / bound / 1e6 / peak:.1f}% of the FMA" \
+        in line, (line, bound)
+    assert f"Python: {other:.1f} ms) {bound + other:.1f} ms, " in line, (line, other)
     # a report from before the parts were timed prints its phases' rest as it did then
     from hslm.bench_report import format_report
     older = json.loads(report_path.read_text())
