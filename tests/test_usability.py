@@ -1040,6 +1040,8 @@ def test_threads_by_placement_sorts_rounds_by_how_far_apart_the_cpus_were(monkey
     tool.main(["--minutes", "0.02", "--model", "hslm-tiny", "--batch", "2", "--steps", "2"])
     lines = capsys.readouterr().out.splitlines()
     assert "the smallest round trip seen 60 ns: near < 120 ns, far > 180 ns" in lines[0]
+    import re  # the hours it ran, from its start to its end (it prints at the end)
+    assert re.search(r"\(\d{4}-\d\d-\d\d \d\d:\d\d-\d\d:\d\d UTC\)", lines[0]), lines[0]
     near, far, half = (next(x for x in lines if f"batch   2, {c} " in x)
                        for c in ("near", "far", "half a core"))
     assert "near (60-61 ns, FMA pace 0.98-1.00)" in near, lines

@@ -78,6 +78,7 @@ def main(argv=None):
 
     # (one thread ms, threads ms, probe before, after, FMA pace before, after)
     rounds = {b: [] for b in batches}
+    began = time.gmtime()
     end = time.time() + 60 * a.minutes
     try:
         while time.time() < end:
@@ -95,7 +96,8 @@ def main(argv=None):
     probes = [x for rs in rounds.values() for r in rs for x in r[2:4] if x is not None]
     least = min(probes)
     print(f"{a.model}, speed 3, {a.threads} threads against 1, {a.minutes:g} minutes "
-          f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}); the smallest round trip "
+          f"({time.strftime('%Y-%m-%d %H:%M', began)}-{time.strftime('%H:%M UTC', time.gmtime())}"
+          f"); the smallest round trip "
           f"seen {least:.0f} ns: near < {2 * least:.0f} ns, far > {3 * least:.0f} ns")
     def half_core(r):
         return any(x is not None and x < HALF_CORE for x in r[4:6])
