@@ -261,11 +261,17 @@ def versus_torch(cfg, hyper, corpus, steps, rounds=TORCH_ROUNDS):
 # 2026-12-05 15:50 UTC)
 PHASE_PARTS = {
     FORWARD: [("attention (rotary, panels, scores, outputs)", CLOCK_FWD_ATTENTION),
-              ("the norms (the blocks' and the head's)", CLOCK_FWD_NORMS)],
+              ("the norms (the blocks' and head's)", CLOCK_FWD_NORMS)],
     BACKWARD: [("the loss and its gradient (cross-entropy)", CLOCK_LOSS),
-               ("attention's gradient (panels, rotary)", CLOCK_BWD_ATTENTION),
-               ("through the norms (the blocks' and head's)", CLOCK_BWD_NORMS)],
+               ("attention's gradient, rotary's, its panels", CLOCK_BWD_ATTENTION),
+               ("the norms' gradient (the blocks' and head's)", CLOCK_BWD_NORMS)],
 }
+
+
+# Everything the profile reads from the clock: its key in a step's timings, its slot
+TIMED_SLOTS = [("forward products", CLOCK_FWD_PRODUCTS), ("backward products", CLOCK_BWD_PRODUCTS),
+               ("relu matrices", CLOCK_RELU_MATRICES), ("operands", CLOCK_OPERANDS)] + [
+    part for phase_parts in PHASE_PARTS.values() for part in phase_parts]
 
 
 def profile_layerwise(cfg, hyper, corpus, steps=PROFILE_STEPS):
@@ -296,13 +302,8 @@ def profile_layerwise(cfg, hyper, corpus, steps=PROFILE_STEPS):
             run.train_step(runner)
             x = {"step": time.perf_counter() - t0, **runner.timings}
             if hz:
-                x["forward products"] = clock[CLOCK_FWD_PRODUCTS] / hz
-                x["backward products"] = clock[CLOCK_BWD_PRODUCTS] / hz
-                x["relu matrices"] = clock[CLOCK_RELU_MATRICES] / hz
-                x["operands"] = clock[CLOCK_OPERANDS] / hz
-                for phase_parts in PHASE_PARTS.values():
-                    for label, slot in phase_parts:
-                        x[label] = clock[slot] / hz
+                for key, slot in TIMED_SLOTS:
+                    x[key] = clock[slot] / hz
             # what this step spent outside its timed phases (the medians of the phases
             # need not add up to the median step: that difference could read negative)
             x["other"] = x["step"] - sum(x[key] for key in (

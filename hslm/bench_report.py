@@ -106,7 +106,7 @@ def format_report(report):
                     label = "GB/s" if unit == "B" else "GFLOP/s"
                     share = rate / ceiling
                     if unit == "B" and ns:  # the longer of the pass and the arithmetic
-                        share = max(amount / bw / 1e6, e["params"] * ns / 1e6) / ms
+                        share = _optimiser_bound_ms(report, e, amount) / ms
                     line += f"  {rate:6.1f} {label:7s} {100 * share:5.1f}% of its ceiling"
                 out.append(line)
                 products = (e.get("products_ms") or {}).get(name)
@@ -346,37 +346,48 @@ def _step_at_ceilings(report, e, total):
     parts (attention, norms, the loss, the operands' copies, the VSA stream, Python) as
     timed. What item 2 of issue 12 asks of a core (60%) against what it allows. Products
     that skip their inputs' zeros (relu_inputs_skipped) are charged in full, so there the
-    bound is a little high. [] for older reports, without the parts it needs."""
+    shares read a little low; the weight gradients' own other work (zeroing small
+    tensors, the bias and embedding sums) is not among the parts "as timed", so that
+    share reads a little high. [] for older reports, without the parts it needs."""
     peak = report["peak_gflops_per_core"]
     unfused = report.get("unfused_peak_gflops_per_core")
-    bw, ns = report.get("optimiser_stream_gbs"), report.get("optimiser_arithmetic_ns")
     work, products = e.get("phase_work") or {}, e.get("products_ms") or {}
     split = e.get("weight_grads_ms") or {}
     phases = dict(e["profile_ms"])
     wg = next((name for name in phases if name.startswith("weight gradients")), None)
     opt = next((name for name, (_, unit) in work.items() if unit == "B"), None)
-    if (not (unfused and bw and ns and wg and opt and len(split) == 2)
+    if (not (unfused and wg in work and opt and len(split) == 2 and "relu_matrices_flop" in e)
             or any(name not in products or name not in work for name in (FORWARD, BACKWARD))
-            or "relu_matrices_flop" not in e):
+            or _optimiser_bound_ms(report, e, work[opt][0]) is None):
         return []
     relu_flop, active = e["relu_matrices_flop"], e.get("relu_active", 1.0)
     bound = ((work[FORWARD][0] + work[BACKWARD][0]) / peak
              + (work[wg][0] - relu_flop * (1.0 - active)) / unfused) / 1e6  # ms
-    bound += max(work[opt][0] / bw / 1e6, e["params"] * ns / 1e6)
-    other = (total - sum(phases[name] for name in (FORWARD, BACKWARD, wg, opt))
-             + sum(phases[name] - products[name] for name in (FORWARD, BACKWARD))
-             + split[DENSE_OPERANDS])
+    bound += _optimiser_bound_ms(report, e, work[opt][0])
+    other = max(total - sum(phases[name] for name in (FORWARD, BACKWARD, wg, opt))
+                + sum(phases[name] - products[name] for name in (FORWARD, BACKWARD))
+                + split[DENSE_OPERANDS], 0.0)
     flop = sum(amount for amount, unit in work.values() if unit != "B")
 
     def share(ms):
         return 100 * flop / (ms / 1e3) / 1e9 / peak
 
-    return [f"  a step at the ceilings (every matrix product at its peak, W_up's and W_down's "
-            f"over their active products, the optimiser at its bound): {bound:.1f} ms, "
-            f"{share(bound):.1f}% of the FMA peak as counted above; with the step's other "
-            f"parts as timed "
-            f"(attention, norms, the loss, the operands' copies, the VSA stream, Python: "
-            f"{other:.1f} ms) {bound + other:.1f} ms, {share(bound + other):.1f}%"]
+    return [(f"  a step at the ceilings (every matrix product at its peak, W_up's and "
+             f"W_down's over their active products, the optimiser at its bound): {bound:.1f} "
+             f"ms, {share(bound):.1f}% of the FMA peak as counted above; with the step's "
+             f"other parts as timed (attention, norms, the loss, the operands' copies, the "
+             f"VSA stream, Python: {other:.1f} ms) {bound + other:.1f} ms, "
+             f"{share(bound + other):.1f}%")]
+
+
+def _optimiser_bound_ms(report, e, nbytes):
+    """The optimiser's bound, ms a step: the longer of one pass over its arrays (nbytes at
+    the measured stream rate) and AdamW's arithmetic (ns a parameter, measured); None where
+    the report has not both (older reports)."""
+    bw, ns = report.get("optimiser_stream_gbs"), report.get("optimiser_arithmetic_ns")
+    if not (bw and ns):
+        return None
+    return max(nbytes / bw / 1e6, e["params"] * ns / 1e6)
 
 
 def _compared(head, ms_b, ms_e):

@@ -59,6 +59,10 @@ CLOCK_BWD_ATTENTION = 6  # the backward's panels, attention's gradient, rotary's
 CLOCK_BWD_NORMS = 7      # through the blocks' norms and gains, and the head's norm
 CLOCK_LOSS = 8           # the loss and its gradient (softmax cross-entropy)
 CLOCK_SLOTS = 9
+# each slot's short name (tools/ab_steps.py prints them)
+CLOCK_NAMES = ("forward-products", "backward-products", "Wup-Wdown", "dense-operands",
+               "forward-attention", "forward-norms", "backward-attention", "backward-norms",
+               "loss")
 
 
 @kernel_inner

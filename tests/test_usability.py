@@ -523,6 +523,40 @@ def test_bench_compares_speeds_threads_batches_and_torch_on_small_models(tmp_pat
     check_bench_compare(tmp_path, report_path, report)
 
 
+def test_the_profile_says_what_a_step_would_take_at_the_ceilings():
+    """The profile's last line, worked by hand on a report of round numbers: products of
+    1e9 FLOP a way at 100 GFLOP/s (10 ms each), weight gradients of 1e9 at an unfused 50
+    of which 0.4e9 beside the ReLU, half of them active (0.8e9: 16 ms), the optimiser the
+    longer of 2.8e8 B at 28 GB/s (10 ms) and 1e6 parameters at 4 ns (4 ms): 46 ms, and
+    3e9 FLOP in it are 65.2% of the peak. The other parts: the VSA stream 1, Python 1,
+    the forward's and backward's non-products 3 + 4, the operands' copies 2: 11 ms more,
+    57 ms and 52.6%. Without the optimiser's arithmetic (an older report) there is none."""
+    from hslm.bench_report import BACKWARD, FORWARD, format_report
+    entry = {"model": "m", "params": 1_000_000, "k": 9, "window": 9, "flops_per_token": 1.0,
+             "rows": [{"speed": 3, "threads": 1, "batch": 8, "tok_s": 1.0, "gflops": 1.0,
+                       "peak_share": 0.01, "memory_bytes": 1, "checkpoint_bytes": 1,
+                       "per_round": [1.0]}],
+             "groups": [], "profile_ms": [["VSA stream", 1.0], [FORWARD, 15.0],
+                                          [BACKWARD, 16.0], ["weight gradients (all)", 30.0],
+                                          ["optimiser + requantise", 12.0],
+                                          ["other (drawing windows, Python)", 1.0]],
+             "products_ms": {FORWARD: 12.0, BACKWARD: 12.0},
+             "weight_grads_ms": {"W_up and W_down": 9.0, "the dense matrices' operands": 2.0},
+             "phase_work": {FORWARD: [1e9, "FLOP"], BACKWARD: [1e9, "FLOP"],
+                            "weight gradients (all)": [1e9, "unfused FLOP"],
+                            "optimiser + requantise": [2.8e8, "B"]},
+             "relu_matrices_flop": 0.4e9, "relu_active": 0.5}
+    report = {"peak_gflops_per_core": 100.0, "unfused_peak_gflops_per_core": 50.0,
+              "optimiser_stream_gbs": 28.0, "optimiser_arithmetic_ns": 4.0, "steps": 1,
+              "seed": 1, "python": "3", "numpy": "2", "numba": "0", "machine": "m",
+              "models": [entry]}
+    line = next(x for x in format_report(report) if "at the ceilings" in x)
+    assert "at its bound): 46.0 ms, 65.2% of the FMA peak" in line, line
+    assert "Python: 11.0 ms) 57.0 ms, 52.6%" in line, line
+    del report["optimiser_arithmetic_ns"]  # (and the control: the line needs both bounds)
+    assert not any("at the ceilings" in x for x in format_report(report))
+
+
 def test_bench_times_its_runs_in_interleaved_rounds(tmp_path):
     """With --steps 5, the runs of a batch take turns in 3 rounds (2, 1 and 2 timed
     steps), each share after an untimed step: every run trains 1 + 3 + 5 steps, the
@@ -573,6 +607,18 @@ def check_bench_compare(tmp_path, report_path, report):
     assert out.count(" 1.00x") >= 8 + 8 + 6  # tok/s of 8 + 8 rows, the profile's phases
     assert out.count("the same checkpoint bytes in both") == 4
     assert "torch f64" in out and "step " in out
+    # the profile's parts timed by the cycle counter, each against itself; a report from
+    # before the other parts were timed is compared on what both have
+    for label, _ in report["models"][0]["parts_ms"]["forward"]:
+        assert sum(label in x and x.endswith(" 1.00x") for x in out.splitlines()) == 1, label
+    assert out.count("of which its ternary matrix products") == 2
+    older = json.loads(json.dumps(report))
+    del older["models"][0]["parts_ms"]
+    (tmp_path / "older.json").write_text(json.dumps(older))
+    code, both, err = hslm("bench-compare", tmp_path / "older.json", report_path)
+    assert code == 0, err
+    assert "of which its ternary matrix products" in both
+    assert not any(label in both for label, _ in report["models"][0]["parts_ms"]["forward"])
     probed = [r for e in report["models"] for r in e["rows"]
               if any(x is not None for pair in r.get("round_trip_ns", []) for x in pair)]
     assert out.count(" ns apart)") == len(probed)  # (none where one CPU is allowed)

@@ -13,9 +13,10 @@ while the ratio of steps taken in turns moves by about 1%. For the whole step an
 phase the step times (the windows' forward and backward, the weight gradients, the
 optimiser; on one thread also the parts `hslm bench` times by the cycle counter: the
 forward's and backward's products, W_up and W_down's gradients, the dense matrices'
-operands) it prints B / A, the median over the pairs of steps of their ratio, with the
-quartiles; and whether both runs ended with the same parameters, byte for byte (exit 1
-where they differ, unless --bits-differ says they should).
+operands, and where the tree times them attention, the norms and the loss) it prints
+B / A, the median over the pairs of steps of their ratio, with the quartiles; and
+whether both runs ended with the same parameters, byte for byte (exit 1 where they
+differ, unless --bits-differ says they should).
 
 (One process holding both packages, as a first version of this tool did, makes the one
 imported second pay about 2.5 ms a step of Python: Numba's dispatcher keys its fast path
@@ -62,16 +63,9 @@ def worker(tree, model, batch, threads):
         hz = cycles_per_second() if threads == 1 else 0
     except ImportError:
         hz = 0
-    names = ["forward-products", "backward-products", "Wup-Wdown", "dense-operands"]
-    try:  # (trees since 2026-12-05 15:50 UTC: the forward's and backward's other parts)
-        from hslm import layers
-        extra = {layers.CLOCK_FWD_ATTENTION: "forward-attention",
-                 layers.CLOCK_FWD_NORMS: "forward-norms", layers.CLOCK_LOSS: "loss",
-                 layers.CLOCK_BWD_ATTENTION: "backward-attention",
-                 layers.CLOCK_BWD_NORMS: "backward-norms"}
-        names += [extra[slot] for slot in range(len(names), layers.CLOCK_SLOTS)]
-    except AttributeError:
-        pass
+    from hslm import layers  # each clock slot's name (trees before 2026-12-05: four slots)
+    names = getattr(layers, "CLOCK_NAMES", ("forward-products", "backward-products",
+                                            "Wup-Wdown", "dense-operands"))
     clock = np.zeros(len(names))
     if hz:
         run.state.clock = clock
