@@ -67,6 +67,8 @@ JOBS = {
     "evaluation": ("forward", "backward"),
 }
 MAX_PROCESSES = 4  # the chains allow no more than about this many at once
+# the folder that holds this hslm package: the helpers import it from there (and no other)
+PACKAGE_PARENT = str(Path(__file__).resolve().parents[1])
 
 
 def _cache_lock_path():
@@ -351,9 +353,14 @@ class ParallelCompile:
             env = helper_environment()
             for _ in range(self.n - 1):
                 with open(self.folder / "helpers.log", "ab") as log:
+                    # run from the folder that holds this hslm: `python -m` puts the working
+                    # folder first on the path, and a source tree there (a clone, after
+                    # `pip install .`) had the helpers compile its hslm into its cache, not
+                    # this one's (the quick start's first run compiled twice, 33 s)
                     self.helpers.append(subprocess.Popen(
                         [sys.executable, "-m", "hslm.precompile", str(self.folder)],
-                        stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env))
+                        stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+                        cwd=PACKAGE_PARENT if os.path.isdir(PACKAGE_PARENT) else None))
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -422,7 +429,7 @@ def helper_environment() -> dict:
         env["NUMBA_CACHE_DIR"] = config.CACHE_DIR
     env["HSLM_QUIET_CACHE_WARNINGS"] = "1"  # the run's own process says it, once
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).resolve().parents[1])] + [p for p in [env.get("PYTHONPATH")] if p])
+        [PACKAGE_PARENT] + [p for p in [env.get("PYTHONPATH")] if p])
     return env
 
 

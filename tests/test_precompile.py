@@ -160,6 +160,48 @@ print("compiled after the jobs:", late)
     assert list((tmp_path / "cache").rglob("*.nbi"))  # (a negative control: it did compile)
 
 
+def test_the_helpers_import_this_hslm_whatever_folder_the_run_was_started_in(tmp_path,
+                                                                                monkeypatch):
+    """The README's quick start runs `pip install . && hslm train` in a clone, whose
+    hslm/ source folder is then the working folder. The helpers run `python -m
+    hslm.precompile`, which puts the working folder first on the path: they had imported
+    the clone's hslm and compiled it into the clone's cache, and the run compiled its
+    kernels again (33 s, not 15). They now start in the folder that holds the run's own
+    hslm. A stand-in for such a clone (an hslm that leaves a mark when imported) in the
+    working folder: with the helper's folder and environment it is not imported (the
+    control: from the working folder, it is)."""
+    decoy, mark = tmp_path / "hslm", tmp_path / "decoy imported"
+    decoy.mkdir()
+    (decoy / "__init__.py").write_text(f"open({str(mark)!r}, 'w').close()\n")
+    monkeypatch.chdir(tmp_path)
+    started = []
+
+    class Helper:  # a helper that ends at once, having recorded how it was started
+        def __init__(self, args, **kw):
+            started.append((args, kw))
+
+        def poll(self):
+            return 0
+
+        def wait(self, timeout=None):
+            return 0
+
+    with monkeypatch.context() as m:
+        m.setattr(precompile.subprocess, "Popen", Helper)
+        with precompile.ParallelCompile([3], 300, None, ["ternary tile"], 2, "a test"):
+            pass
+    (args, kw), = started
+    assert args[1:3] == ["-m", "hslm.precompile"]
+    which = [sys.executable, "-c", "import hslm; print(hslm.__file__)"]
+    here = subprocess.run(which, cwd=kw.get("cwd"), env=kw["env"], capture_output=True,
+                          text=True, timeout=120)
+    assert here.returncode == 0 and here.stdout.strip() == precompile.__file__.replace(
+        "precompile.py", "__init__.py"), here
+    assert not mark.exists()
+    there = subprocess.run(which, env=kw["env"], capture_output=True, text=True, timeout=120)
+    assert mark.exists() and str(decoy) in there.stdout, there  # (the control)
+
+
 @pytest.mark.slow
 def test_sigterm_while_compiling_leaves_no_helper_and_no_folder(tmp_path):
     """SIGTERM during a first run's compile: the run ends of the signal as before, its
