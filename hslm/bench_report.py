@@ -13,6 +13,7 @@ DENSE_OPERANDS = "the dense matrices' operands"
 # products_ms and parts_ms), and what is left of each once they are
 FORWARD = "forward"
 BACKWARD = "backward through the layers' inputs"
+PRODUCTS = "of which its ternary matrix products"
 REST_OF = {FORWARD: "the rest (residuals, bias, ReLU, embedding)",
            BACKWARD: "the rest (residuals, ReLU's mask, scales)"}
 
@@ -112,7 +113,7 @@ def format_report(report):
                 products = (e.get("products_ms") or {}).get(name)
                 if products is not None and work and products > 0:  # (reports since 0.2.0+)
                     rate = work[0] / (products / 1e3) / 1e9
-                    out.append(f"    {'of which its ternary matrix products':44s} "
+                    out.append(f"    {PRODUCTS:44s} "
                                f"{products:8.1f} ms{'':7s}  {rate:6.1f} GFLOP/s "
                                f"{100 * rate / peak:5.1f}% of the FMA peak")
                     parts = (e.get("parts_ms") or {}).get(name)  # (reports since 2026-12-05)
@@ -356,14 +357,14 @@ def _step_at_ceilings(report, e, total):
     phases = dict(e["profile_ms"])
     wg = next((name for name in phases if name.startswith("weight gradients")), None)
     opt = next((name for name, (_, unit) in work.items() if unit == "B"), None)
-    if (not (unfused and wg in work and opt and len(split) == 2 and "relu_matrices_flop" in e)
-            or any(name not in products or name not in work for name in (FORWARD, BACKWARD))
-            or _optimiser_bound_ms(report, e, work[opt][0]) is None):
+    optimiser = _optimiser_bound_ms(report, e, work[opt][0]) if opt else None
+    if (not (unfused and wg in work and optimiser and len(split) == 2
+             and "relu_matrices_flop" in e)
+            or any(name not in products or name not in work for name in (FORWARD, BACKWARD))):
         return []
     relu_flop, active = e["relu_matrices_flop"], e.get("relu_active", 1.0)
     bound = ((work[FORWARD][0] + work[BACKWARD][0]) / peak
-             + (work[wg][0] - relu_flop * (1.0 - active)) / unfused) / 1e6  # ms
-    bound += _optimiser_bound_ms(report, e, work[opt][0])
+             + (work[wg][0] - relu_flop * (1.0 - active)) / unfused) / 1e6 + optimiser  # ms
     other = max(total - sum(phases[name] for name in (FORWARD, BACKWARD, wg, opt))
                 + sum(phases[name] - products[name] for name in (FORWARD, BACKWARD))
                 + split[DENSE_OPERANDS], 0.0)
@@ -400,12 +401,12 @@ def _timed_parts(b, e, phase):
     by the cycle counter (products_ms, weight_grads_ms, parts_ms; older reports have
     fewer)."""
     out = []
-    for key in ("products_ms", "weight_grads_ms"):
-        pb, pe = b.get(key) or {}, e.get(key) or {}
-        if key == "products_ms" and phase in pb and phase in pe:
-            out.append(("of which its ternary matrix products", pb[phase], pe[phase]))
-        if key == "weight_grads_ms" and phase.startswith("weight gradients"):
-            out.extend((label, pb[label], pe[label]) for label in pe if label in pb)
+    pb, pe = b.get("products_ms") or {}, e.get("products_ms") or {}
+    if phase in pb and phase in pe:
+        out.append((PRODUCTS, pb[phase], pe[phase]))
+    if phase.startswith("weight gradients"):
+        wb, we = b.get("weight_grads_ms") or {}, e.get("weight_grads_ms") or {}
+        out.extend((label, wb[label], we[label]) for label in we if label in wb)
     parts_b = dict((b.get("parts_ms") or {}).get(phase) or [])
     out.extend((label, parts_b[label], ms) for label, ms in
                (e.get("parts_ms") or {}).get(phase) or [] if label in parts_b)

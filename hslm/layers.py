@@ -50,8 +50,8 @@ LABEL_SMOOTH = 0.1  # epsilon of the K-position objective
 CYCLES = make_cycle_counter()  # (hslm bench's profile: Model.clock)
 
 # Model.clock's slots: cycles hslm bench's profile counts (one thread) where the clock
-# has CLOCK_SLOTS elements (a run's has 2, never written; the products and the weight
-# gradients' two parts are counted from 4 on, as reports and tools before these parts had)
+# has CLOCK_SLOTS elements (a run's has 2, never written), every part through
+# part_starts / part_ends
 CLOCK_FWD_PRODUCTS, CLOCK_BWD_PRODUCTS, CLOCK_RELU_MATRICES, CLOCK_OPERANDS = 0, 1, 2, 3
 CLOCK_FWD_ATTENTION = 4  # rotary, the cache's panels, scores, softmax, outputs
 CLOCK_FWD_NORMS = 5      # the blocks' norms and gains, the head's norm
@@ -264,11 +264,9 @@ def ternary_forward(model, t, m, n, X, Y, kernel):
     kernel: a speed's matrix kernel (hslm/speeds.py); None is KERNEL_PANELS, and Numba
     compiles only that branch for it, or only the others for a number."""
     if kernel is None:
-        timed = model.clock.shape[0] > 2  # hslm bench's profile: the product's cycles too
-        c0 = CYCLES() if timed else 0
+        c0 = part_starts(model)  # (hslm bench's profile: the product's cycles too)
         ternary_panels(model.Pf, model.pf_offs, model.alpha, t, m, n, X, Y)
-        if timed:
-            model.clock[CLOCK_FWD_PRODUCTS] += CYCLES() - c0
+        part_ends(model, CLOCK_FWD_PRODUCTS, c0)
     elif kernel == KERNEL_ROWS:
         ternary_matmul_rows(X, view2(model.Tf, model.offs, t, m, n), model.alpha[t], Y)
     else:
@@ -281,11 +279,9 @@ def ternary_forward(model, t, m, n, X, Y, kernel):
 def ternary_input_grad(model, t, m, n, DY, DX, kernel):
     """DX [rows, m] = DY [rows, n] . (alpha_t T_t)^T (kernel: as ternary_forward's)."""
     if kernel is None:
-        timed = model.clock.shape[0] > 2
-        c0 = CYCLES() if timed else 0
+        c0 = part_starts(model)
         ternary_panels(model.Pb, model.pb_offs, model.alpha, t, n, m, DY, DX)
-        if timed:
-            model.clock[CLOCK_BWD_PRODUCTS] += CYCLES() - c0
+        part_ends(model, CLOCK_BWD_PRODUCTS, c0)
     elif kernel == KERNEL_ROWS:
         ternary_matmul_rows(DY, view2(model.Tb, model.offs, t, n, m), model.alpha[t], DX)
     else:
@@ -300,11 +296,9 @@ def panels_skipping_zeros(model, clock, P, poffs, t, a, b, X, Y):
     output, or its gradient: most entries 0.0), which may skip X's zeros
     (kernels.ternary_panels_skipping_zeros, the same bits); its cycles go to
     model.clock[clock] where hslm bench's profile times the products."""
-    timed = model.clock.shape[0] > 2
-    c0 = CYCLES() if timed else 0
+    c0 = part_starts(model)
     ternary_panels_skipping_zeros(P, poffs, model.alpha, t, a, b, X, Y)
-    if timed:
-        model.clock[clock] += CYCLES() - c0
+    part_ends(model, clock, c0)
 
 
 @kernel_inner

@@ -17,9 +17,9 @@ from .vector_tiles import make_copy_bytes, make_transpose_bytes, make_trits
 # matrices in both layouts (input-major Tf, output-major Tb) with one scale per
 # tensor, the fixed tables, the named dimensions, and Tf and Tb again in column
 # panels (Pf, Pb, at their own offsets) for the register-tiled kernels; and clock, cycles
-# counted for hslm bench's profile (one thread; a run's has 2 elements, never written):
-# with 4 or more, the matrix products and the weight gradients' two parts, with
-# layers.CLOCK_SLOTS also the forward's and the backward's other parts (layers.CLOCK_*).
+# counted for hslm bench's profile (one thread; a run's has 2 elements, never written)
+# where it has layers.CLOCK_SLOTS: the matrix products, the weight gradients' two parts
+# and the forward's and the backward's other parts (layers.CLOCK_*).
 Model = namedtuple("Model", "theta offs Tf Tb alpha pos cos sin attn_scale head_scale dims "
                             "Pf pf_offs Pb pb_offs clock")
 # What requantisation writes, and the shapes it needs (ModelState.trits): per tensor

@@ -33,7 +33,7 @@ from .kernels import (PREFETCH_TO_L2, active_masks, active_rows_grad, aligned_ro
                       column_sum_rows, columns_to_l2, copy_rows, input_columns,
                       output_grad_panels, transpose_rows)
 from .micro import WGRAD_PANEL, panel_matmul_add, panel_matmul_add2
-from .layers import (CLOCK_LOSS, CLOCK_OPERANDS, CLOCK_RELU_MATRICES, CYCLES, COLUMN_SUM, MATRIX,
+from .layers import (CLOCK_LOSS, CLOCK_OPERANDS, CLOCK_RELU_MATRICES, COLUMN_SUM, MATRIX,
                      RELU_INPUT, block_backward, block_forward, block_keys_values, block_queries,
                      blocks_backward, blocks_forward, embed_forward, head_backward, head_forward,
                      loss_rows, part_ends, part_starts, relu_side, view1, view2,
@@ -461,7 +461,6 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, f
     # block share their input, so the two after the first reuse its columns, where the
     # batch is one group of windows, at most WGRAD_WINDOWS, and the same rows come again)
     xt_of = np.full((XT.shape[0], 3), -1, np.int64)
-    timed = model.clock.shape[0] > 2  # hslm bench's profile (Model.clock)
     u = u0
     while u < u1:
         t = units[u, 0]
@@ -469,11 +468,10 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, f
         while ue < u1 and units[ue, 0] == t:
             ue += 1
         if relu_side(D, t) != 0:
-            c0 = CYCLES() if timed else 0
+            c0 = part_starts(model)  # (hslm bench's profile, Model.clock)
             relu_weight_grads(model, A, R, B, t, s, k, units, u, ue, out, WG, fresh, M,
                               masks_of)
-            if timed:
-                model.clock[CLOCK_RELU_MATRICES] += CYCLES() - c0
+            part_ends(model, CLOCK_RELU_MATRICES, c0)
             u = ue
             continue
         operands = weight_grad_operands(model, A, R, NO_LITERAL_0, t, s, k)
@@ -483,7 +481,7 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, f
             ra, rb = units[u, 1], units[ue - 1, 2]  # the rows of this tensor's units
             for w0 in range(0, B, WG.shape[0]):
                 w1 = min(w0 + WG.shape[0], B)
-                c0 = CYCLES() if timed else 0
+                c0 = part_starts(model)
                 for w in range(w0, w1):
                     _, X, DY, _, _ = weight_grad_operands(model, A, R, w, t, s, k)
                     output_grad_panels(DY, WG[w - w0])
@@ -491,8 +489,7 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, f
                     if held[0] != X.ctypes.data or held[1] != ra or held[2] != rb:
                         input_columns(X, ra, rb, XT[w - w0])
                         held[0], held[1], held[2] = X.ctypes.data, ra, rb
-                if timed:
-                    model.clock[CLOCK_OPERANDS] += CYCLES() - c0
+                part_ends(model, CLOCK_OPERANDS, c0)
                 npan = (n + WGRAD_PANEL - 1) // WGRAD_PANEL
                 for v in range(u, ue):
                     r0, r1 = units[v, 1], units[v, 2]
