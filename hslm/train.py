@@ -118,7 +118,7 @@ RUN_FILE_NAMES = re.compile(r"tokenizer\.json|ckpt_\d+\.(bin|state)|bpe-.*\.json
 
 def check_paths_apart(o: TrainOptions, out: Path):
     """Judged before anything is created: --metrics can be written (check_metrics_path),
-    the token cache folder is no --data folder, and --metrics names none of the run's own
+    neither the output folder nor the token cache folder is a --data folder, and --metrics names none of the run's own
     files: not its text (a --data file, or a file in a --data folder: appended to, the
     text changes, and no checkpoint of the run could be resumed with it), not the
     checkpoint it resumes, and no name the run writes in its output or token cache folder
@@ -126,6 +126,11 @@ def check_paths_apart(o: TrainOptions, out: Path):
     from .token_cache import cache_dir as token_cache_dir
 
     check_metrics_path(o.metrics, out)
+    for d in o.data:  # (a folder inside a --data folder is not read: such an --out is fine)
+        if Path(d).is_dir() and same_file(d, out):
+            raise HslmError(f"the output folder {out} is the --data folder {d}, whose files "
+                            "are read as text (the next run would read this run's checkpoints "
+                            "and tokenizer.json as its text): give another --out")
     cache = token_cache_dir(o.cache_dir, out)
     check_cache_apart(o.data, cache)
     if o.metrics is None:

@@ -100,8 +100,36 @@ def test_a_refused_cache_folder_leaves_nothing_in_the_text_folder(tmp_path):
     d = tmp_path / "d"
     d.mkdir()
     (d / "a.txt").write_text(TEXT)
-    line = one_line_error(*hslm("train", *TINY, "--steps", 1, "--data", d, "--out", d))
-    assert "is the --data folder" in line and os.listdir(d) == ["a.txt"]
+    line = one_line_error(*hslm("train", *TINY, "--steps", 1, "--data", d, "--out", tmp_path / "o",
+                                "--cache-dir", d))
+    assert "token cache folder" in line and "is the --data folder" in line
+    assert os.listdir(d) == ["a.txt"] and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_an_output_folder_that_is_the_text_folder_is_refused(tmp_path, resume):
+    """--out naming a --data folder is refused before anything is written, whatever the
+    token cache folder: with another --cache-dir the run had written its checkpoints and
+    tokenizer.json among its text, so that a resume of it said "the training text differs",
+    eval read ckpt_N.bin as text, and a fresh run trained on the tokenizer's JSON too."""
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "a.txt").write_text(TEXT)
+    cache = tmp_path / "cache"
+    first = ["--data", d, "--cache-dir", cache]
+    if resume:  # a run of that text elsewhere, resumed with its output in the text folder
+        code, _, err = hslm("train", *TINY, "--steps", 1, *first, "--out", tmp_path / "run")
+        assert code == 0, err
+        args = ["--resume", tmp_path / "run" / "ckpt_1.state", "--steps", 2]
+    else:
+        args = [*TINY, "--steps", 1]
+    for cache_args in ([], ["--cache-dir", cache]):
+        line = one_line_error(*hslm("train", *args, "--data", d, "--out", d, *cache_args))
+        assert line.startswith(f"error: the output folder {d} is the --data folder"), line
+        assert os.listdir(d) == ["a.txt"]
+    code, _, err = hslm("train", *args, *first, "--out", tmp_path / "o")  # the control
+    assert code == 0, err
+    assert os.listdir(d) == ["a.txt"]
 
 
 def test_steps_past_64_bits_is_one_line(tmp_path):
