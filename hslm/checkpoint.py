@@ -21,8 +21,8 @@ data section) and header_sha256. The .bin adds tokenizer (the run's tokenizer
 itself, its JSON: vocab and merges). The state adds: params_sha256 (the
 data_sha256 of the .bin it belongs to), rng (the data generator's state,
 JSON), hyper (the training hyper-parameters, JSON), tokenizer (sha256
-identity), text_sha256 and data_source ("built-in <name>" or "--data text":
-never a path, so that the bytes do not depend on how a path was spelled).
+identity), text_sha256 and data_source ("built-in <name>" or "--data text", by the
+text's sha256: never a path, so that the bytes do not depend on how the text was given).
 
 Integrity (format 2): header_sha256 is the sha256 of the canonical header JSON
 (keys sorted, no spaces, no padding) with header_sha256 itself left out of

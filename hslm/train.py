@@ -20,7 +20,7 @@ import numpy as np
 from . import checkpoint as ckpt
 from . import distributed, precise
 from .config import PRESETS, Config
-from .data import BUILTIN_SOURCE, Corpus, Tokenizer, check_cache_apart, same_file
+from .data import BUILTIN_SHA256, BUILTIN_SOURCE, Corpus, Tokenizer, check_cache_apart, same_file
 from .errors import (HslmError, open_regular, raise_dropped_interrupt, raise_terminated,
                      read_bytes, refuse_unless_file)
 from .hyper import HYPER_NAMES, Hyper
@@ -350,8 +350,10 @@ class Run:
             "hyper": self.hyper.to_json(),
             "tokenizer": self.corpus.tokenizer.identity,
             "text_sha256": self.corpus.text_sha256,
-            # what the text is, never how its path was spelled (the bytes must not depend on it)
-            "data_source": (BUILTIN_SOURCE if self.corpus.source == BUILTIN_SOURCE
+            # what the text is, by its sha256: never how it was given (a --data file named
+            # as the built-in text is labelled, or a copy of that text: the bytes of a run
+            # resumed with its text given the other way must not change)
+            "data_source": (BUILTIN_SOURCE if self.corpus.text_sha256 == BUILTIN_SHA256
                             else "--data text"),
         }
         sblob = ckpt.state_parts(self.cfg, self.m, self.v, self.step,

@@ -132,6 +132,36 @@ def test_an_output_folder_that_is_the_text_folder_is_refused(tmp_path, resume):
     assert os.listdir(d) == ["a.txt"]
 
 
+def test_the_state_says_the_built_in_text_by_its_bytes_not_its_name(tmp_path):
+    """The .state's data_source says whether the run's text is the built-in one by the
+    text's sha256, never by how it was given. A --data file named as the built-in text is
+    labelled ("built-in python-...") had been recorded as the built-in text (and the same
+    file by its absolute path as --data text); a run resumed with a copy of the built-in
+    text given as --data, or the other way round, wrote a .state that differed from the
+    uninterrupted run's in data_source alone."""
+    import gzip
+    from hslm.data import BUILTIN_FILE, BUILTIN_SOURCE
+    (tmp_path / BUILTIN_SOURCE).write_text(TEXT)
+    copy = tmp_path / "copy.txt"
+    copy.write_bytes(gzip.decompress(BUILTIN_FILE.read_bytes()))
+
+    def train(name, *args):
+        code, _, err = hslm("train", *TINY, "--out", tmp_path / name, *args, cwd=tmp_path)
+        assert code == 0, err
+        st = ckpt.read(tmp_path / name / "ckpt_1.state", expect_kind="state", keep_data=False)
+        return st.meta["data_source"]
+    assert train("named", "--steps", 1, "--data", BUILTIN_SOURCE) == "--data text"
+    assert train("by-path", "--steps", 1, "--data", tmp_path / BUILTIN_SOURCE) == "--data text"
+    assert train("whole", "--steps", 2, "--save-every", 1) == BUILTIN_SOURCE
+    assert train("copy", "--steps", 1, "--data", copy) == BUILTIN_SOURCE
+    code, _, err = hslm("train", "--resume", tmp_path / "copy" / "ckpt_1.state", "--steps", 2,
+                        cwd=tmp_path)  # resumed on the built-in text itself
+    assert code == 0, err
+    for ext in (".bin", ".state"):
+        name = "ckpt_2" + ext
+        assert (tmp_path / "copy" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()
+
+
 def test_steps_past_64_bits_is_one_line(tmp_path):
     line = one_line_error(*hslm("train", *TINY, "--steps", 2 ** 63, "--out", tmp_path / "o"))
     assert "--steps must be from 1 to 2^63 - 1" in line and not (tmp_path / "o").exists()
