@@ -118,11 +118,11 @@ RUN_FILE_NAMES = re.compile(r"tokenizer\.json|ckpt_\d+\.(bin|state)|bpe-.*\.json
 
 def check_paths_apart(o: TrainOptions, out: Path):
     """Judged before anything is created: --metrics can be written (check_metrics_path),
-    neither the output folder nor the token cache folder is a --data folder, and --metrics names none of the run's own
-    files: not its text (a --data file, or a file in a --data folder: appended to, the
-    text changes, and no checkpoint of the run could be resumed with it), not the
-    checkpoint it resumes, and no name the run writes in its output or token cache folder
-    (RUN_FILE_NAMES)."""
+    neither the output folder nor the token cache folder is a --data folder, and --metrics
+    names none of the run's own files: not its text (a --data file, or a file in a --data
+    folder: appended to, the text changes, and no checkpoint of the run could be resumed
+    with it), not the checkpoint it resumes, and no name the run writes in its output or
+    token cache folder (RUN_FILE_NAMES)."""
     from .token_cache import cache_dir as token_cache_dir
 
     check_metrics_path(o.metrics, out)
