@@ -408,7 +408,7 @@ def need_stdout(command: str, required: bool = True):
     no sys.stdout, and eval had ended quietly with status 0) it refuses to start where
     required (diff's exit status is a product of its own), and a reader that goes (`|
     head`) is not told the command is going on without it (ReaderGone.keep_going)."""
-    if sys.stdout is None:
+    if sys.stdout is None or "stdout" in CLOSED_AT_START:
         if required:
             raise HslmError(f"the standard output is closed: {command} has nowhere to write")
         return
@@ -466,14 +466,43 @@ class ReaderGone:
         return getattr(self._stream, name)
 
 
+# The standard streams that were closed when the command started (`>&-`, `2>&-`):
+# written to /dev/null instead (open_closed_stream); need_stdout still refuses.
+CLOSED_AT_START = set()
+
+
+def open_closed_stream(name: str):
+    """sys.stdout or sys.stderr for a stream closed at the start: /dev/null. Python leaves
+    such a stream None, so that train's progress line had been an AttributeError traceback
+    (nothing saved) and print(..., file=sys.stderr) wrote warnings into the standard
+    output (eval --json's JSON, sample's text). Its descriptor is held open on /dev/null
+    as well where it is still free, so that no file the run opens takes descriptor 1 or 2
+    and receives what was meant for the stream."""
+    fd = 1 if name == "stdout" else 2
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.fstat(fd)
+    except OSError:  # free: /dev/null there
+        if null != fd:
+            os.dup2(null, fd)
+            os.close(null)
+        null = fd
+    CLOSED_AT_START.add(name)
+    return open(null, "w", closefd=null != fd)
+
+
 def guard_streams():
-    """Wrap the standard streams in ReaderGone where they are real files. A character a
+    """Wrap the standard streams in ReaderGone where they are real files, and write a
+    stream closed at the start to /dev/null (open_closed_stream). A character a
     stream cannot encode no longer raises: a path's bytes that are not UTF-8 are written
     as they are on a UTF-8 stream, and on another (PYTHONIOENCODING=latin-1, say) what it
     cannot hold is written as a backslash escape."""
     for name, note in (("stdout", "hslm: the standard output was closed; going on without it"),
                        ("stderr", None)):
         stream = getattr(sys, name)
+        if stream is None and name not in CLOSED_AT_START:
+            setattr(sys, name, open_closed_stream(name))
+            continue
         if stream is None or isinstance(stream, ReaderGone):
             continue
         try:

@@ -720,6 +720,34 @@ def test_sample_and_eval_with_their_standard_output_closed_say_so(base):
         assert "standard output is closed" in line, line
 
 
+def test_streams_closed_at_the_start_go_to_dev_null(base, tmp_path):
+    """`hslm train ... >&-` had stopped with a traceback at its first progress line (Python
+    leaves a closed stream None), before its first save; it trains and saves, as with a
+    reader gone. `hslm eval --json ... 2>&-` had printed its warning into the standard
+    output, ahead of the JSON (print to a None stderr writes to stdout); the warning now
+    goes nowhere and the output is the JSON alone. Controls: with the streams open, the
+    progress and the warning are where they belong."""
+    def cli(*args, close):
+        return subprocess.run([sys.executable, str(ROOT / "cli.py"), *map(str, args)],
+                              capture_output=True, text=True, timeout=600,
+                              preexec_fn=(lambda: os.close(close)) if close else None)
+    for close in (1, None):
+        out = tmp_path / f"run{close}"
+        p = cli("train", *TINY, "--steps", 2, "--out", out, close=close)
+        assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+        assert (out / "ckpt_2.bin").exists() and (out / "ckpt_2.state").exists()
+        assert ("valid " in p.stdout) == (close is None)
+    ck = tmp_path / "alone" / "ckpt_2.bin"
+    ck.parent.mkdir()
+    ck.write_bytes((base / "ckpt_2.bin").read_bytes())
+    (ck.parent / "tokenizer.json").write_text("{}")  # not its tokenizer: a warning
+    for close in (2, None):
+        p = cli("eval", ck, "--json", close=close)
+        assert p.returncode == 0
+        assert json.loads(p.stdout)["checkpoint"] == str(ck), p.stdout
+        assert ("warning: ignoring" in p.stderr) == (close is None)
+
+
 def test_a_command_whose_output_is_its_product_says_nothing_when_its_reader_goes(base):
     """`hslm info CKPT | head -1` had added "the standard output was closed; going on
     without it" (train's note: it goes on and saves). info's output is all it makes, so
