@@ -96,7 +96,9 @@ def check_metrics_path(metrics, out: Path):
         from .progress import partial_record
         partial_record(m)  # a file that is not a metrics file cut short is refused here
         return
-    parent = m.parent
+    # a new name, or a link to none: the run appends through the link (O_CREAT), so what
+    # must exist and be writable is the folder of the name it leads to
+    parent = Path(os.path.realpath(m)).parent if os.path.islink(m) else m.parent
     if os.path.abspath(parent) == os.path.abspath(out):
         return
     if not parent.is_dir():

@@ -57,6 +57,22 @@ def test_flags_refused_before_anything_is_created(tmp_path, args, expect):
     assert not out_dir.exists()
 
 
+def test_a_metrics_link_to_a_missing_folder_is_refused_before_anything(tmp_path):
+    """--metrics naming a link to a file in a folder that does not exist had passed the
+    checks (taken for a new name, its own folder judged) and failed only after the run
+    had made its output folder and tokenized, leaving both behind. Control: a link into
+    a folder that exists is appended to through the link."""
+    link = tmp_path / "m.jsonl"
+    link.symlink_to(tmp_path / "nowhere" / "m.jsonl")
+    out = tmp_path / "o"
+    line = one_line_error(*hslm("train", *TINY, "--steps", 1, "--out", out, "--metrics", link))
+    assert f"{tmp_path / 'nowhere'} does not exist" in line and not out.exists()
+    (tmp_path / "nowhere").mkdir()
+    code, _, err = hslm("train", *TINY, "--steps", 1, "--out", out, "--metrics", link)
+    assert code == 0, err
+    assert '"kind": "train"' in (tmp_path / "nowhere" / "m.jsonl").read_text()
+
+
 @pytest.mark.parametrize("case", ["tokenizer.json", "checkpoint", "lock", "data file",
                                   "data folder", "token cache"])
 def test_metrics_naming_one_of_the_runs_own_files_is_refused_before_anything(tmp_path, case,
