@@ -852,10 +852,15 @@ class World:
                                 f"from rank 0 in {', '.join(what)}; nothing trained")
 
     def _agree(self, msg, code):
-        """Every rank's verdict before the first step: if any failed, the first failing
-        rank reports (naming itself when others did not fail: a path only it could not
-        read) and every rank leaves with its exit code. The SystemExit this raises on a
-        healthy rank must not agree again (settled): the failed ranks are gone."""
+        """Every rank's verdict before the first step, the one collective every rank makes
+        there: (None, 0) from a rank about to train (start), (message, code) from one that
+        failed, (ENDED, 0) from one whose command ended without training (any command but
+        train, `--help`). If any failed, the first failing rank reports (naming itself when
+        others did not fail: a path only it could not read) and every rank leaves with its
+        exit code. If some ended and others are to train, the first of those reports and
+        they leave with status 2 (had they gone on, they would have waited for ever on the
+        ranks that ended). The SystemExit this raises on a healthy rank must not agree
+        again (settled): the failed ranks are gone."""
         every = self.comm.allgather((msg, code))
         failed = [(r, m, c) for r, (m, c) in enumerate(every) if c]
         if failed:
@@ -865,6 +870,15 @@ class World:
                 print(f"error: {who}{m}", file=sys.stderr, flush=True)
             self.settled = True
             sys.exit(c)
+        ended = [r for r, (m, _) in enumerate(every) if m == ENDED]
+        if ended and len(ended) < len(every):
+            training = [r for r in range(self.size) if r not in ended]
+            if self.rank == training[0]:
+                print(f"error: rank {ended[0]} of {self.size} ran another command than "
+                      f"rank {training[0]}'s train (every rank must run the same one); "
+                      "nothing trained", file=sys.stderr, flush=True)
+            self.settled = True
+            sys.exit(0 if msg == ENDED else 2)
 
     def fail(self, msg, code):
         """An error on this rank: before the first step, agree with the others and
@@ -907,6 +921,9 @@ class World:
 
 class _Shared(str):
     """The message of an AllRanksError."""
+
+
+ENDED = "(the command ended without training)"  # World._agree's word from such a rank
 
 
 def after_step(run, signum, steps, save_every, failed=False):
@@ -963,18 +980,17 @@ def run_main(cli, argv):
     try:
         rv = cli.main(args=argv, prog_name="hslm", standalone_mode=False)
     except SystemExit as e:
-        if not w.started and not w.settled and e.code not in (0, None):  # nothing to report
-            w._agree(None, e.code)
+        if not w.started and not w.settled:  # nothing to report
+            w._agree(*((ENDED, 0) if e.code in (0, None) else (None, e.code)))
         if w.started and e.code in (128 + 2, 128 + 15):  # an agreed stop: every rank is here
             w.close()
         raise
     except click.exceptions.NoArgsIsHelpError as e:
         click.echo(e.ctx.get_help())
+        w._agree(ENDED, 0)
         sys.exit(0)
-    except click.UsageError as e:  # the same flags on every rank: rank 0 reports
-        if w.rank == 0:
-            click.echo(f"error: {e.format_message()}".replace("\n", " "), err=True)
-        sys.exit(2)
+    except click.UsageError as e:  # agreed: a rank given other flags than the rest fails too
+        w.fail(e.format_message().replace("\n", " "), 2)
     except click.ClickException as e:
         w.fail(e.format_message(), e.exit_code)
     except (click.Abort, KeyboardInterrupt) as e:  # click makes an Abort of either
@@ -988,4 +1004,6 @@ def run_main(cli, argv):
         w.fail(one_line(e), 2)
     except Exception as e:  # noqa: BLE001 - one rank's bug must not leave the others waiting
         w.fail(f"{type(e).__name__}: {one_line(e)}", 1)
+    if not w.started and not w.settled:  # a command that does not train: agreed all the same
+        w._agree(ENDED, 0)
     sys.exit(rv if isinstance(rv, int) else 0)

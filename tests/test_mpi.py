@@ -476,6 +476,43 @@ def test_bad_flags_are_reported_once(tmp_path):
 
 
 @needs_mpi
+@pytest.mark.parametrize("case", ["a bad flag on rank 1", "a bad flag on rank 0",
+                                  "train and another command", "eval failing on rank 1"])
+def test_ranks_that_do_not_agree_before_training_end_at_once(tmp_path, case):
+    """A flag only one rank was given wrong (mpiexec's A : B form) had left the others
+    waiting for ever in the ranks' start (the rank at fault quiet where it was not rank
+    0); so had a rank running another command than train beside ranks that train, and any
+    other command failing on one rank and not on another. Every rank now makes the same
+    one collective before the first step, whatever its command did: one line, and every
+    rank ends."""
+    py = [sys.executable, str(ROOT / "cli.py")]
+    one = [*py, "train", *TINY, "--steps", "2", "--batch", "2", "--threads", "1",
+           "--out", str(tmp_path / "o")]
+    if case.startswith("eval"):  # (another command under mpiexec runs whole on each rank)
+        train(tmp_path / "run", "--steps", "1", "--batch", "2")
+        ck = tmp_path / "run" / "ckpt_1.bin"
+        a, b = [*py, "eval", str(ck)], [*py, "eval", str(tmp_path / "missing.bin")]
+        expect = f"error: rank 1 of 2: checkpoint not found: {tmp_path / 'missing.bin'}"
+    elif case.startswith("train and"):
+        a, b = one, [*py, "info"]
+        expect = "error: rank 1 of 2 ran another command than rank 0's train"
+    else:
+        a, b = (one, [*one, "--speed", "7"])[::1 if case.endswith("1") else -1]
+        expect = f"error: rank {case[-1]} of 2: Invalid value for '--speed'"
+    cmd = [MPIEXEC, "-n", "1", *a, ":", "-n", "1", *b]
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env())
+    assert time.monotonic() - t0 < 60, "a rank was left waiting"
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert p.returncode == 2 and len(errors) == 1 and errors[0].startswith(expect), p.stderr
+    assert "Traceback" not in p.stderr and not (tmp_path / "o").exists()
+    if case.startswith("eval"):  # control: both ranks evaluate
+        p = subprocess.run([MPIEXEC, "-n", "1", *a, ":", "-n", "1", *a], capture_output=True,
+                           text=True, timeout=120, env=env())
+        assert p.returncode == 0 and p.stdout.startswith("valid loss"), p.stderr
+
+
+@needs_mpi
 def test_sigterm_saves_one_checkpoint_and_stops_every_rank(tmp_path):
     cmd = [MPIEXEC, "-n", "2", sys.executable, str(ROOT / "cli.py"), "train", *TINY,
            "--batch", 4, "--steps", 10 ** 6, "--out", tmp_path / "run", "--threads", 1,
