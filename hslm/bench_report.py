@@ -280,7 +280,8 @@ def compare_reports(named) -> list:
     """(lines, differ) comparing bench reports [(name, report)], each against the first:
     tok/s of every row they share, the PyTorch ratios, the profile's phases, and whether
     runs of the same model, batch, steps, seed, k and text ended with the same checkpoint
-    bytes (differ: some did not)."""
+    bytes (differ: some did not, in any two reports or within one:
+    _bytes_beyond_the_first)."""
     (base_name, base), rest = named[0], named[1:]
     differ = False
 
@@ -336,6 +337,34 @@ def compare_reports(named) -> list:
                 tot_b, tot_e = sum(pb.values()), sum(ms for _, ms in pe)
                 out.append(f"      {'step':46s} {tot_b:7.1f} -> {tot_e:7.1f}  "
                            f"{tot_e / tot_b:5.2f}x")
+    lines, bytes_differ = _bytes_beyond_the_first(named)
+    return out + lines, differ or bytes_differ
+
+
+def _bytes_beyond_the_first(named):
+    """(lines, differ): what the comparisons against the first report do not see. A
+    report whose own runs of a batch ended with other bytes (`identical` false: hslm bench
+    said CHECKPOINTS DIFFER and exited 1), and two later reports whose runs of the same
+    model, batch, steps, seed, k and text ended with other bytes (where the first report
+    is not comparable with them, nothing else compares them). Nothing where all agree."""
+    out, differ, seen = [], False, {}
+    for i, (name, r) in enumerate(named):
+        for e in r["models"]:
+            for g in e.get("groups", []):
+                if not g["identical"]:
+                    differ = True
+                    out.append(f"{name}: model {e['model']} batch {g['batch']}: CHECKPOINTS "
+                               "DIFFER across its own runs")
+                if i == 0:
+                    continue
+                key = (e["model"], g["batch"], r["steps"], r.get("seed"), r.get("rounds", 0),
+                       e.get("k"), e.get("text_sha256"))
+                first, digest = seen.setdefault(key, (name, g["digest"]))
+                if digest != g["digest"]:
+                    differ = True
+                    out.append(f"{name} against {first}: model {e['model']} batch "
+                               f"{g['batch']}: CHECKPOINTS DIFFER (sha256 {digest[:16]}... -> "
+                               f"{g['digest'][:16]}...)")
     return out, differ
 
 

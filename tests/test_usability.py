@@ -598,6 +598,31 @@ def test_bench_times_its_runs_in_interleaved_rounds(tmp_path):
     assert not any("how far apart" in line for line in format_report(report))
 
 
+def test_bench_compare_sees_bytes_that_differ_beyond_the_first_report():
+    """bench-compare compares each report with the first. A report whose own runs ended
+    with other bytes (identical false: its bench had exited 1 on it) compared as "the same
+    checkpoint bytes in both" where its batch's digest matched, and two later reports of
+    the same run with other bytes were never compared where the first report was of other
+    steps: both exited 0. Control: the stored reports as they are."""
+    from hslm.bench_report import compare_reports, load_report
+    bench = ROOT / "docs" / "bench"
+    stored = [(p.name, load_report(p)) for p in sorted(bench.glob("*.json"))]
+    assert stored[0][1]["steps"] != 30 and compare_reports(stored)[1] is False
+    zeroed = json.loads(json.dumps(dict(stored)["zen5.json"]))
+    for e in zeroed["models"]:
+        for g in e["groups"]:
+            g["digest"] = "0" * 64
+    lines, differ = compare_reports(stored + [("zeroed.json", zeroed)])
+    assert differ and sum("zeroed.json against" in x and "CHECKPOINTS DIFFER" in x
+                          for x in lines) == len(zeroed["models"][0]["groups"])
+    own = json.loads(json.dumps(dict(stored)["zen1-threads.json"]))
+    own["models"][0]["groups"][0]["identical"] = False
+    lines, differ = compare_reports([("zen1-threads.json", dict(stored)["zen1-threads.json"]),
+                                     ("own.json", own)])
+    assert differ and [x for x in lines if "DIFFER" in x] == [
+        "own.json: model hslm-3 batch 1: CHECKPOINTS DIFFER across its own runs"]
+
+
 def check_bench_compare(tmp_path, report_path, report):
     """hslm bench-compare: a report against itself compares every row, phase and byte;
     a report whose run ended with other bytes is caught (exit 1); runs of other steps
