@@ -294,7 +294,7 @@ class ReaderLeft(Exception):
 def plot(metrics_file, output):
     """Training and validation loss against step, from a --metrics file."""
     from .plot import plot_metrics
-    plot_metrics(metrics_file, output)
+    plot_metrics(metrics_file, output, warn=lambda line: click.echo(line, err=True))
     click.echo(f"wrote {output}")
 
 

@@ -2,16 +2,33 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 from .errors import HslmError, read_bytes
 
 
-def read_metrics(path):
+MAX_STEP = 2 ** 63 - 1  # (hslm train's --steps at most)
+
+
+def read_metrics(path, warn=None):
+    """(train, valid): the [(step, loss)] of a metrics file, one point a step. A partial
+    last record (a run killed while writing it: progress.partial_record) is left out, with
+    a warning (warn, a callable taking the line), as the next run appending would cut it."""
+    from .progress import partial_record
     train, valid = [], []
     try:
         lines = read_bytes(path, "metrics file", limit=1 << 30).decode("utf-8").splitlines()
     except UnicodeDecodeError as e:
         raise HslmError(f"metrics file {path} is not UTF-8 text (offset {e.start})") from None
+    try:
+        cut = partial_record(path)
+    except HslmError:  # it ends in something else: its last line is judged below
+        cut = 0
+    if cut and lines:
+        lines.pop()
+        if warn is not None:
+            warn(f"warning: {path} ends in a partial record (a run stopped while writing it): "
+                 f"its {cut} bytes left out")
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -47,8 +64,8 @@ def _point(record, key):
     """(step, loss) of a record as hslm train writes it: the step an integer, the loss a
     number (NaN or infinite where training diverged); else a ValueError."""
     step, loss = record["step"], record[key]
-    if not (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
-        raise ValueError(f"its step, {_short(step)}, is not a whole number of 0 or more")
+    if not (isinstance(step, int) and not isinstance(step, bool) and 0 <= step <= MAX_STEP):
+        raise ValueError(f"its step, {_short(step)}, is not a whole number from 0 to 2^63 - 1")
     if not isinstance(loss, (int, float)) or isinstance(loss, bool):
         raise ValueError(f"its {key}, {_short(loss)}, is not a number")
     try:
@@ -73,12 +90,12 @@ def check_output(output):
     check_atomic_target(Path(output), "-o")
 
 
-def plot_metrics(path, output):
+def plot_metrics(path, output, warn=None):
     import io
     from pathlib import Path
 
     from .checkpoint import write_atomic
-    train, valid = read_metrics(path)
+    train, valid = read_metrics(path, warn)
     check_output(output)
     try:
         import matplotlib
@@ -95,22 +112,26 @@ def plot_metrics(path, output):
                         f"{', '.join('.' + k for k in kinds)} (it decides the image format)")
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    if train:
-        ax.plot(*zip(*train), label="training loss", lw=1)
-    if valid:
-        ax.plot(*zip(*valid), "o-", label="validation loss", lw=1.5)
-    ax.set_xlabel("step")
-    ax.xaxis.get_major_locator().set_params(integer=True)  # steps are whole numbers
-    ax.set_ylabel("loss (nats)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
     # drawn in memory, then written atomically (a temporary file in the same folder,
     # renamed onto the name): a failed or interrupted write leaves no half an image
     buf = io.BytesIO()
     try:
-        fig.savefig(buf, format=ext)
-    except (OSError, RuntimeError, ValueError) as e:  # .pgf without LaTeX, say
+        with warnings.catch_warnings():  # (numpy's, inside matplotlib, on values of 1e308)
+            warnings.simplefilter("ignore", RuntimeWarning)
+            if train:
+                ax.plot(*zip(*train), label="training loss", lw=1)
+            if valid:
+                ax.plot(*zip(*valid), "o-", label="validation loss", lw=1.5)
+            ax.set_xlabel("step")
+            ax.xaxis.get_major_locator().set_params(integer=True)  # steps are whole numbers
+            ax.set_ylabel("loss (nats)")
+            ax.grid(alpha=0.3)
+            ax.legend()
+            fig.tight_layout()
+            fig.savefig(buf, format=ext)
+    # .pgf without LaTeX, say; and values matplotlib cannot lay out (losses of +-1e308:
+    # its ticks' ValueError, OverflowError, or an UnboundLocalError inside its ticker)
+    except (OSError, RuntimeError, ArithmeticError, ValueError, NameError) as e:
         msg = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
         raise HslmError(f"cannot draw {output} as .{ext}: {msg}") from None
     finally:

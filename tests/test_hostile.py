@@ -477,6 +477,35 @@ def test_plot_refuses_what_it_cannot_do(tmp_path):
     assert "UTF-8" in one_line_error(*hslm("plot", bad, "-o", tmp_path / "x.png"))
 
 
+def test_plot_of_extreme_values_and_of_a_file_cut_short(tmp_path):
+    """A step past 2^63 - 1 (no run writes one) and losses of +-1e308 had been
+    tracebacks (OverflowError; matplotlib's ValueError, and an UnboundLocalError in its
+    ticker for steps 0 and 1.7e308): one line each, no image. A metrics file ending in a
+    partial record, as a run killed while writing it leaves one, had been refused; it is
+    drawn without that record, with a warning. Controls: the largest step is drawn, and
+    the same file whole draws with no warning."""
+    def rec(step, loss):
+        return '{"kind": "train", "step": %s, "loss": %s}\n' % (step, loss)
+    cases = {"step": rec(1, 1.0) + rec(2 ** 63, 2.0), "losses": rec(1, 1e308) + rec(2, -1e308),
+             "largest": rec(0, 1.0) + rec(2 ** 63 - 1, 2.0)}
+    for name, text in cases.items():
+        (tmp_path / f"{name}.jsonl").write_text(text)
+        args = ("plot", tmp_path / f"{name}.jsonl", "-o", tmp_path / f"{name}.png")
+        if name == "largest":
+            code, _, err = hslm(*args)
+            assert code == 0 and err == "" and (tmp_path / "largest.png").exists(), err
+            continue
+        line = one_line_error(*hslm(*args))
+        assert ("from 0 to 2^63 - 1" if name == "step" else "cannot draw") in line, line
+        assert not (tmp_path / f"{name}.png").exists()
+    whole = rec(1, 5.0) + rec(2, 4.5)
+    for name, text in (("cut", whole + '{"grad_norm": 0.3, "kind": "tr'), ("whole", whole)):
+        (tmp_path / f"{name}.jsonl").write_text(text)
+        code, out, err = hslm("plot", tmp_path / f"{name}.jsonl", "-o", tmp_path / f"{name}.png")
+        assert code == 0 and (tmp_path / f"{name}.png").exists(), err
+        assert ("partial record" in err and len(err.splitlines()) == 1) == (name == "cut"), err
+
+
 def test_damaged_and_foreign_files_through_the_cli(base, tmp_path):
     raw = (base / "ckpt_2.state").read_bytes()
     i = raw.index(b'\\"lr\\":0.001') + len(b'\\"lr\\":0.00')
