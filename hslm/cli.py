@@ -142,7 +142,7 @@ def info(file):
     (a preset name or a JSON file), or, with no argument, list the presets."""
     need_stdout("info")
     from .config import PRESETS
-    if file is None or file in PRESETS or file.endswith(".json"):
+    if file is None or file in PRESETS or (file.endswith(".json") and not _a_checkpoint(file)):
         from .train import resolve_config
         configs = [(n, resolve_config(n)) for n in (list(PRESETS) if file is None else [file])]
         w = max(12, *(len(n) for n, _ in configs))  # a JSON config's path may be long
@@ -162,6 +162,20 @@ def info(file):
     from .inspect import describe
     for line in describe(Path(file)):
         click.echo(line)
+
+
+def _a_checkpoint(path) -> bool:
+    """Whether path begins as an hslm checkpoint does, whatever its name (`info ck.json`
+    had been read as a model config, and refused as train's --model); a file that cannot
+    be opened as a regular one is left to the config's own checks and their message."""
+    from .checkpoint import starts_as_checkpoint
+    from .errors import open_regular
+    try:
+        f, size = open_regular(Path(path), "file")
+    except HslmError:
+        return False
+    with f:
+        return starts_as_checkpoint(f.read(16), size)
 
 
 @cli.command(name="eval")

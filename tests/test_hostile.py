@@ -506,6 +506,20 @@ def test_plot_of_extreme_values_and_of_a_file_cut_short(tmp_path):
         assert ("partial record" in err and len(err.splitlines()) == 1) == (name == "cut"), err
 
 
+def test_info_describes_a_checkpoint_whatever_its_name(base, tmp_path):
+    """`hslm info ck.json` of a checkpoint had been read as a model config and refused
+    with train's words ("--model ck.json is an hslm checkpoint ... --resume"). Control: a
+    JSON config of that name is still described as a config."""
+    ck = tmp_path / "ck.json"
+    ck.write_bytes((base / "ckpt_2.bin").read_bytes())
+    code, out, err = hslm("info", ck)
+    assert code == 0 and out.startswith(f"file      {ck}") and "step      2" in out, err
+    ck.write_text('{"vocab": 300, "width": 12, "heads": 2, "head_width": 6, "mlp": 24, '
+                  '"blocks": 1, "window": 9, "vsa_dim": 64}')
+    code, out, err = hslm("info", ck)
+    assert code == 0 and out.splitlines()[0].startswith("model"), err
+
+
 def test_damaged_and_foreign_files_through_the_cli(base, tmp_path):
     raw = (base / "ckpt_2.state").read_bytes()
     i = raw.index(b'\\"lr\\":0.001') + len(b'\\"lr\\":0.00')
