@@ -934,6 +934,11 @@ def after_step(run, signum, steps, save_every, failed=False):
     return _world.after_step(run, signum, steps, save_every, failed)
 
 
+def largest(value: int) -> int:
+    """The largest of the ranks' values (in one process: value)."""
+    return value if _world is None else int(_world.comm.allreduce(int(value), op=_world.MPI.MAX))
+
+
 def any_rank(flag: bool) -> bool:
     """Whether flag is true on any rank (in one process: flag)."""
     return flag if _world is None else bool(_world.comm.allreduce(int(flag), op=_world.MPI.MAX))

@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
@@ -21,8 +22,8 @@ from . import checkpoint as ckpt
 from . import distributed, precise
 from .config import PRESETS, Config
 from .data import BUILTIN_SHA256, BUILTIN_SOURCE, Corpus, Tokenizer, check_cache_apart, same_file
-from .errors import (HslmError, open_regular, raise_dropped_interrupt, raise_terminated,
-                     read_bytes, refuse_unless_file)
+from .errors import (HslmError, Terminated, open_regular, raise_dropped_interrupt,
+                     raise_terminated, read_bytes, refuse_unless_file)
 from .hyper import HYPER_NAMES, Hyper
 from .optim import adamw_step, adamw_tensors, bias_corrections, learning_rate
 from .params import ModelState, init_params, ternary_mask
@@ -722,7 +723,16 @@ def train_run(o: TrainOptions, echo=None):
         except BaseException:  # another rank failed before the first step: as a failed text
             held.remove_created()
             raise
-        return run_loop(run, out, o, stop, echo)
+        try:
+            return run_loop(run, out, o, stop, echo)
+        except StoppedBeforeTraining as e:  # as a stop while the text was read
+            held.remove_created()
+            if distributed.current() is None:
+                raise Terminated() if e.signum == signal.SIGTERM else KeyboardInterrupt()
+            if distributed.is_writer():  # MPI: an agreed stop, every rank here
+                echo("error: terminated" if e.signum == signal.SIGTERM else
+                     "error: interrupted", err=True)
+            sys.exit(128 + e.signum)
     finally:
         lock.release()
         for sig, handler in previous.items():
@@ -742,15 +752,28 @@ def run_identity(run, o: "TrainOptions") -> dict:
             "--save-every": str(o.save_every), "--eval-every": str(o.eval_every)}
 
 
+class StoppedBeforeTraining(Exception):
+    """A stop asked while the step's kernels compiled or loaded, before step 1 (under
+    MPI, agreed by the ranks): nothing is trained or saved, as for a stop while the text
+    was read (train_run)."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
 class StopRequest:
     """Signal handler: the first SIGINT/SIGTERM asks the loop to stop after the
-    current step (with a checkpoint); a second one stops at once."""
+    current step (with a checkpoint), or, before step 1 (training False: the kernels
+    compiling or loading), once they are loaded, with nothing trained; a second one
+    stops at once."""
 
     def __init__(self, echo):
         self.signum = None     # the stop to act on (under MPI: the one the ranks agreed on)
         self.received = False  # whether this process got a signal itself
         self.echo = echo
         self.progress = None   # run_loop's Progress: a bar on screen needs a line break first
+        self.training = False  # set by run_loop once the kernels are loaded
 
     def __call__(self, signum, frame):
         # Only this process's own second signal stops at once: under MPI the ranks may
@@ -762,8 +785,10 @@ class StopRequest:
         if distributed.is_writer():  # MPI: rank 0 alone prints
             bar = self.progress is not None and self.progress.bar_shown
             lead = "\n" if bar else ""  # end the bar's line, and print no blank line otherwise
-            self.echo(f"{lead}{signal.Signals(signum).name}: finishing the current step, then "
-                      "saving (again to stop at once)", err=True)
+            self.echo(f"{lead}{signal.Signals(signum).name}: " + (
+                "finishing the current step, then saving" if self.training else
+                "stopping once the step's kernels are loaded, with nothing trained")
+                + " (again to stop at once)", err=True)
 
 
 def run_loop(run, out, o: TrainOptions, stop, echo=None):
@@ -793,6 +818,12 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
     warm_up(runner, run)
     if compiling:
         progress.message(f"compiled in {time.perf_counter() - t0:.0f} s")
+    # a stop asked meanwhile (under MPI a first run compiles here, for a while): nothing
+    # trained, as before the text was read; the ranks agree on it (a signal may reach one)
+    signum = distributed.largest(stop.signum or 0)
+    if signum:
+        raise StoppedBeforeTraining(signum)
+    stop.training = True
 
     metrics_error = None
 

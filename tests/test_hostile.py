@@ -839,6 +839,36 @@ def test_sample_never_draws_an_id_without_a_piece(base):
     assert max(draw()) >= bound  # control: drawn where nothing forbids them
 
 
+@pytest.mark.parametrize("signum", [None, signal.SIGINT, signal.SIGTERM])
+def test_a_stop_while_the_kernels_load_trains_nothing(tmp_path, monkeypatch, capsys, signum):
+    """A signal while the step's kernels compiled or loaded (before step 1; under MPI a
+    first run compiles there for half a minute) had been taken as a stop after the
+    current step: the run went on to train step 1 and save it. Before the first step a
+    stop is as one while the text was read: one line, 130 or 143, nothing trained, the
+    folder the run made removed. Control (None): no signal, the run trains and saves."""
+    import hslm.step as step
+    from hslm.cli import main
+    real = step.warm_up
+
+    def warm_up_then_signal(runner, run):
+        real(runner, run)
+        if signum is not None:  # as if it had come while they loaded
+            os.kill(os.getpid(), signum)
+    monkeypatch.setattr(step, "warm_up", warm_up_then_signal)
+    out = tmp_path / "o"
+    with pytest.raises(SystemExit) as e:
+        main(["train", *TINY, "--steps", "2", "--out", str(out)])
+    err = capsys.readouterr().err
+    if signum is None:
+        assert e.value.code == 0 and (out / "ckpt_2.bin").exists(), err
+        return
+    assert e.value.code == 128 + signum, err
+    name = "interrupted" if signum == signal.SIGINT else "terminated"
+    assert err.splitlines()[-1] == f"error: {name}", err
+    assert "stopping once the step's kernels are loaded, with nothing trained" in err
+    assert "Traceback" not in err and not out.exists()
+
+
 def test_ctrl_c_in_the_last_step_saves_and_prints_no_resume_command(tmp_path):
     """A stop asked during the run's last step: saved, and no resume command (it would be
     refused: the checkpoint is already at --steps)."""
