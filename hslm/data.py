@@ -312,6 +312,14 @@ def hash_text(src: TextSource, cache_dir=None, rehash=False) -> str:
     return sha
 
 
+def _recalled(src: TextSource, cache_dir):
+    """The sha256 hash_text takes from memory for this text now, or None (hashed in full)."""
+    if cache_dir is None or os.environ.get(REHASH_ENV, "") not in ("", "0"):
+        return None
+    key = src.stat_key()
+    return None if key is None else token_cache.recall_text_sha256(cache_dir, key)
+
+
 class Corpus:
     """A text's tokens, split: the last 10% of the token stream is validation."""
 
@@ -324,8 +332,14 @@ class Corpus:
         _check_size(src)  # (before the text is read to be hashed: hours at 1 TB)
         self.source = source
         for rehash in (False, True):
+            recalled = None if rehash else _recalled(src, cache_dir)
             self.text_sha256 = hash_text(src, cache_dir, rehash)
             if expect_sha256 is not None and self.text_sha256 != expect_sha256:
+                if recalled is not None and self.text_sha256 == recalled:
+                    # remembered for the files' stat key, maybe for other bytes (a file
+                    # rewritten with its key kept): forgotten, and the text hashed in full
+                    token_cache.forget_text_sha256(cache_dir, src.stat_key())
+                    continue
                 raise HslmError(f"the training text ({source}) differs from the one the "
                                 "checkpoint was trained on; pass the same --data")
             try:

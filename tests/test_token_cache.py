@@ -352,6 +352,31 @@ def test_a_remembered_sha256_of_other_bytes_is_forgotten_and_the_text_hashed_aga
         Corpus.load(f, 300, 27, cache_dir=tmp_path / "c2")
 
 
+def test_a_resume_whose_remembered_sha256_is_of_other_bytes_hashes_the_text_again(
+        tmp_path, monkeypatch):
+    """The same on resume, where the text's sha256 must be the checkpoint's: a remembered
+    sha256 of other bytes (the file rewritten with its stat key kept) had refused the resume
+    at once ("the training text ... differs"), the text not read. It is forgotten and the
+    text hashed in full, once. Control: a text that does differ is refused, hashed once."""
+    from hslm import data
+    monkeypatch.delenv(data.REHASH_ENV, raising=False)
+    f = tmp_path / "t.txt"
+    f.write_text(TEXT, encoding="utf-8")
+    real = hashlib.sha256(TEXT.encode()).hexdigest()
+    key = textsource.TextSource(f).stat_key()
+    stale = hashlib.sha256(b"the text as it was").hexdigest()
+    token_cache.remember_text_sha256(tmp_path / "c", key, stale)
+    c = Corpus.load(f, 300, 27, cache_dir=tmp_path / "c", expect_sha256=real)
+    assert c.text_sha256 == real and token_cache.recall_text_sha256(tmp_path / "c", key) != stale
+    scans = []
+    real_scan = textsource.TextSource.scan
+    monkeypatch.setattr(textsource.TextSource, "scan",
+                        lambda self, ph: scans.append(1) or real_scan(self, ph))
+    with pytest.raises(HslmError, match="differs from the one the checkpoint was trained on"):
+        Corpus.load(f, 300, 27, cache_dir=tmp_path / "c3", expect_sha256=stale)
+    assert len(scans) == 1
+
+
 def test_the_checksum_compiles_once_for_every_kind_of_input():
     """checksum hands its kernel read-only views, so one compiled signature serves a memory-
     mapped (read-only) token file, a writable array being written and the zero-padded tail
