@@ -531,6 +531,16 @@ def guard_streams():
         setattr(sys, name, ReaderGone(stream, note))
 
 
+# a message's control characters (a file name holding a newline, say) as escapes, so that
+# an error stays one line; other characters as they are (a name's bytes that are not UTF-8
+# included: guard_streams)
+_CONTROLS = {c: repr(chr(c))[1:-1] for c in [*range(32), 127] if c != 9}
+
+
+def one_line(message: str) -> str:
+    return message.translate(_CONTROLS)
+
+
 def main(argv=None):
     """Entry point: every error is one line on stderr and a non-zero exit."""
     guard_streams()
@@ -559,7 +569,7 @@ def run_command(argv):
         click.echo(f"error: {msg}", err=True)
         sys.exit(2)
     except click.ClickException as e:
-        click.echo(f"error: {e.format_message()}", err=True)
+        click.echo(f"error: {one_line(e.format_message())}", err=True)
         sys.exit(e.exit_code)
     except (click.Abort, KeyboardInterrupt) as e:  # click makes an Abort of either
         if _the_hslm_command():  # (not a program calling main())
@@ -570,12 +580,12 @@ def run_command(argv):
         click.echo("error: interrupted", err=True)
         sys.exit(130)
     except HslmError as e:
-        click.echo(f"error: {e}", err=True)
+        click.echo(f"error: {one_line(str(e))}", err=True)
         sys.exit(2)
     except OSError as e:  # a safety net: a path the checks did not foresee (a name too
         # long, a folder that may not be searched) is still one line
         where = f"{e.filename}: " if e.filename is not None else ""
-        click.echo(f"error: {where}{e.strerror or e}", err=True)
+        click.echo(f"error: {one_line(f'{where}{e.strerror or e}')}", err=True)
         sys.exit(2)
     except ModuleNotFoundError as e:  # numba, imported by the command, not installed
         line = missing_package_line(e)

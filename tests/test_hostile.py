@@ -178,6 +178,20 @@ def test_the_state_says_the_built_in_text_by_its_bytes_not_its_name(tmp_path):
         assert (tmp_path / "copy" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()
 
 
+def test_an_error_naming_a_file_with_a_newline_is_one_line(tmp_path):
+    """A file name holding a newline (or another control character) split the error into
+    two lines: the message's control characters are written as escapes. Control: the same
+    file under a plain name gives the same line, unescaped."""
+    for name in ("x\ny\x1b.txt", "xy.txt"):
+        d = tmp_path / name.replace("\n", "n").replace("\x1b", "e")
+        d.mkdir()
+        (d / name).write_bytes(b"\xff\xfe")
+        line = one_line_error(*hslm("train", *TINY, "--steps", 1, "--data", d,
+                                    "--out", tmp_path / "o"))
+        shown = name.replace("\n", "\\n").replace("\x1b", "\\x1b")
+        assert line == f"error: data file {d / shown} is not UTF-8 text (byte 0xff at offset 0)"
+
+
 def test_steps_past_64_bits_is_one_line(tmp_path):
     line = one_line_error(*hslm("train", *TINY, "--steps", 2 ** 63, "--out", tmp_path / "o"))
     assert "--steps must be from 1 to 2^63 - 1" in line and not (tmp_path / "o").exists()
