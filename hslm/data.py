@@ -199,7 +199,8 @@ def _check_vocab(vocab):
 
 def _check_size(src: TextSource):
     if src.size >= 2 ** 32 - 1:  # (bpe.run's positions are 32-bit)
-        raise HslmError(f"the corpus is {src.size:,} bytes; at most 4 GiB is supported")
+        raise HslmError(f"the corpus is {src.size:,} bytes; at most {2 ** 32 - 2:,} (4 GiB "
+                        "less 2 bytes) is supported")
 
 
 def same_file(a, b) -> bool:
