@@ -180,8 +180,13 @@ def tidy_cache_dir(cache, out: Path):
     """remove_torn_writes in a token cache folder apart from the output folder (--cache-dir,
     $HSLM_CACHE_DIR): a run killed while caching a large text's tokens leaves its
     temporary file there, as big as the cache it was writing."""
-    if (cache is not None and distributed.is_writer() and Path(cache).is_dir()
-            and os.path.abspath(cache) != os.path.abspath(out)):
+    if cache is None or not distributed.is_writer():
+        return
+    try:
+        there = Path(cache).is_dir()
+    except OSError:  # a name too long, say: the cache is then a warning (corpus_tokens)
+        return
+    if there and os.path.abspath(cache) != os.path.abspath(out):
         remove_torn_writes(Path(cache))
 
 

@@ -192,6 +192,18 @@ def test_an_error_naming_a_file_with_a_newline_is_one_line(tmp_path):
         assert line == f"error: data file {d / shown} is not UTF-8 text (byte 0xff at offset 0)"
 
 
+def test_a_cache_folder_of_a_name_too_long_is_a_warning(tmp_path):
+    """A --cache-dir whose name is too long for the file system had stopped the run (its
+    tidying asked whether the folder exists, and that raised): like any cache folder that
+    cannot be written, it is a warning, and the run trains. Control: a name of a
+    folder that can be made is used, without a warning."""
+    for cache, warned in ((tmp_path / ("c" * 300), True), (tmp_path / "c", False)):
+        code, _, err = hslm("train", *TINY, "--steps", 1, "--out", tmp_path / f"o{warned}",
+                            "--cache-dir", cache)
+        assert code == 0 and (tmp_path / f"o{warned}" / "ckpt_1.bin").exists(), err
+        assert ("going on without the token cache" in err) == warned, err
+
+
 def test_steps_past_64_bits_is_one_line(tmp_path):
     line = one_line_error(*hslm("train", *TINY, "--steps", 2 ** 63, "--out", tmp_path / "o"))
     assert "--steps must be from 1 to 2^63 - 1" in line and not (tmp_path / "o").exists()
