@@ -369,6 +369,15 @@ def bench(model, data, cache_dir, speed, threads, batch, steps, loss_positions, 
     from .token_cache import cache_dir as token_cache_dir
     from .train import resolve_config
     cfgs = [resolve_config(m) for m in models]  # a bad --model: its error before compiling
+    from .hyper import Hyper
+    from .train import check_hyper
+    for c in cfgs:  # -k and the batches too (a first run compiles for a while)
+        for b in batches:
+            check_hyper(c, Hyper(batch=b, seed=1729, loss_positions=(
+                c.window if loss_positions is None else loss_positions)))
+    for p in data:  # and that the text's paths are there (read after compiling)
+        if not os.path.exists(p):
+            raise HslmError(f"data file not found: {p}")
     compile_first(sorted(set(speeds) | {DEFAULT_SPEED}), cfgs[0].vocab,
                   echo=lambda m: click.echo(m, err=True),
                   teams=max(thread_counts) > min(batches))

@@ -703,6 +703,28 @@ def test_bench_paths_and_reports_are_judged_first(tmp_path):
     assert "zero.json: not an hslm bench report" in line, line
 
 
+@pytest.mark.parametrize("args,expect", [(["-k", "0"], "--loss-positions"),
+                                         (["-k", "10"], "--loss-positions"),
+                                         (["--batch", "0"], "--batch"),
+                                         (["--data", "missing.txt"], "data file not found")])
+def test_bench_flags_are_judged_before_it_compiles(monkeypatch, capsys, args, expect):
+    """-k, --data and the batch had been judged only after the machine's first compile
+    (minutes) and the peak's measurement: judged before either, as --model and --json
+    are. Control: good flags reach the compile."""
+    import hslm.precompile as precompile
+    from hslm.cli import main
+
+    def compiling(*a, **k):
+        raise RuntimeError("compiling")
+    monkeypatch.setattr(precompile, "compile_first", compiling)
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--model", "hslm-tiny", "--speed", "3", *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and expect in err and err.count("\n") == 1, err
+    with pytest.raises(RuntimeError, match="compiling"):
+        main(["bench", "--model", "hslm-tiny", "--speed", "3", "-k", "9"])
+
+
 def test_perplexity_past_the_largest_double_is_inf_not_an_overflow_error():
     import math
     from hslm.train import perplexity
