@@ -62,7 +62,7 @@ def _files_of(p: Path):
             from . import distributed
             if distributed.is_writer():
                 print(f"warning: data folder {p}: {len(folders)} folder(s) in it are not read "
-                      f"({shown}); give them as --data too", file=sys.stderr)
+                      f"({shown}); give any that holds text as --data too", file=sys.stderr)
         return files
     return [p]
 
