@@ -74,6 +74,9 @@ def check_out_dir(out: Path):
         raise HslmError(f"output folder {out} cannot be written: it is not a folder")
     probe = p
     while not probe.exists():
+        if probe.is_symlink():  # (a folder cannot be made at its name: "File exists")
+            raise HslmError(f"output folder {out} cannot be written: {probe} is a link to "
+                            f"nothing ({os.readlink(probe)}); make what it names, or remove it")
         if probe.parent == probe:
             break
         probe = probe.parent

@@ -204,6 +204,21 @@ def test_a_cache_folder_of_a_name_too_long_is_a_warning(tmp_path):
         assert ("going on without the token cache" in err) == warned, err
 
 
+def test_an_output_folder_behind_a_link_to_nothing_says_so(tmp_path):
+    """--out naming a link to nothing (or a folder under one) had been refused as
+    "cannot be written: File exists" (the folder cannot be made at the link's name); the
+    line now says it is a link to nothing and where it points. Control: once what it
+    names exists, the run writes there through the link."""
+    link = tmp_path / "out"
+    link.symlink_to(tmp_path / "elsewhere")
+    for out in (link, link / "sub"):
+        line = one_line_error(*hslm("train", *TINY, "--steps", 1, "--out", out))
+        assert f"{link} is a link to nothing ({tmp_path / 'elsewhere'})" in line, line
+    (tmp_path / "elsewhere").mkdir()
+    code, _, err = hslm("train", *TINY, "--steps", 1, "--out", link)
+    assert code == 0 and (tmp_path / "elsewhere" / "ckpt_1.bin").exists(), err
+
+
 def test_steps_past_64_bits_is_one_line(tmp_path):
     line = one_line_error(*hslm("train", *TINY, "--steps", 2 ** 63, "--out", tmp_path / "o"))
     assert "--steps must be from 1 to 2^63 - 1" in line and not (tmp_path / "o").exists()
