@@ -245,7 +245,7 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
                 tokenizer = t
     for folder in folders if tokenizer is not None else ():
         arr = token_cache.open_tokens(token_cache.tokens_path(folder, sha, tokenizer.identity),
-                                      sha, tokenizer.identity)
+                                      sha, tokenizer.identity, tokenizer.vocab)
         if arr is not None:
             return tokenizer, arr
     if tokenizer is None:
@@ -281,7 +281,7 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
         print(f"warning: {e}; going on without the token cache", file=sys.stderr)
         return tokenizer, ids[:n].copy()
     ids = None  # free the id array before mapping the cache
-    arr = token_cache.open_tokens(path, sha, tokenizer.identity)
+    arr = token_cache.open_tokens(path, sha, tokenizer.identity, tokenizer.vocab)
     if arr is None:
         raise HslmError(f"the token cache {path} cannot be read back")
     return tokenizer, arr

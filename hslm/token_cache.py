@@ -140,9 +140,11 @@ def write_tokens(path: Path, tokens: np.ndarray, text_sha256: str, identity: str
     _write(path, [header, memoryview(tokens).cast("B")])
 
 
-def open_tokens(path: Path, text_sha256: str, identity: str):
+def open_tokens(path: Path, text_sha256: str, identity: str, vocab: int):
     """The memory-mapped tokens, or None when the file is missing or not the one
-    asked for (wrong header, truncated, or its checksum does not match)."""
+    asked for (wrong header, truncated, or its checksum does not match), or holds an id
+    of `vocab` or more: the checksum catches damage, not a forged file, and the kernels
+    index the embedding by these ids (a forged file's had crashed hslm eval)."""
     path = Path(path)
     try:  # (a FIFO or a device under its name in a shared folder: a miss, errors.open_regular)
         f, size = open_regular(path, "token file")
@@ -162,7 +164,7 @@ def open_tokens(path: Path, text_sha256: str, identity: str):
         return np.zeros(0, "<u2" if item == 2 else "<u4")
     arr = np.memmap(path, dtype="<u2" if item == 2 else "<u4", mode="r", offset=HEADER,
                     shape=(n,))
-    if checksum(arr) != h[88:120]:
+    if checksum(arr) != h[88:120] or int(arr.max()) >= vocab:
         return None
     return arr
 

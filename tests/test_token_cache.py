@@ -58,7 +58,7 @@ def test_a_damaged_cache_is_not_used(tmp_path):
     raw[-1] ^= 1
     path.write_bytes(bytes(raw))
     assert token_cache.open_tokens(path, hashlib.sha256(TEXT.encode()).hexdigest(),
-                                   "0" * 64) is None
+                                   "0" * 64, 300) is None
     again = Corpus.load(tmp_path / "t.txt", 300, 27, cache_dir=tmp_path)
     assert np.array_equal(again.tokens, expect)
     path.write_bytes(path.read_bytes()[:200])  # truncated
@@ -191,21 +191,43 @@ def test_a_flipped_byte_or_an_old_format_token_file_is_rewritten(tmp_path):
     del good
     sha = hashlib.sha256(TEXT.encode()).hexdigest()
     identity = original[56:88].hex()
-    assert token_cache.open_tokens(path, sha, identity) is not None
+    assert token_cache.open_tokens(path, sha, identity, 300) is not None
     for where in [token_cache.HEADER, (token_cache.HEADER + len(original)) // 2, len(original) - 1]:
         for bit in (1, 0x80):
             raw = bytearray(original)
             raw[where] ^= bit
             path.write_bytes(bytes(raw))
-            assert token_cache.open_tokens(path, sha, identity) is None, (where, bit)
+            assert token_cache.open_tokens(path, sha, identity, 300) is None, (where, bit)
             Corpus.load(tmp_path / "t.txt", 300, 27, cache_dir=tmp_path)
             assert path.read_bytes() == original   # written again, whole
     old = bytearray(original)
     old[:8] = b"HSLMTOK1"                          # the previous format: ignored, rewritten
     path.write_bytes(bytes(old))
-    assert token_cache.open_tokens(path, sha, identity) is None
+    assert token_cache.open_tokens(path, sha, identity, 300) is None
     Corpus.load(tmp_path / "t.txt", 300, 27, cache_dir=tmp_path)
     assert path.read_bytes() == original
+
+
+def test_a_token_file_with_an_id_past_the_vocabulary_is_a_miss(tmp_path):
+    """The checksum catches damage, not a forged file: a token file with a valid header
+    and checksum but an id past the vocabulary had been used, and the kernels indexed the
+    embedding with it (hslm eval: a segmentation fault). It is a miss: the text encoded
+    again and the file rewritten. Control: the file as written is used."""
+    (tmp_path / "t.txt").write_text(TEXT, encoding="utf-8")
+    good = Corpus.load(tmp_path / "t.txt", 300, 27, cache_dir=tmp_path)
+    sha, identity = good.text_sha256, good.tokenizer.identity
+    path = token_cache.tokens_path(tmp_path, sha, identity)
+    tokens = np.array(good.tokens)
+    del good
+    assert token_cache.open_tokens(path, sha, identity, 300) is not None
+    forged = tokens.copy()
+    forged[-1] = 300
+    token_cache.write_tokens(path, forged, sha, identity)
+    assert token_cache.open_tokens(path, sha, identity, 300) is None
+    again = Corpus.load(tmp_path / "t.txt", 300, 27, cache_dir=tmp_path)
+    assert np.array_equal(again.tokens, tokens)
+    del again
+    assert np.array_equal(token_cache.open_tokens(path, sha, identity, 300), tokens)
 
 
 def test_the_checksum_sees_every_byte_and_the_length():
@@ -411,7 +433,7 @@ def test_a_fifo_or_a_device_under_a_cache_files_name_is_a_miss(tmp_path):
     def look(d):
         results.append((token_cache._memo_entries(d),
                         token_cache.read_tokenizer(d / "bpe.json", sha),
-                        token_cache.open_tokens(d / "tokens.tok", sha, sha)))
+                        token_cache.open_tokens(d / "tokens.tok", sha, sha, 300)))
 
     for d in (fifo_dir, dev_dir):
         t = threading.Thread(target=look, args=(d,), daemon=True)
