@@ -117,14 +117,30 @@ def end_of_start_up():
 def _writable_kernel_cache():
     """Numba caches compiled kernels beside the source; an install the user cannot
     write to (system site-packages) would fail at import, so point Numba at the
-    user's cache folder instead, unless NUMBA_CACHE_DIR is already set."""
+    user's cache folder instead (XDG_CACHE_HOME or ~/.cache), or, where that cannot be
+    written either (a read-only image run with HOME=/ or /nonexistent: Numba's own
+    fallbacks fail too, and the import had ended in a traceback), at one in the
+    temporary folder; unless NUMBA_CACHE_DIR is already set."""
     if "NUMBA_CACHE_DIR" in _os.environ or "numba" in _sys.modules:
         return
     here = _os.path.dirname(_os.path.abspath(__file__))
     if _os.access(here, _os.W_OK):
         return
+    import tempfile
     base = _os.environ.get("XDG_CACHE_HOME") or _os.path.join(_os.path.expanduser("~"), ".cache")
-    _os.environ["NUMBA_CACHE_DIR"] = _os.path.join(base, "hslm", "numba")
+    uid = getattr(_os, "getuid", lambda: "user")()
+    candidates = [_os.path.join(base, "hslm", "numba"),
+                  _os.path.join(tempfile.gettempdir(), f"hslm-numba-{uid}")]
+    for folder in candidates:
+        try:
+            _os.makedirs(folder, exist_ok=True)
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError:
+            continue
+        _os.environ["NUMBA_CACHE_DIR"] = folder
+        return
+    _os.environ["NUMBA_CACHE_DIR"] = candidates[0]  # (nowhere writable: Numba says so)
 
 
 def _prefer_512_bit_vectors():

@@ -15,6 +15,30 @@ from hslm.precompile import JOBS, Board
 from helpers import ROOT, running
 
 
+
+def test_an_unwritable_install_and_home_cache_kernels_in_the_temporary_folder(tmp_path,
+                                                                              monkeypatch):
+    """An install that cannot be written (a read-only image) puts Numba's cache in the
+    user's cache folder; where that cannot be written either (HOME=/ or /nonexistent, as
+    containers run), Numba's own fallbacks failed too and the import ended in a traceback
+    ("no locator available"): the cache goes to the temporary folder. Control: a
+    writable home's cache folder is taken first."""
+    import tempfile
+
+    import hslm
+    monkeypatch.delitem(sys.modules, "numba")  # (as before Numba is imported)
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(hslm._os, "access", lambda path, mode: False)  # the install
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    for home, expect in (("/proc/nonexistent", tmp_path / "tmp" / f"hslm-numba-{os.getuid()}"),
+                         (str(tmp_path / "home"), tmp_path / "home" / ".cache" / "hslm" / "numba")):
+        monkeypatch.setenv("HOME", home)
+        monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+        hslm._writable_kernel_cache()
+        assert os.environ["NUMBA_CACHE_DIR"] == str(expect) and expect.is_dir()
+
 def test_jobs_for_each_loop_order():
     assert "per position" not in precompile.jobs_for([3])
     assert {"backward", "weight gradients"} & set(precompile.jobs_for([0, 2])) == set()
