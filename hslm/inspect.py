@@ -6,6 +6,7 @@ import json
 import numpy as np
 
 from . import checkpoint as ckpt
+from .config import canonical_json
 from .errors import HslmError
 
 
@@ -61,8 +62,8 @@ def diff_checkpoints(a, b):
             continue
         ja, jb = _json_dict(va), _json_dict(vb)
         if ja is not None and jb is not None:  # config, hyper: name the fields that differ
-            for f in sorted(set(ja) | set(jb)):
-                if ja.get(f) != jb.get(f):
+            for f in sorted(set(ja) | set(jb)):  # by their JSON (0.0 == -0.0 in Python)
+                if canonical_json(ja.get(f)) != canonical_json(jb.get(f)):
                     lines.append(f"  metadata {key}: {f} {_differing(ja.get(f), jb.get(f))}")
         else:
             lines.append(f"  metadata {key}: {_differing(va, vb)}")

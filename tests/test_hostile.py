@@ -1053,6 +1053,21 @@ def _forged_state(src, dst, **meta_changes):
     return dst
 
 
+def test_diff_names_a_field_that_differs_only_as_minus_zero(base, tmp_path):
+    """Two .state files whose hyper-parameters differ only in weight_decay 0.0 against
+    -0.0 printed no field ("the headers differ: header_sha256 ..."): the fields were
+    compared as Python values, and 0.0 == -0.0. They are compared by their JSON.
+    Control: equal fields are not named."""
+    src = base / "ckpt_2.state"
+    hyper = json.loads(ckpt.read(src).meta["hyper"])
+    a, b = [_forged_state(src, tmp_path / f"{name}.state", hyper=json.dumps(
+        dict(hyper, weight_decay=value), sort_keys=True, separators=(",", ":")))
+        for name, value in (("plus", 0.0), ("minus", -0.0))]
+    code, out, err = hslm("diff", a, b)
+    assert code == 1 and "  metadata hyper: weight_decay 0.0 != -0.0" in out, out
+    assert len(out.splitlines()) == 3 and out.splitlines()[-1] == "0 tensor(s) differ", out
+
+
 def test_diff_names_params_sha256_and_not_the_header_checksum(base, tmp_path, monkeypatch):
     """Two .state files differing only in params_sha256 printed only
     `metadata header_sha256: ...` (derived from the rest: noise) and 0 tensors."""
