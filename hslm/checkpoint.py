@@ -408,11 +408,12 @@ def _is_text(raw: bytes) -> bool:
 
 def starts_as_checkpoint(head: bytes, size: int) -> bool:
     """Whether a file of `size` bytes whose first bytes are `head` (9 or more) begins as an
-    hslm checkpoint does: a header length that the file holds, then the header's "{"."""
+    hslm checkpoint does: a header length a header may have (the file need not hold it:
+    one cut short is a damaged checkpoint, not a text), then the header's "{"."""
     if len(head) < 9:
         return False
     (n,) = struct.unpack("<Q", head[:8])
-    return 2 <= n <= size - 8 and head[8:9] == b"{"
+    return 2 <= n <= MAX_HEADER and head[8:9] == b"{"
 
 
 def _checked_header(head: bytes, n: int, data_len: int, path) -> dict:

@@ -142,7 +142,9 @@ def info(file):
     (a preset name or a JSON file), or, with no argument, list the presets."""
     need_stdout("info")
     from .config import PRESETS
-    if file is None or file in PRESETS or (file.endswith(".json") and not _a_checkpoint(file)):
+    kind = _file_kind(file) if file is not None and file not in PRESETS else None
+    if file is None or file in PRESETS or kind == "json" or (kind is None
+                                                             and file.endswith(".json")):
         from .train import resolve_config
         configs = [(n, resolve_config(n)) for n in (list(PRESETS) if file is None else [file])]
         w = max(12, *(len(n) for n, _ in configs))  # a JSON config's path may be long
@@ -164,18 +166,23 @@ def info(file):
         click.echo(line)
 
 
-def _a_checkpoint(path) -> bool:
-    """Whether path begins as an hslm checkpoint does, whatever its name (`info ck.json`
-    had been read as a model config, and refused as train's --model); a file that cannot
-    be opened as a regular one is left to the config's own checks and their message."""
+def _file_kind(path):
+    """What `hslm info FILE` is given, by its first bytes whatever its name: "checkpoint"
+    (`info ck.json` had been read as a model config, and refused as train's --model),
+    "json" (a model config: `{` first, whatever its name, as --model takes it), else
+    "other", or None where it cannot be opened as a regular file (left to the checks of
+    what its name says, and their message)."""
     from .checkpoint import starts_as_checkpoint
     from .errors import open_regular
     try:
         f, size = open_regular(Path(path), "file")
     except HslmError:
-        return False
+        return None
     with f:
-        return starts_as_checkpoint(f.read(16), size)
+        head = f.read(16)
+    if starts_as_checkpoint(head, size):
+        return "checkpoint"
+    return "json" if head.lstrip()[:1] == b"{" else "other"
 
 
 @cli.command(name="eval")

@@ -555,10 +555,16 @@ def test_info_describes_a_checkpoint_whatever_its_name(base, tmp_path):
     ck.write_bytes((base / "ckpt_2.bin").read_bytes())
     code, out, err = hslm("info", ck)
     assert code == 0 and out.startswith(f"file      {ck}") and "step      2" in out, err
-    ck.write_text('{"vocab": 300, "width": 12, "heads": 2, "head_width": 6, "mlp": 24, '
-                  '"blocks": 1, "window": 9, "vsa_dim": 64}')
-    code, out, err = hslm("info", ck)
-    assert code == 0 and out.splitlines()[0].startswith("model"), err
+    cut = tmp_path / "cut.json"  # cut inside its header: a damaged checkpoint, not a config
+    cut.write_bytes((base / "ckpt_2.bin").read_bytes()[:1000])
+    assert "is damaged (its header length" in one_line_error(*hslm("info", cut))
+    # a model config is one whatever its name, as --model takes it (one not named *.json
+    # had been refused as "not an hslm checkpoint")
+    for name in ("ck.json", "config", "config.JSON"):
+        (tmp_path / name).write_text('{"vocab": 300, "width": 12, "heads": 2, "head_width": 6, '
+                                     '"mlp": 24, "blocks": 1, "window": 9, "vsa_dim": 64}')
+        code, out, err = hslm("info", tmp_path / name)
+        assert code == 0 and out.splitlines()[0].startswith("model"), err
 
 
 def test_damaged_and_foreign_files_through_the_cli(base, tmp_path):
