@@ -487,11 +487,16 @@ def compile_first(speeds, vocab: int, echo=None, teams=False) -> None:
 
 
 def in_cache(*kernels) -> bool:
-    """Whether Numba's cache holds compiled code for each of these dispatchers, read from
-    its cache index (a private API) without compiling; when it cannot tell: True (no
-    parallel compile and no message, rather than a wrong one)."""
+    """Whether Numba's cache holds compiled code for each of these dispatchers, for this
+    machine, read from its cache index (a private API) without compiling: an entry's key
+    holds the target it was compiled for (codegen's magic tuple: the triple, the CPU's
+    name and features), and a cache filled on another CPU model (a checkout shared by a
+    cluster's nodes, a cache baked into an image) had counted as warm, so the run compiled
+    every kernel in one process, silently. When it cannot tell: True (no parallel compile
+    and no message, rather than a wrong one)."""
     try:
-        return all(len(k._cache._cache_file._load_index()) > 0 for k in kernels)
+        return all(any(key[1] == k.targetctx.codegen().magic_tuple()
+                       for key in k._cache._cache_file._load_index()) for k in kernels)
     except Exception:  # noqa: BLE001 (any failure of the private API: assume cached)
         return True
 

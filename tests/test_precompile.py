@@ -280,6 +280,21 @@ print("hslm read", load(cache_file))
 """
 
 
+def test_a_cache_filled_on_another_cpu_model_is_not_taken_for_warm(monkeypatch):
+    """Numba's index keys each entry by the target it was compiled for (the triple, the
+    CPU's name and features). A cache filled on another CPU model (a checkout shared by a
+    cluster's nodes) had counted as warm: no parallel compile and no message, every kernel
+    compiled in the run's one process. Control: this machine's entries count."""
+    from hslm.optim import adamw_kernel
+    from hslm.precompile import in_cache
+    assert in_cache(adamw_kernel)  # (cached by the suite's first compile: conftest.py)
+    codegen = type(adamw_kernel.targetctx.codegen())
+    real = codegen.magic_tuple
+    monkeypatch.setattr(codegen, "magic_tuple",
+                        lambda self: (real(self)[0], "another-cpu", real(self)[2]))
+    assert not in_cache(adamw_kernel)
+
+
 def test_a_stale_kernel_cache_index_from_another_version_is_compiled_over(tmp_path):
     """Numba unpickles a cache index before checking it is this source's; an index whose
     pickled types name a class that moved (as hslm.layers.Model did) crashed the run.
