@@ -235,7 +235,8 @@ def eval_cmd(ckpt_path, data, cache_dir, eval_windows, loss_positions, threads, 
         ppl = perplexity(v)
         click.echo(json.dumps({
             "checkpoint": str(ckpt_path), "valid_loss": v if math.isfinite(v) else None,
-            "perplexity": ppl if math.isfinite(ppl) else None, "windows": len(w),
+            "perplexity": ppl if math.isfinite(v) and math.isfinite(ppl) else None,
+            "windows": len(w),
             "window": cfg.window, "loss_positions": k, "text_sha256": corpus.text_sha256}))
         return
     click.echo(f"valid loss {v:.4f}, perplexity {perplexity(v):.2f} ({len(w)} windows of "

@@ -7,6 +7,7 @@ import numpy as np
 from numba import njit
 
 from .data import N_SPECIAL
+from .errors import HslmError
 from .mathfn import exp
 from .rng import Stream
 from .step import Worker
@@ -63,10 +64,17 @@ def sample(worker, model, vsa_table, prompt_ids, n_tokens, temperature, top_k, s
         z[:N_SPECIAL] = -np.inf  # PAD, BOS, EOS and UNK are never targets
         if drawable is not None:
             z[drawable:] = -np.inf
+        if not np.isfinite(z[N_SPECIAL:drawable]).all():  # (every weight NaN: PAD drawn)
+            raise HslmError("the model's logits are not finite (NaN or infinite): its "
+                            "parameters are too large to sample from")
         if temperature <= 0:
             t = int(np.argmax(z))
         else:
-            z = z / temperature
+            with np.errstate(over="ignore"):
+                scaled = z / temperature
+            if np.isinf(scaled[N_SPECIAL:drawable]).any():  # logits near the largest double
+                scaled = (z - z.max()) / temperature  # (only then: the bits of a seed's text)
+            z = scaled
             if top_k and top_k < len(z):
                 cut = np.partition(z, -top_k)[-top_k]
                 z = np.where(z >= cut, z, -np.inf)

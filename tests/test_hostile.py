@@ -891,6 +891,30 @@ def test_a_command_whose_output_is_its_product_says_nothing_when_its_reader_goes
     assert code == 0 and err == "", err
 
 
+def test_logits_near_the_largest_double_are_sampled_not_padded(base, tmp_path):
+    """A finite checkpoint whose head's bias is 1.7e308 (every check passed): its logits
+    divided by the temperature overflowed, every weight was NaN, and sample drew PAD (id
+    0) each time, printing the prompt alone after numpy's warnings; eval --json gave a
+    null loss beside a perplexity of 0.0. Now such logits are scaled from their maximum
+    (only then, so a seed's text is as before), and eval's perplexity is null with its
+    loss. Control: the checkpoint as trained samples its seed's text as before."""
+    ck = ckpt.read(base / "ckpt_2.bin")
+    cfg = ck.config
+    theta = ck.flat().copy()
+    t = [n for n, _, _ in cfg.tensors()].index("bout")
+    theta[cfg.offsets()[t]:cfg.offsets()[t + 1]] = 1.7e308
+    huge = tmp_path / "ckpt_2.bin"
+    ckpt.write_atomic(huge, ckpt.params_parts(cfg, theta, ck.step, ck.tokenizer()))
+    code, out, err = hslm("sample", huge, "--tokens", 8, "--prompt", "ab", "--seed", 1)
+    assert code == 0 and err == "" and len(out) > len("ab\n") and "\x00" not in out, (out, err)
+    code, out, err = hslm("eval", huge, "--json")
+    r = json.loads(out)
+    assert code == 0 and r["valid_loss"] is None and r["perplexity"] is None, out
+    runs = [hslm("sample", base / "ckpt_2.bin", "--tokens", 8, "--prompt", "ab", "--seed", 1)
+            for _ in range(2)]
+    assert runs[0] == runs[1] and runs[0][0] == 0
+
+
 def test_sample_never_draws_an_id_without_a_piece(base):
     """Ids from the tokenizer's last piece up (a text too short for the vocabulary's
     merges) stand for nothing: sample never draws them."""
