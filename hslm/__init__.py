@@ -128,19 +128,27 @@ def _writable_kernel_cache():
         return
     import tempfile
     base = _os.environ.get("XDG_CACHE_HOME") or _os.path.join(_os.path.expanduser("~"), ".cache")
-    uid = getattr(_os, "getuid", lambda: "user")()
-    candidates = [_os.path.join(base, "hslm", "numba"),
-                  _os.path.join(tempfile.gettempdir(), f"hslm-numba-{uid}")]
-    for folder in candidates:
+    home_cache = _os.path.join(base, "hslm", "numba")
+    for shared in (False, True):
         try:
-            _os.makedirs(folder, exist_ok=True)
+            if not shared:
+                folder = home_cache
+                _os.makedirs(folder, exist_ok=True)
+            else:  # only this user's own folder, which no one else can write: Numba's
+                # index is a pickle, so a folder planted by another user would run its code
+                folder = _os.path.join(tempfile.gettempdir(), f"hslm-numba-{_os.getuid()}")
+                _os.makedirs(folder, mode=0o700, exist_ok=True)
+                st = _os.lstat(folder)
+                if (st.st_uid != _os.getuid() or st.st_mode & 0o022 or _os.path.islink(folder)
+                        or not _os.path.isdir(folder)):
+                    continue
             with tempfile.TemporaryFile(dir=folder):
                 pass
-        except OSError:
+        except (OSError, AttributeError):  # (AttributeError: no getuid on this system)
             continue
         _os.environ["NUMBA_CACHE_DIR"] = folder
         return
-    _os.environ["NUMBA_CACHE_DIR"] = candidates[0]  # (nowhere writable: Numba says so)
+    _os.environ["NUMBA_CACHE_DIR"] = home_cache  # (nowhere writable: Numba says so)
 
 
 def _prefer_512_bit_vectors():

@@ -471,8 +471,8 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
     import numba
 
     from .hyper import Hyper
-    from .train import check_hyper, load_corpus, resolve_config
-    from .validate import check_fits, memory_estimate
+    from .train import load_corpus, resolve_config
+    from .validate import bench_hyper, check_fits, memory_estimate
 
     rounds = min(TABLE_ROUNDS, steps)
     load_before = snapshot()
@@ -495,7 +495,7 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
     combos = [(s, t) for t in threads for s in speeds]
     for name, cfg, k in plan:  # every model's and batch's checks before anything is timed
         for batch in batches:
-            check_hyper(cfg, Hyper(batch=batch, loss_positions=k, seed=1729))
+            bench_hyper(cfg, batch, k)
             check_fits(sum(memory_estimate(cfg, batch, t, s) for s, t in combos),
                        f"bench --model {name} --batch {batch} --threads "
                        f"{','.join(str(t) for t in sorted({t for _, t in combos}))} (its "

@@ -347,7 +347,7 @@ def _bytes_beyond_the_first(named):
     said CHECKPOINTS DIFFER and exited 1), and two later reports whose runs of the same
     model, batch, steps, seed, k and text ended with other bytes (where the first report
     is not comparable with them, nothing else compares them). Nothing where all agree."""
-    out, differ, seen = [], False, {}
+    out, differ, seen = [], False, []
     for i, (name, r) in enumerate(named):
         for e in r["models"]:
             for g in e.get("groups", []):
@@ -357,14 +357,16 @@ def _bytes_beyond_the_first(named):
                                "DIFFER across its own runs")
                 if i == 0:
                     continue
-                key = (e["model"], g["batch"], r["steps"], r.get("seed"), r.get("rounds", 0),
-                       e.get("k"), e.get("text_sha256"))
-                first, digest = seen.setdefault(key, (name, g["digest"]))
-                if digest != g["digest"]:
+                other = next((x for x in seen if x[2]["model"] == e["model"]
+                              and x[3]["batch"] == g["batch"]
+                              and not _other_runs(x[1], x[2], r, e)), None)
+                if other is None:
+                    seen.append((name, r, e, g))
+                elif other[3]["digest"] != g["digest"]:
                     differ = True
-                    out.append(f"{name} against {first}: model {e['model']} batch "
-                               f"{g['batch']}: CHECKPOINTS DIFFER (sha256 {digest[:16]}... -> "
-                               f"{g['digest'][:16]}...)")
+                    out.append(f"{name} against {other[0]}: model {e['model']} batch "
+                               f"{g['batch']}: CHECKPOINTS DIFFER (sha256 "
+                               f"{other[3]['digest'][:16]}... -> {g['digest'][:16]}...)")
     return out, differ
 
 
@@ -455,15 +457,21 @@ def torch_ratios(entry):
     return (ours / t["f64"], ours / t["f32"]) if ours else None
 
 
-def _compare_bytes(base, b, r, e):
-    """(lines, differ): whether two reports' runs of a model ended with the same checkpoint
-    bytes, batch by batch (comparable only with the same steps, seed, k and text)."""
+def _other_runs(base, b, r, e):
+    """What makes two reports' runs of a model (reports base and r, their entries b and e)
+    other runs, whose bytes are not to be compared: [] where they are the same run."""
     texts = b.get("text_sha256"), e.get("text_sha256")  # (not in reports before 1cceec6)
-    others = [what for what, same in (
+    return [what for what, same in (
         ("steps", base["steps"] == r["steps"]), ("seed", base.get("seed") == r.get("seed")),
         ("rounds", base.get("rounds", 0) == r.get("rounds", 0)),  # (each adds a step)
         ("k", b.get("k") == e.get("k")), ("text", None in texts or texts[0] == texts[1]))
         if not same]
+
+
+def _compare_bytes(base, b, r, e):
+    """(lines, differ): whether two reports' runs of a model ended with the same checkpoint
+    bytes, batch by batch (comparable only with the same steps, seed, k and text)."""
+    others = _other_runs(base, b, r, e)
     same_run = not others
     out, differ = [], False
     groups = {g["batch"]: g for g in b.get("groups", [])}

@@ -406,10 +406,10 @@ def _is_text(raw: bytes) -> bool:
     return all(32 <= b < 127 or b in (9, 10, 13) for b in raw)
 
 
-def starts_as_checkpoint(head: bytes, size: int) -> bool:
-    """Whether a file of `size` bytes whose first bytes are `head` (9 or more) begins as an
-    hslm checkpoint does: a header length a header may have (the file need not hold it:
-    one cut short is a damaged checkpoint, not a text), then the header's "{"."""
+def starts_as_checkpoint(head: bytes) -> bool:
+    """Whether a file whose first bytes are `head` (9 or more) begins as an hslm
+    checkpoint does: a header length a header may have (the file need not hold it: one
+    cut short is a damaged checkpoint, not a text), then the header's "{"."""
     if len(head) < 9:
         return False
     (n,) = struct.unpack("<Q", head[:8])

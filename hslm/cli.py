@@ -143,7 +143,7 @@ def info(file):
     need_stdout("info")
     from .config import PRESETS
     kind = _file_kind(file) if file is not None and file not in PRESETS else None
-    if file is None or file in PRESETS or kind == "json" or (kind is None
+    if file is None or file in PRESETS or kind == "json" or (kind != "checkpoint"
                                                              and file.endswith(".json")):
         from .train import resolve_config
         configs = [(n, resolve_config(n)) for n in (list(PRESETS) if file is None else [file])]
@@ -175,12 +175,12 @@ def _file_kind(path):
     from .checkpoint import starts_as_checkpoint
     from .errors import open_regular
     try:
-        f, size = open_regular(Path(path), "file")
+        f, _ = open_regular(Path(path), "file")
     except HslmError:
         return None
     with f:
-        head = f.read(16)
-    if starts_as_checkpoint(head, size):
+        head = f.read(4096)
+    if starts_as_checkpoint(head):
         return "checkpoint"
     return "json" if head.lstrip()[:1] == b"{" else "other"
 
@@ -377,12 +377,10 @@ def bench(model, data, cache_dir, speed, threads, batch, steps, loss_positions, 
     from .token_cache import cache_dir as token_cache_dir
     from .train import resolve_config
     cfgs = [resolve_config(m) for m in models]  # a bad --model: its error before compiling
-    from .hyper import Hyper
-    from .train import check_hyper
+    from .validate import bench_hyper
     for c in cfgs:  # -k and the batches too (a first run compiles for a while)
         for b in batches:
-            check_hyper(c, Hyper(batch=b, seed=1729, loss_positions=(
-                c.window if loss_positions is None else loss_positions)))
+            bench_hyper(c, b, loss_positions)
     for p in data:  # and that the text's paths are there (read after compiling)
         if not os.path.exists(p):
             raise HslmError(f"data file not found: {p}")
@@ -439,7 +437,7 @@ def need_stdout(command: str, required: bool = True):
     no sys.stdout, and eval had ended quietly with status 0) it refuses to start where
     required (diff's exit status is a product of its own), and a reader that goes (`|
     head`) is not told the command is going on without it (ReaderGone.keep_going)."""
-    if sys.stdout is None or "stdout" in CLOSED_AT_START:
+    if sys.stdout is None or any(sys.stdout is s for s in CLOSED_AT_START):
         if required:
             raise HslmError(f"the standard output is closed: {command} has nowhere to write")
         return
@@ -497,9 +495,9 @@ class ReaderGone:
         return getattr(self._stream, name)
 
 
-# The standard streams that were closed when the command started (`>&-`, `2>&-`):
-# written to /dev/null instead (open_closed_stream); need_stdout still refuses.
-CLOSED_AT_START = set()
+# The streams put in place of standard streams closed when a command started (`>&-`,
+# `2>&-`): /dev/null (open_closed_stream); need_stdout still refuses such a stdout.
+CLOSED_AT_START = []
 
 
 def open_closed_stream(name: str):
@@ -518,8 +516,9 @@ def open_closed_stream(name: str):
             os.dup2(null, fd)
             os.close(null)
         null = fd
-    CLOSED_AT_START.add(name)
-    return open(null, "w", closefd=null != fd)
+    stream = open(null, "w", closefd=null != fd)
+    CLOSED_AT_START.append(stream)
+    return stream
 
 
 def guard_streams():
@@ -531,7 +530,7 @@ def guard_streams():
     for name, note in (("stdout", "hslm: the standard output was closed; going on without it"),
                        ("stderr", None)):
         stream = getattr(sys, name)
-        if stream is None and name not in CLOSED_AT_START:
+        if stream is None:
             setattr(sys, name, open_closed_stream(name))
             continue
         if stream is None or isinstance(stream, ReaderGone):

@@ -215,14 +215,21 @@ def same_file(a, b) -> bool:
 def check_cache_apart(data, cache_dir):
     """A token cache folder that is a --data folder would have its own files read as text
     by the next run (which then found "the data changed while it was read", as its text
-    memo was rewritten): refused. (A folder inside a --data folder is not read.)"""
-    if cache_dir is None:
+    memo was rewritten): refused (check_apart_from_text)."""
+    check_apart_from_text(data, cache_dir, "token cache folder", "--cache-dir (or HSLM_CACHE_DIR)")
+
+
+def check_apart_from_text(data, folder, what: str, flag: str):
+    """A folder a run writes in (`what`: its output or token cache folder; `flag` names
+    it) that is a --data folder: refused, since the next run would read what this one
+    writes there as its text. (A folder inside a --data folder is not read.)"""
+    if folder is None:
         return
     for p in [data] if isinstance(data, (str, os.PathLike)) else data:
-        if Path(p).is_dir() and same_file(p, cache_dir):
-            raise HslmError(f"the token cache folder {cache_dir} is the --data folder {p}, "
-                            "whose files are read as text: give another --cache-dir (or "
-                            "HSLM_CACHE_DIR)")
+        if Path(p).is_dir() and same_file(p, folder):
+            raise HslmError(f"the {what} {folder} is the --data folder {p}, whose files are "
+                            f"read as text (the next run would read what this one writes "
+                            f"there): give another {flag}")
 
 
 def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_dir=None):
@@ -291,18 +298,18 @@ REHASH_ENV = "HSLM_REHASH"   # set to 1: hash the text in full, whatever is reme
 SETTLE_NS = 2_000_000_000    # a file changed this recently is not trusted by its stat
 
 
-def hash_text(src: TextSource, cache_dir=None, rehash=False) -> str:
-    """The text's sha256: remembered in the cache folder by its files' stat key when
-    they are unchanged since it was computed, else read in full (and remembered when
-    every file had been left alone for SETTLE_NS before the hashing began: a file
-    written again within the same timestamp tick could otherwise keep its key, the
-    "racy" case git's index guards against in the same way). rehash: read in full
-    whatever is remembered."""
+def hash_text(src: TextSource, cache_dir=None, rehash=False):
+    """(the text's sha256, whether it was remembered): remembered in the cache folder by
+    its files' stat key when they are unchanged since it was computed, else read in full
+    (and remembered when every file had been left alone for SETTLE_NS before the hashing
+    began: a file written again within the same timestamp tick could otherwise keep its
+    key, the "racy" case git's index guards against in the same way). rehash: read in
+    full whatever is remembered."""
     key = src.stat_key() if cache_dir is not None else None
     if key is not None and not rehash and os.environ.get(REHASH_ENV, "") in ("", "0"):
         sha = token_cache.recall_text_sha256(cache_dir, key)
         if sha is not None:
-            return sha
+            return sha, True
     started = time.time_ns()
     ph = Phase("hashing the text", src.size, show=src.size >= SHOW_FROM)
     sha = src.scan(ph)
@@ -310,15 +317,7 @@ def hash_text(src: TextSource, cache_dir=None, rehash=False) -> str:
     if (key is not None and distributed.is_writer() and src.stat_key() == key
             and all(max(f[2], f[3]) < started - SETTLE_NS for f in key)):
         token_cache.remember_text_sha256(cache_dir, key, sha)
-    return sha
-
-
-def _recalled(src: TextSource, cache_dir):
-    """The sha256 hash_text takes from memory for this text now, or None (hashed in full)."""
-    if cache_dir is None or os.environ.get(REHASH_ENV, "") not in ("", "0"):
-        return None
-    key = src.stat_key()
-    return None if key is None else token_cache.recall_text_sha256(cache_dir, key)
+    return sha, False
 
 
 class Corpus:
@@ -333,10 +332,9 @@ class Corpus:
         _check_size(src)  # (before the text is read to be hashed: hours at 1 TB)
         self.source = source
         for rehash in (False, True):
-            recalled = None if rehash else _recalled(src, cache_dir)
-            self.text_sha256 = hash_text(src, cache_dir, rehash)
+            self.text_sha256, recalled = hash_text(src, cache_dir, rehash)
             if expect_sha256 is not None and self.text_sha256 != expect_sha256:
-                if recalled is not None and self.text_sha256 == recalled:
+                if recalled:
                     # remembered for the files' stat key, maybe for other bytes (a file
                     # rewritten with its key kept): forgotten, and the text hashed in full
                     token_cache.forget_text_sha256(cache_dir, src.stat_key())

@@ -14,16 +14,15 @@ def read_metrics(path, warn=None):
     """(train, valid): the [(step, loss)] of a metrics file, one point a step. A partial
     last record (a run killed while writing it: progress.partial_record) is left out, with
     a warning (warn, a callable taking the line), as the next run appending would cut it."""
-    from .progress import partial_record
+    from .progress import TAIL_CHECKED, partial_tail
     train, valid = [], []
+    raw = read_bytes(path, "metrics file", limit=1 << 30)
     try:
-        lines = read_bytes(path, "metrics file", limit=1 << 30).decode("utf-8").splitlines()
+        lines = raw.decode("utf-8").splitlines()
     except UnicodeDecodeError as e:
         raise HslmError(f"metrics file {path} is not UTF-8 text (offset {e.start})") from None
-    try:
-        cut = partial_record(path)
-    except HslmError:  # it ends in something else: its last line is judged below
-        cut = 0
+    tail = raw[-TAIL_CHECKED:]  # (the bytes read: a live run may be writing on)
+    cut = partial_tail(tail, len(tail) == len(raw))
     if cut and lines:
         lines.pop()
         if warn is not None:

@@ -85,18 +85,22 @@ def partial_record(path) -> int:
             tail = f.read()
     except OSError:  # absent (made by the run), or not readable: appended to as it is
         return 0
+    cut = partial_tail(tail, len(tail) == size)
+    if cut is None:
+        raise HslmError(f"--metrics {path} does not end in a whole line, and is not a "
+                        "metrics file cut short; give a metrics file or a new name")
+    return cut
+
+
+def partial_tail(tail: bytes, whole: bool):
+    """partial_record's rule on a file's last bytes (whole: they are the whole file): 0
+    where they end in a newline (or are empty), the partial record's length where they end
+    in one ('{' and no newline, after a whole record or nothing), else None."""
     if not tail or tail.endswith(b"\n"):
         return 0
     lines = tail.split(b"\n")
-    partial = lines[-1]
-    if len(lines) == 1:
-        before_ok = len(tail) == size  # the whole file is one partial record
-    else:
-        before_ok = _is_record(lines[-2])
-    if partial.startswith(b"{") and before_ok:
-        return len(partial)
-    raise HslmError(f"--metrics {path} does not end in a whole line, and is not a metrics "
-                    "file cut short; give a metrics file or a new name")
+    before_ok = whole if len(lines) == 1 else _is_record(lines[-2])
+    return len(lines[-1]) if lines[-1].startswith(b"{") and before_ok else None
 
 
 def _is_record(line: bytes) -> bool:

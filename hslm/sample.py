@@ -72,8 +72,8 @@ def sample(worker, model, vsa_table, prompt_ids, n_tokens, temperature, top_k, s
         else:
             with np.errstate(over="ignore"):
                 scaled = z / temperature
-            if np.isinf(scaled[N_SPECIAL:drawable]).any():  # logits near the largest double
-                scaled = (z - z.max()) / temperature  # (only then: the bits of a seed's text)
+                if np.isinf(scaled[N_SPECIAL:drawable]).any():  # near the largest double
+                    scaled = (z - z.max()) / temperature  # (only then: a seed's text's bits)
             z = scaled
             if top_k and top_k < len(z):
                 cut = np.partition(z, -top_k)[-top_k]

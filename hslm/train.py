@@ -21,7 +21,8 @@ import numpy as np
 from . import checkpoint as ckpt
 from . import distributed, precise
 from .config import PRESETS, Config
-from .data import BUILTIN_SHA256, BUILTIN_SOURCE, Corpus, Tokenizer, check_cache_apart, same_file
+from .data import (BUILTIN_SHA256, BUILTIN_SOURCE, Corpus, Tokenizer, check_apart_from_text,
+                   check_cache_apart, same_file)
 from .errors import (HslmError, Terminated, open_regular, raise_dropped_interrupt,
                      raise_terminated, read_bytes, refuse_unless_file)
 from .hyper import HYPER_NAMES, Hyper
@@ -103,7 +104,7 @@ def check_metrics_path(metrics, out: Path):
     # a new name, or a link to none: the run appends through the link (O_CREAT), so what
     # must exist and be writable is the folder of the name it leads to
     parent = Path(os.path.realpath(m)).parent if os.path.islink(m) else m.parent
-    if os.path.abspath(parent) == os.path.abspath(out):
+    if os.path.realpath(parent) == os.path.realpath(out):
         return
     if not parent.is_dir():
         what = "is not a folder" if parent.exists() else "does not exist"
@@ -132,11 +133,7 @@ def check_paths_apart(o: TrainOptions, out: Path):
     from .token_cache import cache_dir as token_cache_dir
 
     check_metrics_path(o.metrics, out)
-    for d in o.data:  # (a folder inside a --data folder is not read: such an --out is fine)
-        if Path(d).is_dir() and same_file(d, out):
-            raise HslmError(f"the output folder {out} is the --data folder {d}, whose files "
-                            "are read as text (the next run would read this run's checkpoints "
-                            "and tokenizer.json as its text): give another --out")
+    check_apart_from_text(o.data, out, "output folder", "--out")
     cache = token_cache_dir(o.cache_dir, out)
     check_cache_apart(o.data, cache)
     if o.metrics is None:
@@ -486,10 +483,10 @@ def resolve_config(model: str) -> Config:
     if not (model.endswith(".json") or path.exists()):
         raise HslmError(f"unknown --model {model!r}: give a preset ({', '.join(PRESETS)}) "
                         "or a JSON file of config fields")
-    f, size = open_regular(path, "model config")
+    f, _ = open_regular(path, "model config")
     with f:
         head = f.read(16)
-    if ckpt.starts_as_checkpoint(head, size):
+    if ckpt.starts_as_checkpoint(head):
         raise HslmError(f"--model {path} is an hslm checkpoint, not a model config (a preset or "
                         "a JSON file of config fields); to go on training from it: --resume "
                         f"{path.with_suffix('.state')}")
@@ -761,9 +758,9 @@ def run_identity(run, o: "TrainOptions") -> dict:
 
 
 class StoppedBeforeTraining(Exception):
-    """A stop asked while the step's kernels compiled or loaded, before step 1 (under
-    MPI, agreed by the ranks): nothing is trained or saved, as for a stop while the text
-    was read (train_run)."""
+    """A stop asked while the step's kernels compiled, before step 1 (under MPI, agreed
+    by the ranks): nothing is trained or saved, as for a stop while the text was read
+    (train_run)."""
 
     def __init__(self, signum):
         super().__init__(signum)
@@ -772,16 +769,16 @@ class StoppedBeforeTraining(Exception):
 
 class StopRequest:
     """Signal handler: the first SIGINT/SIGTERM asks the loop to stop after the
-    current step (with a checkpoint), or, before step 1 (training False: the kernels
-    compiling or loading), once they are loaded, with nothing trained; a second one
-    stops at once."""
+    current step (with a checkpoint), or, while the step's kernels compile before step 1
+    (training False), once they are compiled, with nothing trained; a second one stops at
+    once."""
 
     def __init__(self, echo):
         self.signum = None     # the stop to act on (under MPI: the one the ranks agreed on)
         self.received = False  # whether this process got a signal itself
         self.echo = echo
         self.progress = None   # run_loop's Progress: a bar on screen needs a line break first
-        self.training = False  # set by run_loop once the kernels are loaded
+        self.training = True   # False while run_loop compiles the step's kernels
 
     def __call__(self, signum, frame):
         # Only this process's own second signal stops at once: under MPI the ranks may
@@ -795,7 +792,7 @@ class StopRequest:
             lead = "\n" if bar else ""  # end the bar's line, and print no blank line otherwise
             self.echo(f"{lead}{signal.Signals(signum).name}: " + (
                 "finishing the current step, then saving" if self.training else
-                "stopping once the step's kernels are loaded, with nothing trained")
+                "stopping once the step's kernels are compiled, with nothing trained")
                 + " (again to stop at once)", err=True)
 
 
@@ -822,16 +819,11 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
     compiling = not kernels_cached(o.speed, teams=o.threads > h.batch)
     if compiling:
         progress.message("compiling the step's kernels (first run only) ...")
+        stop.training = False
     t0 = time.perf_counter()
     warm_up(runner, run)
     if compiling:
         progress.message(f"compiled in {time.perf_counter() - t0:.0f} s")
-    # a stop asked meanwhile (under MPI a first run compiles here, for a while): nothing
-    # trained, as before the text was read; the ranks agree on it (a signal may reach one)
-    signum = distributed.largest(stop.signum or 0)
-    if signum:
-        raise StoppedBeforeTraining(signum)
-    stop.training = True
 
     metrics_error = None
 
@@ -860,6 +852,14 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
         return v
 
     try:
+        # a stop asked while the kernels compiled (under MPI a first run compiles them
+        # here, for half a minute): nothing trained, as before the text was read; the ranks
+        # agree on it (a signal may reach one; a rank may have had them cached). One asked
+        # while cached kernels loaded (a second) finishes step 1 and saves, as in the steps
+        signum = distributed.largest((stop.signum or 0) if compiling else 0)
+        if signum:
+            raise StoppedBeforeTraining(signum)
+        stop.training = True
         while run.step < o.steps:
             t0 = time.perf_counter()
             loss = run.train_step(runner)

@@ -154,6 +154,17 @@ def check_hyper(cfg, h):
         raise HslmError(f"--{f.replace('_', '-')} {msg}")
 
 
+
+def bench_hyper(cfg, batch: int, loss_positions):
+    """hslm bench's hyper-parameters for a model and batch (k: the window unless given;
+    seed 1729), judged as train judges its flags (check_hyper)."""
+    from .hyper import Hyper
+    h = Hyper(batch=batch, seed=1729,
+              loss_positions=cfg.window if loss_positions is None else loss_positions)
+    check_hyper(cfg, h)
+    return h
+
+
 def hyper_from_json(text, cfg):
     """A Hyper from a .state's "hyper" field, checked as the flags are."""
     from .hyper import Hyper

@@ -933,21 +933,24 @@ def test_sample_never_draws_an_id_without_a_piece(base):
 
 
 @pytest.mark.parametrize("signum", [None, signal.SIGINT, signal.SIGTERM])
-def test_a_stop_while_the_kernels_load_trains_nothing(tmp_path, monkeypatch, capsys, signum):
-    """A signal while the step's kernels compiled or loaded (before step 1; under MPI a
-    first run compiles there for half a minute) had been taken as a stop after the
-    current step: the run went on to train step 1 and save it. Before the first step a
-    stop is as one while the text was read: one line, 130 or 143, nothing trained, the
-    folder the run made removed. Control (None): no signal, the run trains and saves."""
+def test_a_stop_while_the_kernels_compile_trains_nothing(tmp_path, monkeypatch, capsys,
+                                                         signum):
+    """A signal while the step's kernels compiled (before step 1; under MPI a first run
+    compiles them there, for half a minute) had been taken as a stop after the current
+    step: the run went on, after the compile, to train step 1 and save it. It is now as
+    one while the text was read: one line, 130 or 143, nothing trained, the folder the
+    run made removed. Control (None): no signal, the run trains and saves. (While cached
+    kernels load, a second, a stop still finishes step 1 and saves: the test below.)"""
     import hslm.step as step
     from hslm.cli import main
     real = step.warm_up
 
     def warm_up_then_signal(runner, run):
         real(runner, run)
-        if signum is not None:  # as if it had come while they loaded
+        if signum is not None:  # as if it had come while they compiled
             os.kill(os.getpid(), signum)
     monkeypatch.setattr(step, "warm_up", warm_up_then_signal)
+    monkeypatch.setattr(step, "kernels_cached", lambda *a, **k: False)  # (they compile)
     out = tmp_path / "o"
     with pytest.raises(SystemExit) as e:
         main(["train", *TINY, "--steps", "2", "--out", str(out)])
@@ -958,7 +961,7 @@ def test_a_stop_while_the_kernels_load_trains_nothing(tmp_path, monkeypatch, cap
     assert e.value.code == 128 + signum, err
     name = "interrupted" if signum == signal.SIGINT else "terminated"
     assert err.splitlines()[-1] == f"error: {name}", err
-    assert "stopping once the step's kernels are loaded, with nothing trained" in err
+    assert "stopping once the step's kernels are compiled, with nothing trained" in err
     assert "Traceback" not in err and not out.exists()
 
 
@@ -1279,7 +1282,7 @@ def test_a_failed_run_removes_its_folder_before_letting_go_of_it():
     ('{"kind": "train", "step": 1e999, "loss": 1.0}', "its step, Infinity, is not a whole"),
     ('{"kind": "train", "step": 2.7, "loss": 1}', "its step, 2.7, is not a whole number"),
     ('{"kind": "train", "step": true, "loss": 1.0}', "its step, true, is not a whole number"),
-    ('{"kind": "train", "step": -1, "loss": 1.0}', "its step, -1, is not a whole number of 0"),
+    ('{"kind": "train", "step": -1, "loss": 1.0}', "its step, -1, is not a whole number from 0"),
     pytest.param('{"kind": "train", "step": 1, "loss": ' + "9" * 400 + "}",
                  "its loss, " + "9" * 37 + "..., is past a double's range",
                  id="long-loss"),
@@ -1316,18 +1319,13 @@ def test_a_diverged_runs_metrics_still_plot(tmp_path):
 
 def test_an_os_error_the_checks_did_not_foresee_is_one_line(tmp_path):
     """A name too long for the file system reached pathlib's checks as an OSError
-    traceback (info, --model, --out); a token cache folder that cannot be made left the
-    output folder's lock behind."""
+    traceback (info, --model, --out). (A token cache folder of such a name, which had
+    stopped the run here and left the output folder's lock behind, is now a warning as any
+    cache folder that cannot be written: test_a_cache_folder_of_a_name_too_long_is_a_warning.)"""
     long = "a" * 300
     for args in (("info", tmp_path / long), ("train", "--model", tmp_path / long),
                  ("train", *TINY, "--steps", 1, "--out", tmp_path / long)):
         assert "File name too long" in one_line_error(*hslm(*args))
-    env = {**os.environ, "HSLM_CACHE_DIR": str(tmp_path / long)}
-    p = subprocess.run([sys.executable, str(ROOT / "cli.py"), "train", *TINY, "--steps", "1",
-                        "--out", str(tmp_path / "o")], env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert "File name too long" in one_line_error(p.returncode, p.stdout, p.stderr)
-    assert not (tmp_path / "o").exists()  # made by the run, removed with its lock
 
 
 @pytest.mark.parametrize("command,name,allowed", [

@@ -21,23 +21,33 @@ def test_an_unwritable_install_and_home_cache_kernels_in_the_temporary_folder(tm
     """An install that cannot be written (a read-only image) puts Numba's cache in the
     user's cache folder; where that cannot be written either (HOME=/ or /nonexistent, as
     containers run), Numba's own fallbacks failed too and the import ended in a traceback
-    ("no locator available"): the cache goes to the temporary folder. Control: a
-    writable home's cache folder is taken first."""
+    ("no locator available"): the cache goes to the temporary folder, in a folder of this
+    user's that no one else can write (one that others could have planted is not taken).
+    Control: a writable home's cache folder is taken first."""
     import tempfile
 
     import hslm
     monkeypatch.delitem(sys.modules, "numba")  # (as before Numba is imported)
-    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    monkeypatch.setenv("NUMBA_CACHE_DIR", "")  # (so that it is unset again afterwards: the
+    monkeypatch.delenv("NUMBA_CACHE_DIR")      # later tests' runs must not take it)
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setattr(hslm._os, "access", lambda path, mode: False)  # the install
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
-    for home, expect in (("/proc/nonexistent", tmp_path / "tmp" / f"hslm-numba-{os.getuid()}"),
+    mine = tmp_path / "tmp" / f"hslm-numba-{os.getuid()}"
+    mine.mkdir(mode=0o777)
+    mine.chmod(0o777)  # as another user could have made it: not taken (its index is a pickle)
+    monkeypatch.setenv("HOME", "/proc/nonexistent")
+    hslm._writable_kernel_cache()
+    assert os.environ["NUMBA_CACHE_DIR"] == "/proc/nonexistent/.cache/hslm/numba"
+    mine.rmdir()
+    for home, expect in (("/proc/nonexistent", mine),
                          (str(tmp_path / "home"), tmp_path / "home" / ".cache" / "hslm" / "numba")):
         monkeypatch.setenv("HOME", home)
         monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
         hslm._writable_kernel_cache()
         assert os.environ["NUMBA_CACHE_DIR"] == str(expect) and expect.is_dir()
+    assert mine.stat().st_mode & 0o777 == 0o700
 
 def test_jobs_for_each_loop_order():
     assert "per position" not in precompile.jobs_for([3])
