@@ -299,25 +299,25 @@ SETTLE_NS = 2_000_000_000    # a file changed this recently is not trusted by it
 
 
 def hash_text(src: TextSource, cache_dir=None, rehash=False):
-    """(the text's sha256, whether it was remembered): remembered in the cache folder by
-    its files' stat key when they are unchanged since it was computed, else read in full
-    (and remembered when every file had been left alone for SETTLE_NS before the hashing
-    began: a file written again within the same timestamp tick could otherwise keep its
-    key, the "racy" case git's index guards against in the same way). rehash: read in
-    full whatever is remembered."""
+    """(the text's sha256, whether it was remembered, the stat key to remember it by or
+    None): remembered in the cache folder by its files' stat key when they are unchanged
+    since it was computed, else read in full (and to be remembered, once the text has been
+    read and checked, when every file had been left alone for SETTLE_NS before the
+    hashing began: a file written again within the same timestamp tick could otherwise
+    keep its key, the "racy" case git's index guards against in the same way). rehash:
+    read in full whatever is remembered."""
     key = src.stat_key() if cache_dir is not None else None
     if key is not None and not rehash and os.environ.get(REHASH_ENV, "") in ("", "0"):
         sha = token_cache.recall_text_sha256(cache_dir, key)
         if sha is not None:
-            return sha, True
+            return sha, True, None
     started = time.time_ns()
     ph = Phase("hashing the text", src.size, show=src.size >= SHOW_FROM)
     sha = src.scan(ph)
     ph.close()
-    if (key is not None and distributed.is_writer() and src.stat_key() == key
-            and all(max(f[2], f[3]) < started - SETTLE_NS for f in key)):
-        token_cache.remember_text_sha256(cache_dir, key, sha)
-    return sha, False
+    settled = (key is not None and distributed.is_writer() and src.stat_key() == key
+               and all(max(f[2], f[3]) < started - SETTLE_NS for f in key))
+    return sha, False, key if settled else None
 
 
 class Corpus:
@@ -332,7 +332,7 @@ class Corpus:
         _check_size(src)  # (before the text is read to be hashed: hours at 1 TB)
         self.source = source
         for rehash in (False, True):
-            self.text_sha256, recalled = hash_text(src, cache_dir, rehash)
+            self.text_sha256, recalled, memo = hash_text(src, cache_dir, rehash)
             if expect_sha256 is not None and self.text_sha256 != expect_sha256:
                 if recalled:
                     # remembered for the files' stat key, maybe for other bytes (a file
@@ -344,6 +344,9 @@ class Corpus:
             try:
                 self.tokenizer, self.tokens = corpus_tokens(src, self.text_sha256, vocab,
                                                             tokenizer, cache_dir)
+                if memo is not None:  # (a text refused, or one that failed its checks, is
+                    # not remembered: a run that failed on it leaves no cache folder made)
+                    token_cache.remember_text_sha256(cache_dir, memo, self.text_sha256)
                 break
             except DataChanged:
                 if rehash or cache_dir is None:

@@ -219,6 +219,24 @@ def test_an_output_folder_behind_a_link_to_nothing_says_so(tmp_path):
     assert code == 0 and (tmp_path / "elsewhere" / "ckpt_1.bin").exists(), err
 
 
+def test_a_run_that_fails_on_its_text_leaves_no_cache_folder(tmp_path):
+    """A text that fails its checks (not UTF-8) had its sha256 remembered first, so the
+    run left behind the --cache-dir folder it made (holding that memo) while it removed
+    its output folder. A text is remembered once it has been read and checked. Control:
+    a good text's run remembers it there."""
+    from hslm.token_cache import TEXT_SHA_MEMO
+    (tmp_path / "bad.txt").write_bytes(b"\xff\xfe" + TEXT.encode())
+    (tmp_path / "good.txt").write_text(TEXT)
+    time.sleep(2.1)  # (a file written within 2 s of its hashing is never remembered)
+    cache, out = tmp_path / "c", tmp_path / "o"
+    line = one_line_error(*hslm("train", *TINY, "--steps", 1, "--data", tmp_path / "bad.txt",
+                                "--out", out, "--cache-dir", cache))
+    assert "not UTF-8" in line and not out.exists() and not cache.exists()
+    code, _, err = hslm("train", *TINY, "--steps", 1, "--data", tmp_path / "good.txt",
+                        "--out", out, "--cache-dir", cache)
+    assert code == 0 and (cache / TEXT_SHA_MEMO).exists(), err
+
+
 def test_steps_past_64_bits_is_one_line(tmp_path):
     line = one_line_error(*hslm("train", *TINY, "--steps", 2 ** 63, "--out", tmp_path / "o"))
     assert "--steps must be from 1 to 2^63 - 1" in line and not (tmp_path / "o").exists()
