@@ -129,26 +129,33 @@ def _writable_kernel_cache():
     import tempfile
     base = _os.environ.get("XDG_CACHE_HOME") or _os.path.join(_os.path.expanduser("~"), ".cache")
     home_cache = _os.path.join(base, "hslm", "numba")
-    for shared in (False, True):
-        try:
-            if not shared:
-                folder = home_cache
-                _os.makedirs(folder, exist_ok=True)
-            else:  # only this user's own folder, which no one else can write: Numba's
-                # index is a pickle, so a folder planted by another user would run its code
-                folder = _os.path.join(tempfile.gettempdir(), f"hslm-numba-{_os.getuid()}")
-                _os.makedirs(folder, mode=0o700, exist_ok=True)
-                st = _os.lstat(folder)
-                if (st.st_uid != _os.getuid() or st.st_mode & 0o022 or _os.path.islink(folder)
-                        or not _os.path.isdir(folder)):
-                    continue
-            with tempfile.TemporaryFile(dir=folder):
-                pass
-        except (OSError, AttributeError):  # (AttributeError: no getuid on this system)
-            continue
-        _os.environ["NUMBA_CACHE_DIR"] = folder
-        return
+    if not _writable_folder(home_cache):
+        try:  # only this user's own folder, which no one else can write: Numba's index is
+            # a pickle, so a folder another user planted there would run their code
+            private = _os.path.join(tempfile.gettempdir(), f"hslm-numba-{_os.getuid()}")
+        except (OSError, AttributeError):  # (no temporary folder; no getuid here)
+            private = None
+        if private is not None and _writable_folder(private, private=True):
+            home_cache = private
     _os.environ["NUMBA_CACHE_DIR"] = home_cache  # (nowhere writable: Numba says so)
+
+
+def _writable_folder(folder, private=False) -> bool:
+    """Whether folder is (made if need be) a folder a file can be made in; private: made
+    0o700, and only if it is this user's and no one else may write it."""
+    import stat
+    import tempfile
+    try:
+        _os.makedirs(folder, mode=0o700 if private else 0o777, exist_ok=True)
+        st = _os.lstat(folder)
+        if private and (st.st_uid != _os.getuid() or st.st_mode & 0o022
+                        or not stat.S_ISDIR(st.st_mode)):
+            return False
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError:
+        return False
+    return True
 
 
 def _prefer_512_bit_vectors():

@@ -470,9 +470,8 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
 
     import numba
 
-    from .hyper import Hyper
     from .train import load_corpus, resolve_config
-    from .validate import bench_hyper, check_fits, memory_estimate
+    from .validate import bench_hyper, check_bench_plan, check_fits
 
     rounds = min(TABLE_ROUNDS, steps)
     load_before = snapshot()
@@ -493,13 +492,9 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
     plan = [(name, cfg, cfg.window if k_flag is None else k_flag)
             for name, cfg in ((n, resolve_config(n)) for n in models)]
     combos = [(s, t) for t in threads for s in speeds]
-    for name, cfg, k in plan:  # every model's and batch's checks before anything is timed
-        for batch in batches:
-            bench_hyper(cfg, batch, k)
-            check_fits(sum(memory_estimate(cfg, batch, t, s) for s, t in combos),
-                       f"bench --model {name} --batch {batch} --threads "
-                       f"{','.join(str(t) for t in sorted({t for _, t in combos}))} (its "
-                       f"{len(combos)} run{'s' if len(combos) != 1 else ''} side by side)")
+    # every model's and batch's checks before anything is timed (the CLI's before it compiles)
+    check_bench_plan([(name, cfg) for name, cfg, _ in plan], speeds, threads, batches, k_flag)
+    for name, cfg, k in plan:
         if with_torch and importlib.util.find_spec("torch") is not None:  # (after the runs)
             check_fits(torch_memory_estimate(cfg, batches[0]),
                        f"bench's PyTorch baseline for --model {name} --batch {batches[0]} "
@@ -509,7 +504,7 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
         entry = {"model": name, "params": cfg.n_params, "k": k, "window": cfg.window,
                  "flops_per_token": flops_per_token(cfg, k), "rows": [], "groups": []}
         for batch in batches:
-            hyper = Hyper(batch=batch, loss_positions=k, seed=1729)
+            hyper = bench_hyper(cfg, batch, k)
             if corpus is None:
                 corpus = load_corpus(data, cfg, cache_dir=cache_dir)
                 entry["text_sha256"] = corpus.text_sha256
@@ -543,10 +538,10 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
             except ImportError:
                 entry["torch"] = None
             else:
-                hyper = Hyper(batch=batches[0], loss_positions=k, seed=1729)
+                hyper = bench_hyper(cfg, batches[0], k)
                 entry["torch"] = versus_torch(cfg, hyper, corpus, max(steps, TORCH_ROUNDS))
         if profile and name == models[0]:
-            hyper = Hyper(batch=batches[0], loss_positions=k, seed=1729)
+            hyper = bench_hyper(cfg, batches[0], k)
             (entry["profile_ms"], entry["relu_active"], entry["products_ms"],
              entry["weight_grads_ms"], entry["parts_ms"]) = profile_layerwise(cfg, hyper, corpus)
             entry["phase_work"] = phase_work(cfg, hyper)

@@ -345,8 +345,9 @@ def _bytes_beyond_the_first(named):
     """(lines, differ): what the comparisons against the first report do not see. A
     report whose own runs of a batch ended with other bytes (`identical` false: hslm bench
     said CHECKPOINTS DIFFER and exited 1), and two later reports whose runs of the same
-    model, batch, steps, seed, k and text ended with other bytes (where the first report
-    is not comparable with them, nothing else compares them). Nothing where all agree."""
+    model, batch, steps, seed, k and text ended with other bytes, where the first report
+    has no run comparable with them (nothing else compares them). Nothing where all
+    agree."""
     out, differ, seen = [], False, []
     for i, (name, r) in enumerate(named):
         for e in r["models"]:
@@ -355,7 +356,10 @@ def _bytes_beyond_the_first(named):
                     differ = True
                     out.append(f"{name}: model {e['model']} batch {g['batch']}: CHECKPOINTS "
                                "DIFFER across its own runs")
-                if i == 0:
+                if i == 0 or any(  # (compared with the first already: _compare_bytes)
+                        x["model"] == e["model"] and y["batch"] == g["batch"]
+                        and not _other_runs(named[0][1], x, r, e)
+                        for x in named[0][1]["models"] for y in x.get("groups", [])):
                     continue
                 other = next((x for x in seen if x[2]["model"] == e["model"]
                               and x[3]["batch"] == g["batch"]

@@ -377,10 +377,8 @@ def bench(model, data, cache_dir, speed, threads, batch, steps, loss_positions, 
     from .token_cache import cache_dir as token_cache_dir
     from .train import resolve_config
     cfgs = [resolve_config(m) for m in models]  # a bad --model: its error before compiling
-    from .validate import bench_hyper
-    for c in cfgs:  # -k and the batches too (a first run compiles for a while)
-        for b in batches:
-            bench_hyper(c, b, loss_positions)
+    from .validate import check_bench_plan  # -k, the batches, the memory: before compiling
+    check_bench_plan(list(zip(models, cfgs)), speeds, thread_counts, batches, loss_positions)
     for p in data:  # and that the text's paths are there (read after compiling)
         if not os.path.exists(p):
             raise HslmError(f"data file not found: {p}")
@@ -533,7 +531,7 @@ def guard_streams():
         if stream is None:
             setattr(sys, name, open_closed_stream(name))
             continue
-        if stream is None or isinstance(stream, ReaderGone):
+        if isinstance(stream, ReaderGone):
             continue
         try:
             stream.fileno()

@@ -333,15 +333,12 @@ class Corpus:
         self.source = source
         for rehash in (False, True):
             self.text_sha256, recalled, memo = hash_text(src, cache_dir, rehash)
-            if expect_sha256 is not None and self.text_sha256 != expect_sha256:
-                if recalled:
-                    # remembered for the files' stat key, maybe for other bytes (a file
-                    # rewritten with its key kept): forgotten, and the text hashed in full
-                    token_cache.forget_text_sha256(cache_dir, src.stat_key())
-                    continue
-                raise HslmError(f"the training text ({source}) differs from the one the "
-                                "checkpoint was trained on; pass the same --data")
             try:
+                if expect_sha256 is not None and self.text_sha256 != expect_sha256:
+                    if recalled:  # maybe of other bytes: hashed in full (below)
+                        raise DataChanged("the remembered sha256 is not the checkpoint's")
+                    raise HslmError(f"the training text ({source}) differs from the one the "
+                                    "checkpoint was trained on; pass the same --data")
                 self.tokenizer, self.tokens = corpus_tokens(src, self.text_sha256, vocab,
                                                             tokenizer, cache_dir)
                 if memo is not None:  # (a text refused, or one that failed its checks, is

@@ -941,7 +941,7 @@ def largest(value: int) -> int:
 
 def any_rank(flag: bool) -> bool:
     """Whether flag is true on any rank (in one process: flag)."""
-    return flag if _world is None else bool(_world.comm.allreduce(int(flag), op=_world.MPI.MAX))
+    return flag if _world is None else bool(largest(int(flag)))
 
 
 def share_state(state, batch, echo=None):

@@ -107,18 +107,30 @@ def _read_only(words: np.ndarray) -> np.ndarray:
     return view
 
 
-def checksum(arr: np.ndarray) -> bytes:
+CHECKSUM_CHUNK = 1 << 20  # bytes (a multiple of 64) folded a call, then seen by `each`
+
+
+def checksum(arr: np.ndarray, each=None) -> bytes:
     """32 bytes from the bytes of a contiguous array: eight 64-bit lanes over its
-    64-byte blocks (the tail zero-padded to a block), folded in pairs with the length."""
-    raw = arr.reshape(-1).view(np.uint8)
-    n = raw.shape[0]
+    64-byte blocks (the tail zero-padded to a block), folded in pairs with the length.
+    each(part), if given, sees the array's elements a chunk at a time as they are folded,
+    while they are in cache (open_tokens' bound on the ids: one pass over a file of
+    gigabytes, not two)."""
+    flat = arr.reshape(-1)
+    raw = flat.view(np.uint8)
+    n, item = raw.shape[0], flat.itemsize
     acc = np.array([int(_P1) * (i + 1) & ((1 << 64) - 1) for i in range(_LANES)], np.uint64)
     body = n // 64 * 64
-    if body:
-        _lanes(_read_only(raw[:body].view(np.uint64)), acc)
+    for b0 in range(0, body, CHECKSUM_CHUNK):  # (whole blocks a call: the same lanes)
+        b1 = min(body, b0 + CHECKSUM_CHUNK)
+        _lanes(_read_only(raw[b0:b1].view(np.uint64)), acc)
+        if each is not None:
+            each(flat[b0 // item:b1 // item])
     tail = np.zeros(64, np.uint8)
     tail[:n - body] = raw[body:]
     _lanes(_read_only(tail.view(np.uint64)), acc)
+    if each is not None and n > body:
+        each(flat[body // item:])
     out = b""
     for i in range(0, _LANES, 2):
         out += _mix(int(acc[i]) ^ ((int(acc[i + 1]) * int(_P3) + n) & ((1 << 64) - 1))
@@ -164,7 +176,9 @@ def open_tokens(path: Path, text_sha256: str, identity: str, vocab: int):
         return np.zeros(0, "<u2" if item == 2 else "<u4")
     arr = np.memmap(path, dtype="<u2" if item == 2 else "<u4", mode="r", offset=HEADER,
                     shape=(n,))
-    if checksum(arr) != h[88:120] or int(arr.max()) >= vocab:
+    largest = [0]
+    digest = checksum(arr, lambda part: largest.append(int(part.max())))
+    if digest != h[88:120] or max(largest) >= vocab:
         return None
     return arr
 

@@ -165,6 +165,19 @@ def bench_hyper(cfg, batch: int, loss_positions):
     return h
 
 
+def check_bench_plan(named_cfgs, speeds, threads, batches, loss_positions):
+    """hslm bench's runs judged before anything is compiled or timed: each model's and
+    batch's hyper-parameters (bench_hyper), and the memory of its runs side by side."""
+    combos = [(s, t) for t in threads for s in speeds]
+    shown = ",".join(str(t) for t in sorted(set(threads)))
+    for name, cfg in named_cfgs:
+        for batch in batches:
+            bench_hyper(cfg, batch, loss_positions)
+            check_fits(sum(memory_estimate(cfg, batch, t, s) for s, t in combos),
+                       f"bench --model {name} --batch {batch} --threads {shown} (its "
+                       f"{len(combos)} run{'s' if len(combos) != 1 else ''} side by side)")
+
+
 def hyper_from_json(text, cfg):
     """A Hyper from a .state's "hyper" field, checked as the flags are."""
     from .hyper import Hyper
