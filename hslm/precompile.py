@@ -24,10 +24,16 @@ the jobs waiting on its unfinished one go ahead (Board.settled) and compile what
 it left where they need it. The helpers get this process's Numba target and
 cache folder (helper_environment), and end, removing the folder, if the run's
 process disappears.
+
+One parallel compile a kernel cache at a time (CompileLock): a second run started
+while another compiles the same cache's kernels waits for them, then loads them
+(two cold first runs at once had each compiled everything: 88 s, not 16-25 s, on a
+2-core Xeon), and compiles itself only what the first left out.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -83,6 +89,76 @@ def _cache_lock_path():
 
 
 CACHE_LOCK = _cache_lock_path()
+
+
+class CompileLock:
+    """Which process compiles a kernel cache's missing kernels now, across processes: an
+    exclusive flock on a file in the temporary folder named after the cache's folder
+    (the kernel drops it when its holder dies, however). The file also holds the reason
+    of the compile under way, cleared when its jobs are done: found there by a later run
+    whose lock is free, that compile was interrupted, and its reason still holds (a first
+    run stopped in its compile is followed by a first run, not by "new kernels")."""
+
+    def __init__(self, path: Path):
+        self.path, self.file = Path(path), None
+
+    @classmethod
+    def for_cache(cls) -> "CompileLock | None":
+        """The lock of the cache hslm's kernels compile into (None without a temporary
+        folder: nothing compiles in parallel then)."""
+        if CACHE_LOCK is None:
+            return None
+        try:
+            from .micro import ternary_panel_matmul
+            where = str(ternary_panel_matmul._cache._cache_path)  # (Numba's, private)
+        except Exception:  # noqa: BLE001 (then one lock for all of this user's caches)
+            where = ""
+        key = hashlib.sha256(where.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+        return cls(CACHE_LOCK.with_name(f"{CACHE_LOCK.stem}-compile-{key}.lock"))
+
+    def take(self) -> bool:
+        """Hold the lock if it is free (True), else False. An unusable file: True, and
+        the run compiles on its own, as before the lock."""
+        import fcntl
+        try:
+            f = open(self.path, "a+")
+        except OSError:
+            return True
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            return False
+        self.file = f
+        return True
+
+    def wait(self, poll: float = 0.1) -> None:
+        """Until the lock is free, then hold it (polled: a signal's handler runs at once)."""
+        while not self.take():
+            time.sleep(poll)
+
+    def noted(self) -> str:
+        """The reason of the compile under way (another process's, while it holds the
+        lock), or of one that was under way when its process ended; "" if none."""
+        try:
+            with open(self.path, errors="replace") as f:
+                return f.read(200).strip()
+        except OSError:
+            return ""
+
+    def note(self, reason: str) -> None:
+        """The reason of the compile under way ("" once it is over)."""
+        if self.file is not None:
+            with contextlib.suppress(OSError):
+                self.file.seek(0)
+                self.file.truncate()
+                self.file.write(reason)
+                self.file.flush()
+
+    def release(self) -> None:
+        if self.file is not None:
+            self.file.close()  # (closing drops the flock)
+            self.file = None
 
 
 def jobs_for(speeds, teams: bool = False) -> list[str]:
@@ -328,12 +404,14 @@ class ParallelCompile:
     a warm machine, only needless: see needed()."""
 
     def __init__(self, speeds, vocab: int, echo=None, jobs=None, processes=None,
-                 reason="first run on this machine"):
+                 reason="first run on this machine", lock: CompileLock | None = None):
         self.jobs = jobs_for(speeds) if jobs is None else jobs
         self.reason = reason
         self.n = processes or processes_to_use(len(self.jobs))
         self.vocab, self.echo = int(vocab), echo
         self.helpers, self.t0 = [], None
+        self.lock = lock  # held (CompileLock.take) until every job is done, or this ends
+        self._jobs_over = threading.Event()
 
     def __enter__(self):
         self.t0 = time.perf_counter()
@@ -341,6 +419,12 @@ class ParallelCompile:
         self.folder = Path(self._dir.name)
         (self.folder / "jobs.json").write_text(json.dumps({"jobs": self.jobs, "vocab": self.vocab}))
         self.board = Board(self.folder)
+        if self.lock is not None:
+            # another run waiting on this cache goes on once the jobs are done, not once
+            # this run has read its text (finish())
+            self.lock.note(self.reason)
+            self._watcher = threading.Thread(target=self._release_when_done, daemon=True)
+            self._watcher.start()
         self._sigterm = None
         if threading.current_thread() is threading.main_thread():
             # SIGTERM while compiling: stop the helpers and remove the folder, then end
@@ -365,6 +449,16 @@ class ParallelCompile:
             self.__exit__(None, None, None)
             raise
         return self
+
+    def _release_when_done(self):
+        while True:
+            over = self._jobs_over.wait(0.05)  # (this run ends: its note stays if unfinished)
+            if all(self.board.done(j) for j in self.jobs):
+                self.lock.note("")
+                break
+            if over:
+                break
+        self.lock.release()
 
     def helpers_ended(self) -> bool:
         return all(h.poll() is not None for h in self.helpers)
@@ -410,6 +504,9 @@ class ParallelCompile:
             except subprocess.TimeoutExpired:
                 h.kill()
                 h.wait()
+        if self.lock is not None:  # (its note left as it is: an interrupted compile)
+            self._jobs_over.set()
+            self._watcher.join()
         self._dir.cleanup()
         return False
 
@@ -458,6 +555,33 @@ class _Nothing:
         pass
 
 
+class _AfterAnother(_Nothing):
+    """session() while another process compiles this cache's kernels: finish() waits for
+    its jobs (the text is read meanwhile), then compiles in parallel what is still
+    missing (the other run's speeds may not have been these), as session() would."""
+
+    def __init__(self, lock, speeds, vocab, echo, tokenizing_here, teams, reason):
+        self.lock, self.speeds, self.vocab, self.echo = lock, speeds, vocab, echo
+        self.tokenizing_here, self.teams, self.reason = tokenizing_here, teams, reason
+
+    def finish(self):
+        t0 = time.perf_counter()
+        if self.echo:
+            self.echo(f"waiting for the kernels another hslm process is compiling ({self.reason})"
+                      " ...")
+        self.lock.wait()
+        try:
+            reason = needed(self.speeds, self.teams)
+            if self.echo:
+                self.echo(f"waited {time.perf_counter() - t0:.0f} s")
+            if reason:
+                with _parallel_compile(self.lock, reason, self.speeds, self.vocab, self.echo,
+                                       self.tokenizing_here, self.teams) as compiling:
+                    compiling.finish()
+        finally:
+            self.lock.release()  # (after a ParallelCompile, released there already)
+
+
 def session(speeds, vocab: int, echo=None, tokenizing_here=False, teams=False):
     """The one decision for every command: a ParallelCompile when a run at these
     speeds would compile (needed()), else a context that does nothing. With
@@ -471,11 +595,22 @@ def session(speeds, vocab: int, echo=None, tokenizing_here=False, teams=False):
             echo("compiling kernels (first run on this machine: under a minute) ...")
         return _Nothing()
     reason = needed(speeds, teams)
-    if not reason or CACHE_LOCK is None:  # (no temporary folder: compiled as the run goes)
+    lock = CompileLock.for_cache()
+    if not reason or lock is None:  # (no temporary folder: compiled as the run goes)
         return _Nothing()
+    if not lock.take():
+        return _AfterAnother(lock, speeds, vocab, echo, tokenizing_here, teams,
+                             lock.noted() or reason)
+    return _parallel_compile(lock, reason, speeds, vocab, echo, tokenizing_here, teams)
+
+
+def _parallel_compile(lock, reason, speeds, vocab, echo, tokenizing_here, teams):
+    """session()'s ParallelCompile, the lock held (a compile of this cache's that was
+    interrupted gives its reason)."""
     jobs = [j for j in jobs_for(speeds, teams) if not (tokenizing_here and j == "tokenizer")]
     return ParallelCompile(speeds, vocab, echo, jobs,
-                           processes_to_use(len(jobs) + tokenizing_here), reason)
+                           processes_to_use(len(jobs) + tokenizing_here),
+                           lock.noted() or reason, lock)
 
 
 def compile_first(speeds, vocab: int, echo=None, teams=False) -> None:

@@ -141,6 +141,114 @@ def test_a_job_whose_owner_died_does_not_hold_up_the_others(tmp_path, monkeypatc
     assert not worker.is_alive() and ran == ["weight-gradient tile", "forward blocks"]
 
 
+def _sessions(tmp_path, monkeypatch, reasons):
+    """session() with a lock of the test's own and needed() answering reasons in turn;
+    ParallelCompile recorded, not run. Returns what it records."""
+    made = []
+    lock_path = tmp_path / "compile.lock"
+    monkeypatch.setattr(precompile.CompileLock, "for_cache",
+                        classmethod(lambda cls: cls(lock_path)))
+    answers = iter(reasons)
+    monkeypatch.setattr(precompile, "needed", lambda speeds, teams=False: next(answers))
+
+    class Recorded(precompile._Nothing):
+        def __init__(self, speeds, vocab, echo, jobs, processes, reason, lock):
+            made.append(reason)
+            self.lock = lock
+
+        def __exit__(self, *exc):
+            self.lock.release()
+            return False
+
+    monkeypatch.setattr(precompile, "ParallelCompile", Recorded)
+    return made, lock_path
+
+
+def test_a_run_waits_for_another_runs_compile_of_the_same_cache_then_compiles_nothing(
+        tmp_path, monkeypatch):
+    """Two first runs at once had each compiled every kernel (88 s against 16-25 s on a
+    2-core Xeon): a run that finds the cache's compile lock held waits for it, saying
+    so, and then compiles only what is still missing (here nothing)."""
+    made, lock_path = _sessions(tmp_path, monkeypatch, ["new kernels since the last run", ""])
+    other = precompile.CompileLock(lock_path)
+    assert other.take()
+    other.note("first run on this machine")
+    said = []
+    compiling = precompile.session([3], 729, said.append)
+    assert isinstance(compiling, precompile._AfterAnother) and made == []
+    threading.Timer(0.5, lambda: (other.note(""), other.release())).start()
+    t0 = time.perf_counter()
+    with compiling:
+        compiling.finish()
+    assert time.perf_counter() - t0 >= 0.45  # it waited for the other's jobs
+    # (the other's reason: its helpers may have put the first kernels in the cache already)
+    assert made == [] and said[0] == ("waiting for the kernels another hslm process is "
+                                      "compiling (first run on this machine) ...")
+    assert precompile.CompileLock(lock_path).take()  # and let go of the lock
+
+
+def test_a_run_after_another_compiles_what_is_still_missing_and_a_free_lock_compiles_at_once(
+        tmp_path, monkeypatch):
+    """What the other run left (its speeds were not these, or it was stopped) is
+    compiled after the wait, under the lock; with the lock free (the control), the
+    run compiles at once."""
+    made, lock_path = _sessions(tmp_path, monkeypatch, ["first run on this machine",
+                                                        "new kernels since the last run"])
+    other = precompile.CompileLock(lock_path)
+    assert other.take()
+    compiling = precompile.session([3], 729, None)
+    threading.Timer(0.2, other.release).start()
+    with compiling:
+        compiling.finish()
+    assert made == ["new kernels since the last run"]
+    made.clear()
+    monkeypatch.setattr(precompile, "needed", lambda speeds, teams=False: "a reason")
+    with precompile.session([3], 729, None):
+        pass
+    assert made == ["a reason"]
+
+
+def test_a_compile_that_was_stopped_gives_its_reason_to_the_next(tmp_path, monkeypatch):
+    """A first run stopped while compiling leaves kernels in the cache: the next run's
+    compile is still the first run's, not "new kernels since the last run". A compile
+    that finished leaves no reason behind (the control)."""
+    made, lock_path = _sessions(tmp_path, monkeypatch, ["new kernels since the last run"] * 2)
+    stopped = precompile.CompileLock(lock_path)
+    assert stopped.take()
+    stopped.note("first run on this machine")
+    stopped.release()  # (its process ended, the note still there)
+    with precompile.session([3], 729, None):
+        pass
+    lock_path.write_text("")  # a compile that finished
+    with precompile.session([3], 729, None):
+        pass
+    assert made == ["first run on this machine", "new kernels since the last run"]
+
+
+def test_a_parallel_compile_frees_the_lock_once_its_jobs_are_done(tmp_path, monkeypatch):
+    """Another run waiting goes on once the jobs are done, not once this run has read its
+    text (finish() comes after); a compile that ends with a job not done keeps its note."""
+    monkeypatch.setattr(precompile, "_run_job", lambda name, vocab: None)
+    monkeypatch.setattr(precompile, "_locked_cache_saves", lambda path: _no_lock())
+    lock = precompile.CompileLock(tmp_path / "compile.lock")
+    assert lock.take()
+    with precompile.ParallelCompile([3], 729, None, ["model"], 1, "first run", lock) as c:
+        assert (tmp_path / "compile.lock").read_text() == "first run"
+        assert not precompile.CompileLock(tmp_path / "compile.lock").take()
+        c.board.work()  # (the job done, by a helper in a run)
+        deadline = time.monotonic() + 10
+        while lock.file is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert precompile.CompileLock(tmp_path / "compile.lock").take()  # before finish()
+    assert (tmp_path / "compile.lock").read_text() == ""
+    lock = precompile.CompileLock(tmp_path / "compile2.lock")
+    assert lock.take()
+    with precompile.ParallelCompile([3], 729, None, ["model"], 1, "first run", lock):
+        pass  # stopped before its job
+    assert (tmp_path / "compile2.lock").read_text() == "first run"
+    assert precompile.CompileLock(tmp_path / "compile2.lock").take()
+
+
 class _no_lock:
     def __enter__(self):
         return self
@@ -154,7 +262,8 @@ def test_a_first_run_compiles_in_parallel_and_then_compiles_nothing(tmp_path):
     """An empty kernel cache: `hslm train` says it compiles, its jobs compile speed 3's
     kernels (in one process per core) while the text is tokenized, and nothing compiles
     after them, in training or evaluation; then speed 2's jobs, and a speed-2 run compiles
-    nothing either: the jobs' argument types are the run's."""
+    nothing either: the jobs' argument types are the run's. A run started meanwhile on
+    the same cache waits for the first's jobs and compiles nothing of theirs."""
     code = """
 import sys
 import click
@@ -185,13 +294,55 @@ cli(["train", "--model", "hslm-tiny", "--steps", "2", "--batch", "3", "--speed",
 print("compiled after the jobs:", late)
 """
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
-    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out")], env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr
-    notices = [l for l in p.stderr.splitlines() if l.startswith("compiling kernels in ")]
-    assert len(notices) == 2 and p.stderr.count("compiled in") == 2, p.stderr
-    assert "compiled after the jobs: []" in p.stdout, p.stdout
+    first = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "out")], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    (tmp_path / "second.txt").write_text((ROOT / "README.md").read_text())
+    with running(first, 600):
+        said = [first.stderr.readline()]  # (its compile lock is held from here on)
+        # A second run started meanwhile on the same cache waits for the first's kernels
+        # and compiles none itself (two had each compiled everything).
+        second = subprocess.run([sys.executable, "-c", SECOND_RUN, str(tmp_path / "second")],
+                                env=env, capture_output=True, text=True, timeout=600)
+        out, err = first.communicate(timeout=600)
+    err = "".join(said) + err
+    assert first.returncode == 0, err
+    notices = [l for l in err.splitlines() if l.startswith("compiling kernels in ")]
+    assert len(notices) == 2 and err.count("compiled in") == 2, err
+    assert "compiled after the jobs: []" in out, out
     assert list((tmp_path / "cache").rglob("*.nbi"))  # (a negative control: it did compile)
+    assert second.returncode == 0, second.stderr
+    assert second.stderr.startswith("waiting for the kernels another hslm process is compiling "
+                                    "(first run on this machine) ..."), second.stderr
+    assert "compiling kernels in" not in second.stderr, second.stderr
+    assert "compiled after the wait: []" in second.stdout, second.stdout
+    assert "then: ['<lambda>']" in second.stdout, second.stdout  # (the listener's control)
+
+
+SECOND_RUN = """
+import sys
+from numba.core import event
+from hslm import precompile
+from hslm.cli import cli
+phase, compiled = ["wait"], {"wait": [], "run": []}
+wait = precompile.CompileLock.wait
+def wait_then_watch(self, *args):
+    wait(self, *args)
+    phase[0] = "run"
+precompile.CompileLock.wait = wait_then_watch
+class Listener(event.Listener):
+    def on_start(self, ev):
+        compiled[phase[0]].append(ev.data["dispatcher"].py_func.__qualname__)
+    def on_end(self, ev):
+        pass
+event.register("numba:compile", Listener())
+cli(["train", "--model", "hslm-tiny", "--steps", "2", "--batch", "3", "--threads", "2",
+     "--data", sys.argv[1] + ".txt", "--eval-every", "1", "--out", sys.argv[1]],
+    standalone_mode=False)
+print("compiled after the wait:", compiled["run"])
+from numba import njit
+njit(lambda x: x + 1)(1)  # (the listener's control)
+print("then:", compiled["run"])
+"""
 
 
 def test_the_helpers_import_this_hslm_whatever_folder_the_run_was_started_in(tmp_path,
