@@ -141,9 +141,20 @@ def write_atomic(path: Path, blob, what: str = "checkpoint", make_parent: bool =
     fsynced. A reader never sees a half-written file under path. dir_fd: the folder,
     open (a run's locked folder, FolderLock.dir_fd): written there whatever its name
     has become (path's folder then only names it in messages)."""
-    path = Path(path)
+    write_atomic_files([(path, blob)], what, make_parent, dir_fd)
+
+
+def write_atomic_files(files, what: str = "checkpoint", make_parent: bool = False,
+                       dir_fd=None):
+    """write_atomic for several files of one folder, [(path, blob)], as one: each is
+    written whole to its temporary file before any is renamed, so a write that fails
+    (a full disk, a second Ctrl-C) leaves every file as it was. (A checkpoint's .bin
+    and .state are a pair: the .bin renamed before the .state was written had left a
+    new .bin beside the old .state, and neither step could be resumed.)"""
+    files = [(Path(path), blob) for path, blob in files]
+    path = files[0][0]
     if dir_fd is not None:
-        return _write_atomic_in(dir_fd, path, blob, what)
+        return _write_atomic_in(dir_fd, files, what)
     try:
         if make_parent:
             for folder in (path.parent, *path.parent.parents):
@@ -156,7 +167,7 @@ def write_atomic(path: Path, blob, what: str = "checkpoint", make_parent: bool =
     except OSError as e:
         raise HslmError(f"cannot write {what} {path}: {e.strerror or e}") from None
     try:
-        _write_atomic_in(folder_fd, path, blob, what)
+        _write_atomic_in(folder_fd, files, what)
     finally:
         os.close(folder_fd)
 
@@ -212,23 +223,27 @@ def new_file_in(dir_fd, name: str) -> int:
     return os.open(name, flags, 0o666, dir_fd=dir_fd)
 
 
-def _write_atomic_in(dir_fd, path: Path, blob, what: str):
-    """write_atomic with every name taken in the open folder dir_fd."""
-    tmp = f".{path.name}.tmp{os.getpid()}"
-    parts = [blob] if isinstance(blob, (bytes, bytearray, memoryview)) else blob
+def _write_atomic_in(dir_fd, files, what: str):
+    """write_atomic_files with every name taken in the open folder dir_fd."""
+    tmps = [f".{path.name}.tmp{os.getpid()}" for path, _ in files]
+    path = files[0][0]
     try:
-        fd = new_file_in(dir_fd, tmp)
-        with open(fd, "wb") as f:
-            for part in parts:
-                f.write(part)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        for (path, blob), tmp in zip(files, tmps):
+            parts = [blob] if isinstance(blob, (bytes, bytearray, memoryview)) else blob
+            fd = new_file_in(dir_fd, tmp)
+            with open(fd, "wb") as f:
+                for part in parts:
+                    f.write(part)
+                f.flush()
+                os.fsync(f.fileno())
+        for (path, _), tmp in zip(files, tmps):
+            os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException as e:  # (a second Ctrl-C mid-write too: no temporary file left)
-        try:
-            os.unlink(tmp, dir_fd=dir_fd)
-        except OSError:
-            pass
+        for tmp in tmps:
+            try:
+                os.unlink(tmp, dir_fd=dir_fd)
+            except OSError:
+                pass
         if isinstance(e, OSError):
             raise HslmError(f"cannot write {what} {path}: {e.strerror or e}") from None
         raise

@@ -368,8 +368,8 @@ class Run:
                                 ckpt.params_sha256_of(pblob), extra)
         # through the folder locked, whatever its name now
         locked_dir_fd = lock.dir_fd if lock is not None else None
-        ckpt.write_atomic(paths[0], pblob, dir_fd=locked_dir_fd)
-        ckpt.write_atomic(paths[1], sblob, dir_fd=locked_dir_fd)
+        # both written before either is renamed: a failed save leaves the old pair whole
+        ckpt.write_atomic_files([(paths[0], pblob), (paths[1], sblob)], dir_fd=locked_dir_fd)
         if problem == "moved":
             raise HslmError(f"{out} is no longer the folder this run locked (moved or replaced "
                             f"during the run): step {self.step} is saved in the folder it "

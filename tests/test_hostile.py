@@ -1469,3 +1469,32 @@ def test_a_text_file_given_as_a_checkpoint_is_called_text(base, tmp_path):
     cut.write_bytes((base / "ckpt_2.bin").read_bytes()[:100])
     line = one_line_error(*hslm("info", cut))
     assert "is damaged" in line and "not an hslm checkpoint: it begins with text" not in line
+
+
+def test_a_save_that_fails_leaves_the_checkpoint_it_would_replace_whole(tmp_path):
+    """A checkpoint is a pair: the .bin was renamed over the old one before the .state
+    was written, so a save that failed on its .state (a full disk; here a file-size
+    limit between the two files' sizes) left a new .bin beside the old .state, and
+    neither run's step 2 could be resumed. Now both are written before either is
+    renamed: the old pair is left whole, and resumes."""
+    import resource
+    d = tmp_path / "rp"
+    code, out, err = hslm("train", *TINY, "--steps", "2", "--out", d, "--quiet")
+    assert code == 0, err
+    old = {n: (d / n).read_bytes() for n in ("ckpt_2.bin", "ckpt_2.state")}
+    assert len(old["ckpt_2.bin"]) < len(old["ckpt_2.state"])  # (the limit falls between)
+    limit = (len(old["ckpt_2.bin"]) + len(old["ckpt_2.state"])) // 2
+    p = subprocess.run([sys.executable, str(ROOT / "cli.py"), "train", *map(str, TINY),
+                        "--steps", "2", "--seed", "5", "--out", str(d), "--quiet"],
+                       capture_output=True, text=True, timeout=600,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE,
+                                                             (limit, limit)))
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    assert p.stderr.splitlines()[-1].startswith("error: cannot write checkpoint "), p.stderr
+    assert {n: (d / n).read_bytes() for n in old} == old
+    assert not [f.name for f in d.iterdir() if ".tmp" in f.name]
+    code, out, err = hslm("train", "--resume", d / "ckpt_2.state", "--steps", "3", "--quiet")
+    assert code == 0, err
+    # (the control: a save that fits replaces the pair)
+    code, out, err = hslm("train", *TINY, "--steps", "2", "--seed", "5", "--out", d, "--quiet")
+    assert code == 0 and (d / "ckpt_2.bin").read_bytes() != old["ckpt_2.bin"], err
