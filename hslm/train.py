@@ -612,9 +612,28 @@ class HeldFolder:
         self.lock.release()
 
     def remove_created(self):
-        """Remove the folder this run made (it holds only this run's caches)."""
-        if self.created is not None:
-            shutil.rmtree(self.created, ignore_errors=True)
+        """Remove the folders this run made: the output folder (it holds only this run's
+        caches), if its name still leads to the folder locked, then each folder made
+        above it that is now empty. Never by name alone: under a parent this run made,
+        another run may have made its own --out since (or taken the name of a folder
+        moved away), and removing the parent whole had removed that run's checkpoints."""
+        if self.created is None:
+            return
+        out = self.lock.path.parent
+        try:
+            st, held = os.stat(out), os.fstat(self.lock.dir_fd)
+            if (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino):
+                shutil.rmtree(out, ignore_errors=True)
+        except (OSError, TypeError):  # (gone already, or not held)
+            pass
+        for folder in (out, *out.parents):
+            if folder != out:
+                try:
+                    os.rmdir(folder)  # (only if empty)
+                except OSError:
+                    return
+            if folder == self.created:
+                return
 
 
 def hold_out_dir(out: Path) -> HeldFolder:

@@ -1498,3 +1498,30 @@ def test_a_save_that_fails_leaves_the_checkpoint_it_would_replace_whole(tmp_path
     # (the control: a save that fits replaces the pair)
     code, out, err = hslm("train", *TINY, "--steps", "2", "--seed", "5", "--out", d, "--quiet")
     assert code == 0 and (d / "ckpt_2.bin").read_bytes() != old["ckpt_2.bin"], err
+
+
+def test_a_run_that_fails_before_training_removes_only_the_folders_it_made_and_holds(tmp_path):
+    """A run removes the output folder it made when it fails before training (a bad
+    text, Ctrl-C while tokenizing). It removed the topmost folder it had made by name:
+    another run started meanwhile with --out beside its own, under that folder, lost
+    its checkpoints, as did a run that took the name of the folder once moved away."""
+    from hslm.train import hold_out_dir
+    held = hold_out_dir(tmp_path / "sweep" / "a")  # sweep made by this run
+    (tmp_path / "sweep" / "b").mkdir()  # another run's, since
+    (tmp_path / "sweep" / "b" / "ckpt_1.bin").write_bytes(b"theirs")
+    held.remove_created()
+    held.release()
+    assert sorted(p.name for p in (tmp_path / "sweep").iterdir()) == ["b"]
+    assert (tmp_path / "sweep" / "b" / "ckpt_1.bin").read_bytes() == b"theirs"
+    held = hold_out_dir(tmp_path / "x")
+    (tmp_path / "x").rename(tmp_path / "x.old")  # moved away; another run takes the name
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "ckpt_1.bin").write_bytes(b"theirs")
+    held.remove_created()
+    held.release()
+    assert (tmp_path / "x" / "ckpt_1.bin").read_bytes() == b"theirs"
+    # the control: alone, every folder the run made is removed
+    held = hold_out_dir(tmp_path / "new" / "deeper" / "out")
+    held.remove_created()
+    held.release()
+    assert not (tmp_path / "new").exists()
