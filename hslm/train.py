@@ -139,11 +139,14 @@ def check_paths_apart(o: TrainOptions, out: Path):
     if o.metrics is None:
         return
     m = Path(o.metrics)
-    where = os.path.realpath(m.parent)
+    # where the run's appends go: through a link, its target's name in its target's folder
+    target = Path(os.path.realpath(m))
+    where = str(target.parent)
+    shown = f"{m} (a link to {target})" if os.path.islink(m) else str(m)
     for folder, what in ((out, "output folder"), (cache, "token cache folder")):
         if (folder is not None and where == os.path.realpath(folder)
-                and RUN_FILE_NAMES.fullmatch(m.name)):
-            raise HslmError(f"--metrics {m} is a name this run writes in its {what} "
+                and RUN_FILE_NAMES.fullmatch(target.name)):
+            raise HslmError(f"--metrics {shown} is a name this run writes in its {what} "
                             f"{folder} (tokenizer.json, ckpt_N.bin and .state, token caches, "
                             "hidden files); give the metrics file another name")
     for d in o.data:

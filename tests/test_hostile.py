@@ -74,7 +74,7 @@ def test_a_metrics_link_to_a_missing_folder_is_refused_before_anything(tmp_path)
 
 
 @pytest.mark.parametrize("case", ["tokenizer.json", "checkpoint", "lock", "data file",
-                                  "data folder", "token cache"])
+                                  "data folder", "token cache", "a link to tokenizer.json"])
 def test_metrics_naming_one_of_the_runs_own_files_is_refused_before_anything(tmp_path, case,
                                                                               monkeypatch):
     """--metrics may not name a file the run writes (cut short or replaced by it, the
@@ -98,7 +98,13 @@ def test_metrics_naming_one_of_the_runs_own_files_is_refused_before_anything(tmp
         "data folder": (text / "m.jsonl", "is in the training text", tmp_path / "m.jsonl"),
         "token cache": (cache / "text-sha256.json", "a name this run writes in its token cache",
                         cache / "metrics.jsonl"),
+        # (judged by where the link leads: the run had cut its tokenizer.json short)
+        "a link to tokenizer.json": (tmp_path / "ml", "a name this run writes in its output",
+                                     tmp_path / "mc"),
     }[case]
+    if case.startswith("a link"):
+        os.symlink(out / "tokenizer.json", metrics)
+        os.symlink(out / "metrics.jsonl", control)
     data = text / "a.txt" if case == "data file" else text
     args = ("train", *TINY, "--steps", 1, "--data", data, "--out", out, "--metrics")
     line = one_line_error(*hslm(*args, metrics))
