@@ -100,7 +100,7 @@ def partial_tail(tail: bytes, whole: bool):
         return 0
     lines = tail.split(b"\n")
     before_ok = whole if len(lines) == 1 else _is_record(lines[-2])
-    return len(lines[-1]) if lines[-1].startswith(b"{") and before_ok else None
+    return len(lines[-1]) if _torn_record(lines[-1]) and before_ok else None
 
 
 def _is_record(line: bytes) -> bool:
@@ -108,6 +108,19 @@ def _is_record(line: bytes) -> bool:
         return isinstance(json.loads(line), dict)
     except ValueError:
         return False
+
+
+def _torn_record(line: bytes) -> bool:
+    """A record a run stopped while writing: '{' and not whole JSON, or one of hslm's
+    records whole but for its newline. A whole JSON object of another kind is someone
+    else's file (a config, say: json.dump ends in no newline), never cut."""
+    if not line.startswith(b"{"):
+        return False
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return True
+    return isinstance(value, dict) and value.get("kind") in ("train", "eval")
 
 
 class Metrics:

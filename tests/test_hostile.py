@@ -519,8 +519,14 @@ def test_a_metrics_file_ending_in_a_partial_line_is_cut_back_to_its_last_whole_l
     Metrics(m).close()
     assert m.read_text() == whole and capsys.readouterr().err == ""
     # a file that is not a metrics file cut short is refused, not cut (before the run too)
+    # a record whole but for its newline is cut too
+    m.write_text(whole + whole.strip())
+    Metrics(m).close()
+    assert m.read_text() == whole and "partial record" in capsys.readouterr().err
+    # (a whole JSON object that is no record of hslm's, a config written by json.dump,
+    # had been cut away as a partial record: refused now)
     for other in ("notes\nmy important notes", whole + "free text", "x" * 70000,
-                  "[1, 2]\n{partial"):
+                  "[1, 2]\n{partial", '{"a": 1}', whole + '{"a": 1}'):
         m.write_text(other)
         with pytest.raises(HslmError, match="is not a metrics file cut short"):
             Metrics(m)
