@@ -119,8 +119,11 @@ def check_metrics_path(metrics, out: Path):
 # The names a run writes in its output folder (and its token cache folder): a metrics
 # file of such a name was cut short or replaced by the run's own file. Hidden names are
 # hslm's too (the folder's lock, write_atomic's temporary files, the write probe).
-RUN_FILE_NAMES = re.compile(r"tokenizer\.json|ckpt_\d+\.(bin|state)|bpe-.*\.json|tokens-.*\.tok"
-                            r"|" + re.escape(TEXT_SHA_MEMO) + r"|\..*", re.DOTALL)
+WRITTEN_NAMES = (r"tokenizer\.json|ckpt_\d+\.(?:bin|state)|bpe-.*\.json|tokens-.*\.tok|"
+                 + re.escape(TEXT_SHA_MEMO))
+RUN_FILE_NAMES = re.compile(WRITTEN_NAMES + r"|\..*", re.DOTALL)
+# write_atomic's temporary file of one of them: `.<name>.tmp<pid>`
+TORN_WRITE = re.compile(r"\.(?:" + WRITTEN_NAMES + r")\.tmp(?P<pid>[0-9]{1,10})", re.DOTALL)
 
 
 def check_paths_apart(o: TrainOptions, out: Path):
@@ -195,11 +198,14 @@ def tidy_cache_dir(cache, out: Path):
 
 def remove_torn_writes(out: Path):
     """Delete temporary files left by a writer that was killed mid-write
-    (checkpoint.write_atomic's `.<name>.tmp<pid>`), when that process is gone."""
+    (checkpoint.write_atomic's `.<name>.tmp<pid>`, of a name a run writes: a --cache-dir
+    may be a folder of the user's, whose `.notes.tmp12` is not hslm's), when that process
+    is gone."""
     for p in out.glob(".*.tmp*"):
-        pid = p.name.rsplit(".tmp", 1)[-1]
-        if not (pid.isascii() and pid.isdigit() and len(pid) <= 10 and 0 < int(pid) < 2 ** 31):
+        torn = TORN_WRITE.fullmatch(p.name)
+        if torn is None or not 0 < int(torn["pid"]) < 2 ** 31:
             continue  # (not a name write_atomic makes: os.kill would refuse such a pid)
+        pid = torn["pid"]
         try:
             os.kill(int(pid), 0)
         except ProcessLookupError:

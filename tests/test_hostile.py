@@ -1238,13 +1238,19 @@ def test_plot_writes_its_image_atomically(tmp_path, monkeypatch):
 
 def test_odd_temporary_names_are_left_alone_not_a_traceback(tmp_path):
     """remove_torn_writes reads a pid from `.<name>.tmp<pid>`: one os.kill cannot take
-    (over a C long, or a digit that is not ASCII) stopped `hslm train` with a traceback."""
+    (over a C long, or a digit that is not ASCII) stopped `hslm train` with a traceback.
+    Only the names hslm writes are its torn writes."""
     from hslm.train import remove_torn_writes
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    odd = [".a.tmp99999999999999999999", ".b.tmp12345678901", ".c.tmp\u00b2", ".d.tmp0",
-           ".e.tmp"]
-    for n in odd + [f".f.tmp{dead.pid}"]:
+    odd = [".ckpt_1.bin.tmp99999999999999999999", ".ckpt_1.bin.tmp12345678901",
+           ".ckpt_1.bin.tmp\u00b2", ".ckpt_1.bin.tmp0", ".ckpt_1.bin.tmp",
+           # a user's files that are not hslm's, in a --cache-dir of theirs, say (removed
+           # before: any `.X.tmpN` of a dead pid was taken for a torn write)
+           f".notes.tmp{dead.pid}", f".bashrc.tmp{dead.pid}", f".tokenizer.json.tmp{dead.pid}x"]
+    torn = [f".{n}.tmp{dead.pid}" for n in ("ckpt_3.bin", "ckpt_3.state", "tokenizer.json",
+                                             "bpe-ab.json", "tokens-ab.tok", "text-sha256.json")]
+    for n in odd + torn:
         (tmp_path / n).write_bytes(b"x")
     remove_torn_writes(tmp_path)
     assert sorted(os.listdir(tmp_path)) == sorted(odd)  # a dead writer's alone removed
