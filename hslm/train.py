@@ -420,10 +420,13 @@ def load_corpus_compiling(o: TrainOptions, cfg: Config, load, batch: int):
     return corpus
 
 
-def save_tokenizer(out: Path, tok: Tokenizer):
+def save_tokenizer(out: Path, tok: Tokenizer, dir_fd=None):
     """tokenizer.json beside the checkpoints, for people and other tools; hslm itself
-    reads the copy inside each .bin."""
-    ckpt.write_atomic(out / "tokenizer.json", tok.to_json().encode("utf-8"), what="tokenizer")
+    reads the copy inside each .bin. dir_fd: the run's locked folder, written there
+    whatever its name now (a folder moved while the text was tokenized: the name may
+    be another run's folder, whose tokenizer.json this one had replaced)."""
+    ckpt.write_atomic(out / "tokenizer.json", tok.to_json().encode("utf-8"), what="tokenizer",
+                      dir_fd=dir_fd)
 
 
 def load_for_inference(path, threads=1, warn=None, trained_on=None):
@@ -741,7 +744,7 @@ def train_run(o: TrainOptions, echo=None):
         cfg, h = run.cfg, run.hyper
         if distributed.is_writer():
             warn_of_replaced_checkpoints(out, run.step, o.steps, o.save_every)
-            save_tokenizer(out, run.corpus.tokenizer)
+            save_tokenizer(out, run.corpus.tokenizer, lock.dir_fd)
         if not o.quiet:
             need = memory_estimate(cfg, h.batch, o.threads, o.speed)
             echo(f"model {cfg.n_params:,} parameters, about {need / 2 ** 20:,.0f} MiB for "

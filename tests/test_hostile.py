@@ -1543,3 +1543,38 @@ def test_a_run_that_fails_before_training_removes_only_the_folders_it_made_and_h
     held.remove_created()
     held.release()
     assert not (tmp_path / "new").exists()
+
+
+MOVED_WHILE_TOKENIZING = """
+import os, sys
+from hslm import train
+from hslm.cli import main
+out = sys.argv[1]
+load = train.load_corpus
+def load_then_move(*args, **kwargs):
+    corpus = load(*args, **kwargs)
+    os.rename(out, out + ".old")  # the user moves the folder; another run takes the name
+    os.mkdir(out)
+    with open(os.path.join(out, "tokenizer.json"), "w") as f:
+        f.write("theirs")
+    return corpus
+train.load_corpus = load_then_move
+sys.argv = ["hslm", "train", "--model", "hslm-tiny", "--batch", "2", "--threads", "1",
+            "--steps", "1", "--out", out]
+main()
+"""
+
+
+def test_a_folder_moved_while_the_text_is_read_gets_the_tokenizer_not_the_new_one(tmp_path):
+    """tokenizer.json was written by the folder's name, so a run whose folder was moved
+    while it read its text replaced the tokenizer.json of the run that took the name;
+    it goes into the folder the run holds, as its checkpoints do."""
+    out = tmp_path / "m"
+    p = subprocess.run([sys.executable, "-c", MOVED_WHILE_TOKENIZING, str(out)],
+                       capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    line = one_line_error(p.returncode, p.stdout, p.stderr)
+    assert "is no longer the folder this run locked" in line, line
+    assert (out / "tokenizer.json").read_text() == "theirs"
+    assert json.loads((tmp_path / "m.old" / "tokenizer.json").read_text())  # (the control)
+    assert sorted(os.listdir(out)) == ["tokenizer.json"]
