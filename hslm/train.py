@@ -10,6 +10,7 @@ import shutil
 import signal
 import sys
 import time
+import contextlib
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -638,14 +639,8 @@ class HeldFolder:
                 shutil.rmtree(out, ignore_errors=True)
         except (OSError, TypeError):  # (gone already, or not held)
             pass
-        for folder in (out, *out.parents):
-            if folder != out:
-                try:
-                    os.rmdir(folder)  # (only if empty)
-                except OSError:
-                    return
-            if folder == self.created:
-                return
+        if out != self.created:
+            _remove_empty_folders(out.parent, self.created)
 
 
 def hold_out_dir(out: Path) -> HeldFolder:
@@ -660,7 +655,29 @@ def hold_out_dir(out: Path) -> HeldFolder:
     else:
         while not top.parent.exists():
             top = top.parent
-    return HeldFolder(prepare_out_dir(out), top)
+    try:
+        lock = prepare_out_dir(out)
+    except BaseException:  # (its lock file could not be written, say: a full disk)
+        if top is not None:
+            from .lock import LOCK_NAME
+            _remove_empty_folders(Path(out), top, [LOCK_NAME])
+        raise
+    return HeldFolder(lock, top)
+
+
+def _remove_empty_folders(folder: Path, top: Path, leftovers=()):
+    """Remove folder, then each one above it up to top, while each is empty (but for the
+    names in leftovers, in folder: what this run left there itself)."""
+    for name in leftovers:
+        with contextlib.suppress(OSError):
+            os.unlink(folder / name)
+    for f in (folder, *folder.parents):
+        try:
+            os.rmdir(f)  # (only if empty)
+        except OSError:
+            return
+        if f == top:
+            return
 
 
 @contextmanager

@@ -1578,3 +1578,25 @@ def test_a_folder_moved_while_the_text_is_read_gets_the_tokenizer_not_the_new_on
     assert (out / "tokenizer.json").read_text() == "theirs"
     assert json.loads((tmp_path / "m.old" / "tokenizer.json").read_text())  # (the control)
     assert sorted(os.listdir(out)) == ["tokenizer.json"]
+
+
+def test_an_output_folder_whose_lock_cannot_be_written_is_not_left_behind(tmp_path):
+    """With no byte writable (a file-size limit of 0; a full disk alike), the run said
+    "cannot write the lock file" and left the folders it had made, an empty lock file
+    in them."""
+    import resource
+    out = tmp_path / "new" / "u0"
+    p = subprocess.run([sys.executable, str(ROOT / "cli.py"), "train", *map(str, TINY),
+                        "--steps", "1", "--out", str(out)], capture_output=True, text=True,
+                       timeout=600,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0)))
+    line = one_line_error(p.returncode, p.stdout, p.stderr)
+    assert "cannot write the lock file" in line, line
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "there").mkdir()  # the control: a folder that was there stays
+    p = subprocess.run([sys.executable, str(ROOT / "cli.py"), "train", *map(str, TINY),
+                        "--steps", "1", "--out", str(tmp_path / "there")], capture_output=True,
+                       text=True, timeout=600,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0)))
+    assert "cannot write the lock file" in one_line_error(p.returncode, p.stdout, p.stderr)
+    assert os.listdir(tmp_path) == ["there"]
