@@ -239,6 +239,8 @@ class Run:
         # a bench, whose runners have none): where each rank owns part of the state
         self.world = None
         self.folder_lock = None  # hslm train's lock of the output folder, checked at each save
+        self.last_saved = None  # the .state this run last saved (or resumed from): named when
+        # a save fails
 
     @classmethod
     def fresh(cls, cfg: Config, hyper: Hyper, corpus: Corpus, plain=True) -> "Run":
@@ -379,7 +381,14 @@ class Run:
         # through the folder locked, whatever its name now
         locked_dir_fd = lock.dir_fd if lock is not None else None
         # both written before either is renamed: a failed save leaves the old pair whole
-        ckpt.write_atomic_files([(paths[0], pblob), (paths[1], sblob)], dir_fd=locked_dir_fd)
+        try:
+            ckpt.write_atomic_files([(paths[0], pblob), (paths[1], sblob)],
+                                    dir_fd=locked_dir_fd)
+        except HslmError as e:
+            raise HslmError(f"{e}; step {self.step} not saved, " + (
+                f"the last checkpoint saved is {self.last_saved}" if self.last_saved else
+                "no checkpoint of this run is saved")) from None
+        self.last_saved = paths[1]
         if problem == "moved":
             raise HslmError(f"{out} is no longer the folder this run locked (moved or replaced "
                             f"during the run): step {self.step} is saved in the folder it "
@@ -590,6 +599,7 @@ def open_run(o: TrainOptions):
         with releasing_on_error(held):
             run = Run.resume(o.resume, corpus_for, plain=SPEEDS[o.speed].plain_layouts,
                              threads=o.threads, speed=o.speed)
+            run.last_saved = o.resume
         return run, out, held[0]
     cfg = resolve_config(o.model)
     values = dict(o.hyper)

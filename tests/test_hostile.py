@@ -1600,3 +1600,36 @@ def test_an_output_folder_whose_lock_cannot_be_written_is_not_left_behind(tmp_pa
                        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0)))
     assert "cannot write the lock file" in one_line_error(p.returncode, p.stdout, p.stderr)
     assert os.listdir(tmp_path) == ["there"]
+
+
+SAVE_FAILS_AT = """
+import sys
+from hslm import checkpoint
+from hslm.cli import main
+from hslm.errors import HslmError
+write, fail_at, saves = checkpoint.write_atomic_files, int(sys.argv[2]), []
+def write_or_fail(files, *args, **kwargs):
+    saves.extend(files[:1] if files[0][0].name.startswith("ckpt_") else [])  # (not caches)
+    if len(saves) == fail_at and files[0][0].name.startswith("ckpt_"):
+        raise HslmError(f"cannot write checkpoint {files[0][0]}: No space left on device")
+    return write(files, *args, **kwargs)
+checkpoint.write_atomic_files = write_or_fail
+sys.argv = ["hslm", "train", "--model", "hslm-tiny", "--batch", "2", "--threads", "1",
+            "--steps", "3", "--save-every", "1", "--out", sys.argv[1], "--quiet"]
+main()
+"""
+
+
+def test_a_save_that_fails_mid_run_names_the_last_checkpoint_saved(tmp_path):
+    """A save that failed mid-run (a full disk) said only that it could not write: which
+    checkpoint is still good, the user had to find out."""
+    def run(fail_at):
+        p = subprocess.run([sys.executable, "-c", SAVE_FAILS_AT, str(tmp_path / f"o{fail_at}"),
+                            str(fail_at)], capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+        return one_line_error(p.returncode, p.stdout, p.stderr)
+    line = run(2)
+    assert line.endswith("; step 2 not saved, the last checkpoint saved is "
+                         f"{tmp_path / 'o2' / 'ckpt_1.state'}"), line
+    ckpt.read(tmp_path / "o2" / "ckpt_1.state")
+    assert run(1).endswith("; step 1 not saved, no checkpoint of this run is saved")
