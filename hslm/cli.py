@@ -158,7 +158,7 @@ def info(file):
                        f"{c.head_width:<10d} {c.mlp:4d} {c.blocks:6d} {c.window:6d} "
                        f"{c.vsa_dim:7d}{note}")
         return
-    if not Path(file).exists() and os.sep not in file and not Path(file).suffix:  # a name
+    if not os.path.lexists(file) and os.sep not in file and not Path(file).suffix:  # a name
         raise HslmError(f"{file}: not a preset ({', '.join(PRESETS)}), a JSON config or a "
                         "checkpoint")
     from .inspect import describe

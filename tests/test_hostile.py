@@ -1633,3 +1633,13 @@ def test_a_save_that_fails_mid_run_names_the_last_checkpoint_saved(tmp_path):
                          f"{tmp_path / 'o2' / 'ckpt_1.state'}"), line
     ckpt.read(tmp_path / "o2" / "ckpt_1.state")
     assert run(1).endswith("; step 1 not saved, no checkpoint of this run is saved")
+
+
+def test_info_on_a_link_loop_says_so_not_that_it_is_no_preset(tmp_path):
+    """`hslm info loop` (a link to itself) said "not a preset ..., a JSON config or a
+    checkpoint", where eval, sample and diff name the loop."""
+    os.symlink("loop", tmp_path / "loop")
+    line = one_line_error(*hslm("info", "loop", cwd=tmp_path))
+    assert "symbolic links" in line and "not a preset" not in line, line
+    line = one_line_error(*hslm("info", "nothing", cwd=tmp_path))  # the control: no file
+    assert "not a preset" in line, line
