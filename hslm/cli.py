@@ -50,7 +50,20 @@ def default_threads() -> int:
     return available_cores()
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Group(click.Group):
+    """click.Group whose commands' interrupts come out as click.Abort, their cause kept
+    (SIGTERM's Terminated: is_terminated): click's main prints an empty line before the
+    Abort it makes of a KeyboardInterrupt, so a stop before step 1 printed two lines,
+    where the README says one."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt as e:
+            raise click.Abort() from e
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="hslm")
 def cli():
     """hslm: a Numba CPU trainer for ternary HSLM language models."""

@@ -1191,3 +1191,29 @@ def test_bench_says_what_else_ran_beside_it():
     exec(spin, {})
     d = ml.snapshot()
     assert d["ours_s"] - c["ours_s"] >= 0.35  # subtracted from the busy ticks as ours
+
+
+STOPPED_IN_THE_COMMAND = """
+import sys
+from hslm import errors, train
+from hslm.cli import main
+sig = sys.argv[1]
+def stopped(o, echo=None):
+    raise errors.Terminated() if sig == "SIGTERM" else KeyboardInterrupt()
+train.train_run = stopped
+sys.argv = ["hslm", "train", "--out", sys.argv[2]]
+main()
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_stop_inside_a_command_is_one_line_with_no_empty_line_before_it(tmp_path, sig):
+    """Click's main prints an empty line before the Abort it makes of a KeyboardInterrupt,
+    so a stop while the text was read (or a second Ctrl-C while training) printed two
+    lines where the README says one (one_line_error skips empty lines: the tests had not
+    seen it)."""
+    p = subprocess.run([sys.executable, "-c", STOPPED_IN_THE_COMMAND, sig, str(tmp_path / "o")],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    expect = (143, "error: terminated\n") if sig == "SIGTERM" else (130, "error: interrupted\n")
+    assert (p.returncode, p.stderr) == expect, p.stderr
