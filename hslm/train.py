@@ -1,6 +1,7 @@
 """The training run: data, model, steps, checkpoints, resume, validation."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -9,8 +10,8 @@ import re
 import shutil
 import signal
 import sys
+import threading
 import time
-import contextlib
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -838,6 +839,9 @@ class StopRequest:
         self.progress = None   # run_loop's Progress: a bar on screen needs a line break first
         self.training = True   # False while run_loop compiles the step's kernels
 
+    # how long a second signal waits for the run to end of it before ending the process
+    AT_ONCE_GRACE = 1.0
+
     def __call__(self, signum, frame):
         # Only this process's own second signal stops at once: under MPI the ranks may
         # agree on a stop (another rank's signal) before this rank's own one arrives.
@@ -852,6 +856,60 @@ class StopRequest:
                 "finishing the current step, then saving" if self.training else
                 "stopping once the step's kernels are compiled, with nothing trained")
                 + " (again to stop at once)", err=True)
+
+
+@contextmanager
+def second_signal_at_once(stop: StopRequest):
+    """While the steps run (one process): a second SIGINT or SIGTERM stops the run at once
+    even while a kernel holds the main thread. Python runs a handler only between two of
+    the main thread's bytecodes, and keeps one pending flag a signal: two Ctrl-C during
+    one kernel call ran the handler once (the second was lost, and the run went on to
+    save), and one after it waited for the kernel (a step of a large model takes
+    seconds). Python's C handler writes each signal's number to the wakeup fd as it comes:
+    a thread reading it counts them, and at the second one gives the main thread
+    AT_ONCE_GRACE to end of it (its handler raises when it can), then ends the process
+    with the line the handler's KeyboardInterrupt gives. A torn checkpoint write leaves
+    only its hidden temporary file, as with kill -9."""
+    if (distributed.current() is not None
+            or threading.current_thread() is not threading.main_thread()):
+        yield  # (MPI: the ranks end together through the handler's path)
+        return
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    try:
+        previous = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    except (ValueError, OSError):
+        os.close(r)
+        os.close(w)
+        yield
+        return
+    over = threading.Event()
+
+    def watch():
+        seen = 0
+        while True:
+            try:
+                got = os.read(r, 64)
+            except OSError:
+                return
+            if not got:
+                return
+            seen += sum(b in (signal.SIGINT, signal.SIGTERM) for b in got)
+            if seen >= 2 and not over.wait(stop.AT_ONCE_GRACE):
+                with contextlib.suppress(OSError):
+                    os.write(2, b"error: interrupted\n")
+                os._exit(130)
+
+    watcher = threading.Thread(target=watch, daemon=True, name="hslm-second-signal")
+    watcher.start()
+    try:
+        yield
+    finally:
+        over.set()
+        signal.set_wakeup_fd(previous)
+        os.close(w)  # (the watcher reads the end, and returns)
+        watcher.join(5)
+        os.close(r)
 
 
 def run_loop(run, out, o: TrainOptions, stop, echo=None):
@@ -909,6 +967,7 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
                       perplexity=ppl if math.isfinite(ppl) else None)
         return v
 
+    watching = contextlib.ExitStack()  # (second_signal_at_once, from step 1)
     try:
         # a stop asked while the kernels compiled (under MPI a first run compiles them
         # here, for half a minute): nothing trained, as before the text was read; the ranks
@@ -918,6 +977,7 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
         if signum:
             raise StoppedBeforeTraining(signum)
         stop.training = True
+        watching.enter_context(second_signal_at_once(stop))
         while run.step < o.steps:
             t0 = time.perf_counter()
             loss = run.train_step(runner)
@@ -972,6 +1032,7 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
         if stop.signum is not None:
             sys.exit(128 + stop.signum)
     finally:
+        watching.close()
         progress.close()
         runner.close()
         metrics.close()

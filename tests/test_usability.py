@@ -1217,3 +1217,55 @@ def test_a_stop_inside_a_command_is_one_line_with_no_empty_line_before_it(tmp_pa
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     expect = (143, "error: terminated\n") if sig == "SIGTERM" else (130, "error: interrupted\n")
     assert (p.returncode, p.stderr) == expect, p.stderr
+
+
+A_KERNEL_THAT_HOLDS_THE_MAIN_THREAD = """
+import sys, time
+import hslm
+from numba import njit
+from hslm import train
+from hslm.cli import main
+
+@njit(cache=False, nogil=True)
+def chain(n):  # one call that does not return to Python, as a large model's step kernels
+    x = 0.0
+    for i in range(n):
+        x = x * 0.999999 + 1.0
+    return x
+
+chain(10)
+t0 = time.perf_counter(); chain(10 ** 7); rate = 10 ** 7 / (time.perf_counter() - t0)
+step = train.Run.train_step
+def long_step(self, runner):
+    if self.step >= 1:
+        chain(int(8 * rate))  # 8 s
+    return step(self, runner)
+train.Run.train_step = long_step
+sys.argv = ["hslm", "train", "--model", "hslm-tiny", "--batch", "2", "--threads", "1",
+            "--steps", "3", "--log-every", "1", "--out", sys.argv[1]]
+main()
+"""
+
+
+def test_a_second_ctrl_c_stops_at_once_while_a_kernel_holds_the_main_thread(tmp_path):
+    """Python runs a signal's handler between the main thread's bytecodes, with one
+    pending flag a signal: two Ctrl-C during one long kernel call ran the handler once,
+    and the run finished the step and saved as for one; a second one after the handler
+    waited for the kernel. The README says a second Ctrl-C stops at once."""
+    p = subprocess.Popen([sys.executable, "-c", A_KERNEL_THAT_HOLDS_THE_MAIN_THREAD,
+                          str(tmp_path / "o")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    with running(p, 300):
+        for line in p.stdout:
+            if line.startswith("step     1"):
+                break
+        time.sleep(0.5)  # inside step 2's kernel, 8 s long
+        p.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+        took = time.monotonic() - t0
+    assert p.returncode == 130 and err.splitlines()[-1] == "error: interrupted", err
+    assert took < 4, took  # (1 s of grace; the kernel had 7 s left)
+    assert not list((tmp_path / "o").glob("ckpt_2.*"))  # stopped, not saved
