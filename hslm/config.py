@@ -53,6 +53,23 @@ class Config:
     window: int = 27      # L, positions per training window
     vsa_dim: int = 1024   # D_vsa, >= 4 d
 
+    def _heads_fix(self) -> str:
+        """A change that satisfies every rule on the heads (heads * head_width = width,
+        head_width >= 2, vsa_dim >= 4 * width): the first of head_width, width, heads,
+        or one head. (Setting head_width to width // heads had been suggested where
+        it came to 1, which the next rule refused.)"""
+        w, h, hw = self.width, self.heads, self.head_width
+        tries = [({"head_width": w // h}, w % h == 0),
+                 ({"width": h * hw}, True),
+                 ({"heads": w // hw}, w % hw == 0),
+                 ({"heads": 1, "head_width": w}, True)]
+        for change, exact in tries:
+            c = {"width": w, "heads": h, "head_width": hw, **change}
+            if (exact and c["heads"] * c["head_width"] == c["width"] and c["head_width"] >= 2
+                    and self.vsa_dim >= 4 * c["width"]):
+                return "set " + " and ".join(f"{k} to {v}" for k, v in change.items())
+        return "width must be at least 2, for a head_width of at least 2"
+
     def __post_init__(self):
         """Each rule says what is wrong and what would fix it (a ValueError, one line)."""
         for f in fields(self):
@@ -60,12 +77,9 @@ class Config:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"config {f.name} must be a positive integer, got {v!r}")
         if self.heads * self.head_width != self.width:
-            fix = (f"set head_width to {self.width // self.heads}"
-                   if self.width % self.heads == 0 else
-                   f"set width to {self.heads * self.head_width}")
             raise ValueError(f"config: heads * head_width must equal width ({self.heads} * "
                              f"{self.head_width} = {self.heads * self.head_width}, width "
-                             f"{self.width}): {fix}")
+                             f"{self.width}): {self._heads_fix()}")
         if self.head_width < 2:
             raise ValueError(f"config: head_width must be at least 2 (rotary turns pairs), "
                              f"got {self.head_width}: use fewer heads")
