@@ -362,7 +362,11 @@ class Corpus:
                 f"{src.size:,} byte{'s' if src.size != 1 else ''} ({source}), "
                 f"{len(self.train):,} for training and "
                 f"{len(self.valid):,} for validation; a window of {window} needs at least "
-                f"{need_train} and {need_valid} (about {need_valid * 10} tokens in all)")
+                f"{need_train} and {need_valid} (about {need_valid * 10} tokens in all)"
+                + (f"; its bytes would do, but the tokenizer's {len(self.tokenizer.merges):,} "
+                   f"merges took this text to few tokens: a model with a smaller vocabulary "
+                   f"(at least {FIRST_MERGE}) merges less"
+                   if src.size >= need_valid * 10 and len(self.tokenizer.merges) else ""))
         learned, room = len(self.tokenizer.merges), vocab - FIRST_MERGE
         # (only for a tokenizer made from this text: a run's own, given, may come from another)
         if tokenizer is None and learned < room and distributed.is_writer():

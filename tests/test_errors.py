@@ -43,12 +43,19 @@ def test_bad_data(tmp_path):
     short.write_text("too short to hold a window")
     latin = tmp_path / "latin1.txt"
     latin.write_bytes("caf\xe9 ".encode("latin-1") * 200)
+    # a text long enough in bytes that its merges take to a few tokens: the fix is a
+    # smaller vocabulary, not more text (the line had said only "too short")
+    repetitive = tmp_path / "repetitive.txt"
+    repetitive.write_text("a" * 100_000)
     for f, expect in [(empty, "empty"), (short, "too short"), (latin, "not UTF-8"),
-                      (tmp_path / "missing.txt", "not found")]:
+                      (tmp_path / "missing.txt", "not found"),
+                      (repetitive, "merges took this text to few tokens: a model with a "
+                                   "smaller vocabulary")]:
         out_dir = tmp_path / f"o_{f.stem}"
         line = one_line_error(*hslm("train", *TINY, "--data", f, "--out", out_dir))
         assert expect in line
         assert no_checkpoints(out_dir)
+        assert ("smaller vocabulary" in line) == (f == repetitive)  # (short's control)
 
 
 def test_unwritable_output_folder(tmp_path):
