@@ -518,6 +518,8 @@ def resolve_config(model: str) -> Config:
         return Config.from_dict(json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys))
     except (ValueError, TypeError, RecursionError, UnicodeDecodeError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        # (Python's advice on a number of thousands of digits is not the user's to follow)
+        msg = msg.split("; use sys.set_int_max_str_digits")[0]
         raise HslmError(f"model config {path}: {msg}") from None
 
 
@@ -752,7 +754,13 @@ def train_run(o: TrainOptions, echo=None):
     echo = echo or click.echo
     if not distributed.is_writer():  # MPI: rank 0 alone prints and writes
         o = replace(o, quiet=True, metrics=None)
-    original_term = signal.signal(signal.SIGTERM, raise_terminated)  # as Ctrl-C, until below
+    # A signal ignored when hslm started stays ignored (a job started in the background by
+    # a shell without job control ignores Ctrl-C; hslm/__init__.py leaves it so too).
+    ignored = {s for s in (signal.SIGINT, signal.SIGTERM)
+               if signal.getsignal(s) is signal.SIG_IGN}
+    original_term = signal.getsignal(signal.SIGTERM)
+    if signal.SIGTERM not in ignored:
+        signal.signal(signal.SIGTERM, raise_terminated)  # as Ctrl-C, until below
     try:
         run, out, held = open_run(o)
     except BaseException:
@@ -763,7 +771,8 @@ def train_run(o: TrainOptions, echo=None):
     # installed before the run's own files (tokenizer.json, checkpoints) are written,
     # so a signal that sees them always gets a checkpoint.
     stop = StopRequest(echo)
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)
+                if s not in ignored}
     previous[signal.SIGTERM] = original_term
     # one writer per folder, held (open_run took it) until the run ends
     lock = held.lock

@@ -1269,3 +1269,25 @@ def test_a_second_ctrl_c_stops_at_once_while_a_kernel_holds_the_main_thread(tmp_
     assert p.returncode == 130 and err.splitlines()[-1] == "error: interrupted", err
     assert took < 4, took  # (1 s of grace; the kernel had 7 s left)
     assert not list((tmp_path / "o").glob("ckpt_2.*"))  # stopped, not saved
+
+
+@pytest.mark.parametrize("ignored", [True, False])
+def test_ctrl_c_ignored_when_the_run_started_stays_ignored_in_training(tmp_path, ignored):
+    """A job started in the background by a shell without job control ignores SIGINT;
+    hslm kept it ignored before step 1, then installed its stop handler all the same, so
+    the same SIGINT stopped the run once it trained. The control: not ignored, it stops."""
+    out = tmp_path / "o"
+    p = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "train", "--model",
+                          "hslm-tiny", "--batch", "1", "--threads", "1", "--steps", "3000",
+                          "--log-every", "1", "--out", str(out)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+                         if ignored else None)
+    with running(p, 600):
+        for line in p.stdout:
+            if line.startswith("step    10 "):
+                break
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=600)
+    assert p.returncode == (0 if ignored else 130), err
+    assert (out / "ckpt_3000.bin").exists() == ignored
