@@ -80,7 +80,13 @@ class FolderLock:
         try:
             os.ftruncate(fd, 0)
             os.write(fd, f"{os.getpid()}\n".encode())
-        except OSError as e:  # a full disk, say: the lock is dropped with the file closed
+        except OSError as e:  # a full disk, say: the lock is dropped with the file closed,
+            # and the file, held by us and holding no pid, removed (its folder may be one
+            # this run made, to be removed if empty)
+            try:
+                os.unlink(LOCK_NAME, dir_fd=dir_fd)
+            except OSError:
+                pass
             os.close(fd)
             raise HslmError(f"cannot write the lock file {self.path}: {e.strerror or e}") from None
         return fd

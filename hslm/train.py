@@ -670,20 +670,17 @@ def hold_out_dir(out: Path) -> HeldFolder:
             top = top.parent
     try:
         lock = prepare_out_dir(out)
-    except BaseException:  # (its lock file could not be written, say: a full disk)
+    except BaseException:  # (its lock file could not be written, say: a full disk; the
+        # lock removed its file then). Only empty folders: another run may have made and
+        # locked this one since top was judged, and be refused to us here
         if top is not None:
-            from .lock import LOCK_NAME
-            _remove_empty_folders(Path(out), top, [LOCK_NAME])
+            _remove_empty_folders(Path(out), top)
         raise
     return HeldFolder(lock, top)
 
 
-def _remove_empty_folders(folder: Path, top: Path, leftovers=()):
-    """Remove folder, then each one above it up to top, while each is empty (but for the
-    names in leftovers, in folder: what this run left there itself)."""
-    for name in leftovers:
-        with contextlib.suppress(OSError):
-            os.unlink(folder / name)
+def _remove_empty_folders(folder: Path, top: Path):
+    """Remove folder, then each one above it up to top, while each is empty."""
     for f in (folder, *folder.parents):
         try:
             os.rmdir(f)  # (only if empty)

@@ -1643,3 +1643,28 @@ def test_info_on_a_link_loop_says_so_not_that_it_is_no_preset(tmp_path):
     assert "symbolic links" in line and "not a preset" not in line, line
     line = one_line_error(*hslm("info", "nothing", cwd=tmp_path))  # the control: no file
     assert "not a preset" in line, line
+
+
+def test_a_run_refused_for_a_busy_folder_it_found_missing_leaves_that_runs_folder(tmp_path,
+                                                                                  monkeypatch):
+    """Two runs on one new --out: the second judged the folder missing (its to remove on a
+    failure), then met the first's lock and was refused; removing what it had made, it
+    removed the first run's lock file, and the folder with it where nothing else was in
+    it yet. Only empty folders are removed on a failure to take the lock."""
+    from hslm import train
+    from hslm.errors import HslmError
+    out = tmp_path / "sweep" / "x"
+    first = []
+    prepare = train.prepare_out_dir
+
+    def the_first_run_takes_it_meanwhile(folder):
+        ckpt.make_folders(folder)
+        first.append(FolderLock(folder).acquire())
+        return prepare(folder)
+
+    monkeypatch.setattr(train, "prepare_out_dir", the_first_run_takes_it_meanwhile)
+    with pytest.raises(HslmError, match="another hslm run"):
+        train.hold_out_dir(out)
+    assert (out / ".hslm.lock").read_text() == f"{os.getpid()}\n"  # the first run's, held
+    assert first[0].check() is None
+    first[0].release()
