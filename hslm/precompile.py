@@ -38,6 +38,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -117,18 +118,30 @@ class CompileLock:
         return cls(CACHE_LOCK.with_name(f"{CACHE_LOCK.stem}-compile-{key}.lock"))
 
     def take(self) -> bool:
-        """Hold the lock if it is free (True), else False. An unusable file: True, and
-        the run compiles on its own, as before the lock."""
-        import fcntl
+        """Hold the lock if it is free (True), else False. An unusable file (not this
+        user's own regular file: the name is known to every user of the temporary folder,
+        who could plant a link there, or hold a file of theirs locked; a file system
+        without flock; no fcntl): True, and the run compiles on its own, as before the
+        lock."""
         try:
-            f = open(self.path, "a+")
-        except OSError:
+            import fcntl
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+                         | getattr(os, "O_CLOEXEC", 0), 0o600)
+        except (ImportError, OSError):
             return True
+        f = os.fdopen(fd, "r+")
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                f.close()
+                return True
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another process of this user's holds it
             f.close()
             return False
+        except OSError:  # (ENOLCK, ENOSYS: a file system without flock)
+            f.close()
+            return True
         self.file = f
         return True
 
@@ -141,10 +154,14 @@ class CompileLock:
         """The reason of the compile under way (another process's, while it holds the
         lock), or of one that was under way when its process ended; "" if none."""
         try:
-            with open(self.path, errors="replace") as f:
-                return f.read(200).strip()
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
         except OSError:
             return ""
+        with os.fdopen(fd, errors="replace") as f:
+            st = os.fstat(fd)  # (as take(): only this user's own regular file)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                return ""
+            return f.read(200).strip()
 
     def note(self, reason: str) -> None:
         """The reason of the compile under way ("" once it is over)."""
