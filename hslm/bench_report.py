@@ -110,7 +110,8 @@ def format_report(report):
                         share = _optimiser_bound_ms(report, e, amount) / ms
                     line += f"  {rate:6.1f} {label:7s} {100 * share:5.1f}% of its ceiling"
                     if unit == "B" and share > 1:  # (its bound is a pass from far memory)
-                        line += " (above it: a model this small keeps its arrays in cache)"
+                        line += (" (above it: its arrays were in cache, as a small model's "
+                                 "stay, or the pass was timed slow)")
                 out.append(line)
                 products = (e.get("products_ms") or {}).get(name)
                 if products is not None and work and products > 0:  # (reports since 0.2.0+)

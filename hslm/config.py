@@ -63,11 +63,15 @@ class Config:
                  ({"width": h * hw}, True),
                  ({"heads": w // hw}, w % hw == 0),
                  ({"heads": 1, "head_width": w}, True)]
-        for change, exact in tries:
-            c = {"width": w, "heads": h, "head_width": hw, **change}
-            if (exact and c["heads"] * c["head_width"] == c["width"] and c["head_width"] >= 2
-                    and self.vsa_dim >= 4 * c["width"]):
-                return "set " + " and ".join(f"{k} to {v}" for k, v in change.items())
+        # one that keeps vsa_dim's rule first; else one right on the heads alone (the
+        # vsa_dim rule then says its own fix)
+        for vsa_too in (True, False):
+            for change, exact in tries:
+                c = {"width": w, "heads": h, "head_width": hw, **change}
+                if (exact and c["heads"] * c["head_width"] == c["width"]
+                        and c["head_width"] >= 2
+                        and (self.vsa_dim >= 4 * c["width"] or not vsa_too)):
+                    return "set " + " and ".join(f"{k} to {v}" for k, v in change.items())
         return "width must be at least 2, for a head_width of at least 2"
 
     def __post_init__(self):

@@ -106,7 +106,7 @@ def partial_tail(tail: bytes, whole: bool):
 def _is_record(line: bytes) -> bool:
     try:
         return isinstance(json.loads(line), dict)
-    except ValueError:
+    except (ValueError, RecursionError):  # (a line nested thousands deep is no record)
         return False
 
 
@@ -118,6 +118,8 @@ def _torn_record(line: bytes) -> bool:
         return False
     try:
         value = json.loads(line)
+    except RecursionError:  # nested thousands deep: no record of hslm's, torn or whole
+        return False
     except ValueError:
         return True
     return isinstance(value, dict) and value.get("kind") in ("train", "eval")

@@ -148,9 +148,11 @@ def check_paths_apart(o: TrainOptions, out: Path):
     target = Path(os.path.realpath(m))
     where = str(target.parent)
     shown = f"{m} (a link to {target})" if os.path.islink(m) else str(m)
+    named = (os.path.realpath(m.parent), m.name)  # (the link itself is replaced too)
     for folder, what in ((out, "output folder"), (cache, "token cache folder")):
-        if (folder is not None and where == os.path.realpath(folder)
-                and RUN_FILE_NAMES.fullmatch(target.name)):
+        if folder is not None and any(
+                place == os.path.realpath(folder) and RUN_FILE_NAMES.fullmatch(name)
+                for place, name in ((where, target.name), named)):
             raise HslmError(f"--metrics {shown} is a name this run writes in its {what} "
                             f"{folder} (tokenizer.json, ckpt_N.bin and .state, token caches, "
                             "hidden files); give the metrics file another name")
@@ -892,7 +894,7 @@ def second_signal_at_once(stop: StopRequest):
     over = threading.Event()
 
     def watch():
-        seen = 0
+        seen = int(stop.received)  # (one taken while the kernels loaded counts)
         while True:
             try:
                 got = os.read(r, 64)
@@ -902,8 +904,9 @@ def second_signal_at_once(stop: StopRequest):
                 return
             seen += sum(b in (signal.SIGINT, signal.SIGTERM) for b in got)
             if seen >= 2 and not over.wait(stop.AT_ONCE_GRACE):
-                with contextlib.suppress(OSError):
-                    os.write(2, b"error: interrupted\n")
+                bar = stop.progress is not None and stop.progress.bar_shown
+                with contextlib.suppress(OSError):  # (a bar on screen ends its line first)
+                    os.write(2, b"\nerror: interrupted\n" if bar else b"error: interrupted\n")
                 os._exit(130)
 
     watcher = threading.Thread(target=watch, daemon=True, name="hslm-second-signal")
@@ -1038,8 +1041,8 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
         if stop.signum is not None:
             sys.exit(128 + stop.signum)
     finally:
-        watching.close()
         progress.close()
-        runner.close()
+        runner.close()  # (waits for the threads' kernels: a second signal still ends it)
         metrics.close()
+        watching.close()
     return first, last, valid

@@ -526,7 +526,8 @@ def test_a_metrics_file_ending_in_a_partial_line_is_cut_back_to_its_last_whole_l
     # (a whole JSON object that is no record of hslm's, a config written by json.dump,
     # had been cut away as a partial record: refused now)
     for other in ("notes\nmy important notes", whole + "free text", "x" * 70000,
-                  "[1, 2]\n{partial", '{"a": 1}', whole + '{"a": 1}'):
+                  "[1, 2]\n{partial", '{"a": 1}', whole + '{"a": 1}',
+                  '{"a":' * 12000):  # (nested too deep for json: had been a traceback)
         m.write_text(other)
         with pytest.raises(HslmError, match="is not a metrics file cut short"):
             Metrics(m)
@@ -1668,3 +1669,21 @@ def test_a_run_refused_for_a_busy_folder_it_found_missing_leaves_that_runs_folde
     assert (out / ".hslm.lock").read_text() == f"{os.getpid()}\n"  # the first run's, held
     assert first[0].check() is None
     first[0].release()
+
+
+def test_metrics_named_as_a_runs_file_is_refused_even_as_a_link_to_elsewhere(tmp_path):
+    """--metrics OUT/tokenizer.json, a link to a file elsewhere: judged by its target
+    alone, it was accepted, and the run replaced the link with its tokenizer.json (the
+    metrics then went into that file). Either the name or its target refuses it."""
+    out = tmp_path / "o"
+    out.mkdir()
+    elsewhere = tmp_path / "m.jsonl"
+    os.symlink(elsewhere, out / "tokenizer.json")
+    line = one_line_error(*hslm("train", *TINY, "--steps", 1, "--out", out, "--metrics",
+                                out / "tokenizer.json"))
+    assert "a name this run writes in its output folder" in line, line
+    assert os.path.islink(out / "tokenizer.json") and not elsewhere.exists()
+    os.symlink(elsewhere, out / "metrics.jsonl")  # (the control: a name of its own)
+    code, _, err = hslm("train", *TINY, "--steps", 1, "--out", out, "--metrics",
+                        out / "metrics.jsonl")
+    assert code == 0 and '"kind": "train"' in elsewhere.read_text(), err

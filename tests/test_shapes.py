@@ -412,6 +412,9 @@ def test_whole_runs_from_a_json_model_agree_at_every_speed_and_thread_count(tmp_
     ({"width": 3, "heads": 3, "head_width": 2, "vsa_dim": 12},
      "(3 * 2 = 6, width 3): set heads to 1 and head_width to 3"),
     ({"heads": 4, "head_width": 2, "width": 10, "vsa_dim": 40}, "set width to 8"),
+    # (no heads fix keeps vsa_dim's rule: one right on the heads, not "width must be at
+    # least 2")
+    ({"heads": 3, "head_width": 16, "width": 64, "vsa_dim": 128}, "set width to 48"),
     ({"head_width": 1, "heads": 243}, "head_width must be at least 2"),
     ({"vsa_dim": 100}, "vsa_dim must be at least 4 * width = 972"),
     ({"window": 82}, "window must be at most 81"),

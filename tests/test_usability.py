@@ -447,7 +447,7 @@ def test_bench_compares_speeds_threads_batches_and_torch_on_small_models(tmp_pat
     # is a pass from far memory); none is left unexplained
     for line in rated:
         share = float(line.split("% of its ceiling")[0].split()[-1])
-        assert (share > 100) == line.endswith("keeps its arrays in cache)"), line
+        assert (share > 100) == line.endswith("or the pass was timed slow)"), line
     import json
     report = json.loads(report_path.read_text())
     # the forward and the backward split: their matrix products, timed inside the step
@@ -1309,5 +1309,5 @@ def test_a_phase_above_its_ceiling_says_why():
     report["optimiser_stream_gbs"] /= 100
     report["optimiser_arithmetic_ns"] *= 100  # (both bounds far above what the phase took)
     line = next(l for l in format_report(report) if "optimiser + requantise" in l)
-    assert line.endswith("% of its ceiling (above it: a model this small keeps its arrays in "
-                         "cache)"), line
+    assert line.endswith("% of its ceiling (above it: its arrays were in cache, as a small "
+                         "model's stay, or the pass was timed slow)"), line
