@@ -1304,10 +1304,10 @@ def test_a_phase_above_its_ceiling_says_why():
     above 100% now says why. Control: the same report as it was, at its own share."""
     from hslm.bench_report import format_report, load_report
     report = load_report(ROOT / "docs" / "bench" / "main.json")
-    line = next(l for l in format_report(report) if "optimiser + requantise" in l)
+    line = next(r for r in format_report(report) if "optimiser + requantise" in r)
     assert "of its ceiling" in line and "in cache" not in line, line
     report["optimiser_stream_gbs"] /= 100
     report["optimiser_arithmetic_ns"] *= 100  # (both bounds far above what the phase took)
-    line = next(l for l in format_report(report) if "optimiser + requantise" in l)
+    line = next(r for r in format_report(report) if "optimiser + requantise" in r)
     assert line.endswith("% of its ceiling (above it: its arrays were in cache, as a small "
                          "model's stay, or the pass was timed slow)"), line
