@@ -92,6 +92,27 @@ def _cache_lock_path():
 CACHE_LOCK = _cache_lock_path()
 
 
+def _own_file(path) -> int | None:
+    """A descriptor of path where it is this user's own regular file (made so, 0o600,
+    where nothing is there), else None: the temporary folder's names are known to every
+    user, who could plant a link there (followed, its target had been written), a FIFO
+    (opening it had blocked) or a file of theirs held locked (every first run had waited
+    on it forever)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+                     | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0), 0o600)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
 class CompileLock:
     """Which process compiles a kernel cache's missing kernels now, across processes: an
     exclusive flock on a file in the temporary folder named after the cache's folder
@@ -119,30 +140,24 @@ class CompileLock:
 
     def take(self) -> bool:
         """Hold the lock if it is free (True), else False. An unusable file (not this
-        user's own regular file: the name is known to every user of the temporary folder,
-        who could plant a link there, or hold a file of theirs locked; a file system
-        without flock; no fcntl): True, and the run compiles on its own, as before the
-        lock."""
+        user's own regular file: _own_file; a file system without flock; no fcntl): True,
+        and the run compiles on its own, as before the lock."""
         try:
             import fcntl
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
-                         | getattr(os, "O_CLOEXEC", 0), 0o600)
-        except (ImportError, OSError):
+        except ImportError:
             return True
-        f = os.fdopen(fd, "r+")
+        fd = _own_file(self.path)
+        if fd is None:
+            return True
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-                f.close()
-                return True
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:  # another process of this user's holds it
-            f.close()
+            os.close(fd)
             return False
         except OSError:  # (ENOLCK, ENOSYS: a file system without flock)
-            f.close()
+            os.close(fd)
             return True
-        self.file = f
+        self.file = os.fdopen(fd, "r+")
         return True
 
     def wait(self, poll: float = 0.1) -> None:
@@ -153,15 +168,15 @@ class CompileLock:
     def noted(self) -> str:
         """The reason of the compile under way (another process's, while it holds the
         lock), or of one that was under way when its process ended; "" if none."""
+        fd = _own_file(self.path)
+        if fd is None:
+            return ""
         try:
-            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            return os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
         except OSError:
             return ""
-        with os.fdopen(fd, errors="replace") as f:
-            st = os.fstat(fd)  # (as take(): only this user's own regular file)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-                return ""
-            return f.read(200).strip()
+        finally:
+            os.close(fd)
 
     def note(self, reason: str) -> None:
         """The reason of the compile under way ("" once it is over)."""
@@ -300,29 +315,36 @@ def _tokenizer_job(vocab: int) -> None:
 
 # ------------------------------------------------------------ the scheduler
 @contextlib.contextmanager
-def _locked_cache_saves(lock_path: Path):
-    """Numba's cache saves under one file lock (see the module's docstring). Numba's
-    IndexDataCacheFile is a private class: if it is not there, saves are left as they
-    are (the jobs' functions then rarely share a callee's index anyway)."""
+def _locked_cache_saves(*lock_paths):
+    """Numba's cache saves under one file lock (see the module's docstring): the first of
+    lock_paths that is this user's own file (_own_file; a run's private folder last).
+    Numba's IndexDataCacheFile is a private class: if it is not there, saves are left as
+    they are (the jobs' functions then rarely share a callee's index anyway)."""
     import fcntl
 
     from numba.core import caching
     cls = getattr(caching, "IndexDataCacheFile", None)
-    if cls is None or not hasattr(cls, "save"):
+    fd = next((fd for fd in map(_own_file, filter(None, lock_paths)) if fd is not None), None)
+    if cls is None or not hasattr(cls, "save") or fd is None:
+        if fd is not None:
+            os.close(fd)
         yield
         return
     original = cls.save
 
     def save(self, key, data):
-        with open(lock_path, "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
             original(self, key, data)
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
 
     cls.save = save
     try:
         yield
     finally:
         cls.save = original
+        os.close(fd)
 
 
 def _alive(pid: int) -> bool:
@@ -381,7 +403,7 @@ class Board:
         """Take and run jobs until every job is claimed. A job whose dependencies'
         owners died unfinished runs anyway (settled), as does any job once give_up()
         says so: it then compiles what they left itself."""
-        with _locked_cache_saves(CACHE_LOCK):
+        with _locked_cache_saves(CACHE_LOCK, self.folder / "saves.lock"):
             while True:
                 free = [j for j in self.jobs if not self.claimed(j)]
                 if not free:

@@ -81,7 +81,7 @@ def test_the_board_runs_each_job_once_after_its_dependencies(tmp_path, monkeypat
             runs.append((name, t0, time.perf_counter()))
 
     monkeypatch.setattr(precompile, "_run_job", fake_job)
-    monkeypatch.setattr(precompile, "_locked_cache_saves", lambda path: _no_lock())
+    monkeypatch.setattr(precompile, "_locked_cache_saves", lambda *paths: _no_lock())
     jobs = precompile.jobs_for([2, 3])
     workers = [threading.Thread(target=_board(tmp_path, jobs).work) for _ in range(3)]
     for w in workers:
@@ -106,7 +106,7 @@ def test_a_failed_job_does_not_hold_up_the_others(tmp_path, monkeypatch):
         ran.append(name)
 
     monkeypatch.setattr(precompile, "_run_job", fake_job)
-    monkeypatch.setattr(precompile, "_locked_cache_saves", lambda path: _no_lock())
+    monkeypatch.setattr(precompile, "_locked_cache_saves", lambda *paths: _no_lock())
     board = _board(tmp_path, precompile.jobs_for([3]))
     with pytest.raises(RuntimeError):
         board.work()
@@ -121,7 +121,7 @@ def test_a_job_whose_owner_died_does_not_hold_up_the_others(tmp_path, monkeypatc
     helpers are alive; one claimed by a live process is waited for."""
     ran = []
     monkeypatch.setattr(precompile, "_run_job", lambda name, vocab: ran.append(name))
-    monkeypatch.setattr(precompile, "_locked_cache_saves", lambda path: _no_lock())
+    monkeypatch.setattr(precompile, "_locked_cache_saves", lambda *paths: _no_lock())
     board = _board(tmp_path, ["ternary tile", "weight-gradient tile", "model",
                               "forward blocks"])
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -229,7 +229,7 @@ def test_a_parallel_compile_frees_the_lock_once_its_jobs_are_done(tmp_path, monk
     """Another run waiting goes on once the jobs are done, not once this run has read its
     text (finish() comes after); a compile that ends with a job not done keeps its note."""
     monkeypatch.setattr(precompile, "_run_job", lambda name, vocab: None)
-    monkeypatch.setattr(precompile, "_locked_cache_saves", lambda path: _no_lock())
+    monkeypatch.setattr(precompile, "_locked_cache_saves", lambda *paths: _no_lock())
     lock = precompile.CompileLock(tmp_path / "compile.lock")
     assert lock.take()
     with precompile.ParallelCompile([3], 729, None, ["model"], 1, "first run", lock) as c:
@@ -701,6 +701,17 @@ def test_a_compile_lock_that_is_not_this_users_own_file_or_cannot_lock_compiles_
     assert held.take() and held.file is not None
     assert not precompile.CompileLock(tmp_path / "c.lock").take()  # (the control: busy)
     held.release()
+
+    # a FIFO there: opening it had blocked (noted) or raised "not seekable" (take)
+    os.mkfifo(tmp_path / "fifo.lock")
+    lock = precompile.CompileLock(tmp_path / "fifo.lock")
+    assert lock.take() and lock.file is None and lock.noted() == ""
+    # Numba's saves take the first lock that is this user's own file, a run's private
+    # folder's last: neither the link nor the FIFO
+    with precompile._locked_cache_saves(tmp_path / "planted.lock", tmp_path / "fifo.lock",
+                                        tmp_path / "saves.lock"):
+        assert (tmp_path / "saves.lock").is_file()
+    assert victim.read_text() == "keep"
 
     def no_flock(fd, op):
         raise OSError(errno.ENOSYS, "Function not implemented")
