@@ -610,11 +610,11 @@ class _AfterAnother(_Nothing):
                       " ...")
         self.lock.wait()
         try:
-            reason = needed(self.speeds, self.teams)
             if self.echo:
                 self.echo(f"waited {time.perf_counter() - t0:.0f} s")
-            if reason:
-                with _parallel_compile(self.lock, reason, self.speeds, self.vocab, self.echo,
+            if needed(self.speeds, self.teams):  # (not an upgrade: what the other left)
+                with _parallel_compile(self.lock, "kernels the other process did not compile",
+                                       self.speeds, self.vocab, self.echo,
                                        self.tokenizing_here, self.teams) as compiling:
                     compiling.finish()
         finally:
