@@ -77,6 +77,17 @@ class FolderLock:
         except OSError as e:  # a file system without flock: say so rather than run unguarded
             os.close(fd)
             raise HslmError(f"cannot lock {self.path}: {e.strerror or e}") from None
+        try:  # the file locked must still be the one at the name: its holder may have
+            # removed it (its pid could not be written) while we waited to lock it
+            held, named = os.fstat(fd), os.lstat(LOCK_NAME, dir_fd=dir_fd)
+            current = (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino)
+        except OSError:
+            current = False
+        if not current:
+            os.close(fd)
+            raise HslmError(f"another hslm run is starting in {self.path.parent} (its lock "
+                            "file was replaced while this run took it); wait for it to finish "
+                            "or choose another --out")
         try:
             os.ftruncate(fd, 0)
             os.write(fd, f"{os.getpid()}\n".encode())

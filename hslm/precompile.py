@@ -18,10 +18,10 @@ Coordination is by files in a fresh folder: a job is claimed by creating
 `<job>.claim` exclusively (with the claimer's pid) and finished by `<job>.done`.
 Numba's own cache index is rewritten by every save (read, add, replace), so two
 processes saving entries of one function at once could lose one or, worse,
-point two entries at one data file; every save here takes one lock first
-(_locked_cache_saves, CACHE_LOCK). A helper that fails or dies only costs time:
-the jobs waiting on its unfinished one go ahead (Board.settled) and compile what
-it left where they need it. The helpers get this process's Numba target and
+point two entries at one data file; every save here takes the run's own lock and
+this user's (_locked_cache_saves: the board's, then CACHE_LOCK where usable). A
+helper that fails or dies only costs time: the jobs waiting on its unfinished one go
+ahead (Board.settled) and compile what it left where they need it. The helpers get this process's Numba target and
 cache folder (helper_environment), and end, removing the folder, if the run's
 process disappears.
 
@@ -123,6 +123,7 @@ class CompileLock:
 
     def __init__(self, path: Path):
         self.path, self.file = Path(path), None
+        self.no_flock = False  # the temporary folder's file system has no flock (take())
 
     @classmethod
     def for_cache(cls) -> "CompileLock | None":
@@ -154,8 +155,9 @@ class CompileLock:
         except BlockingIOError:  # another process of this user's holds it
             os.close(fd)
             return False
-        except OSError:  # (ENOLCK, ENOSYS: a file system without flock)
-            os.close(fd)
+        except OSError:  # (ENOLCK, ENOSYS: a file system without flock; Numba's saves'
+            os.close(fd)  # lock could not be taken either: session() compiles in one process)
+            self.no_flock = True
             return True
         self.file = os.fdopen(fd, "r+")
         return True
@@ -316,35 +318,44 @@ def _tokenizer_job(vocab: int) -> None:
 # ------------------------------------------------------------ the scheduler
 @contextlib.contextmanager
 def _locked_cache_saves(*lock_paths):
-    """Numba's cache saves under one file lock (see the module's docstring): the first of
-    lock_paths that is this user's own file (_own_file; a run's private folder last).
-    Numba's IndexDataCacheFile is a private class: if it is not there, saves are left as
-    they are (the jobs' functions then rarely share a callee's index anyway)."""
+    """Numba's cache saves under file locks (see the module's docstring): each of
+    lock_paths that is this user's own file (_own_file), taken in that order: the run's
+    private one first (every process of the run takes it, whatever the shared one does),
+    then the one shared by this user's runs, where it is usable. Numba's
+    IndexDataCacheFile is a private class: if it is not there, saves are left as they
+    are (the jobs' functions then rarely share a callee's index anyway)."""
     import fcntl
 
     from numba.core import caching
     cls = getattr(caching, "IndexDataCacheFile", None)
-    fd = next((fd for fd in map(_own_file, filter(None, lock_paths)) if fd is not None), None)
-    if cls is None or not hasattr(cls, "save") or fd is None:
-        if fd is not None:
+    fds = [fd for fd in map(_own_file, filter(None, lock_paths)) if fd is not None]
+    if cls is None or not hasattr(cls, "save") or not fds:
+        for fd in fds:
             os.close(fd)
         yield
         return
     original = cls.save
 
     def save(self, key, data):
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        held = []
         try:
+            for fd in fds:  # (Numba saves under its compiler lock: one thread at a time)
+                with contextlib.suppress(OSError):  # (no flock there: saved all the same)
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                    held.append(fd)
             original(self, key, data)
         finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+            for fd in reversed(held):
+                fcntl.flock(fd, fcntl.LOCK_UN)
 
     cls.save = save
     try:
         yield
     finally:
-        cls.save = original
-        os.close(fd)
+        if cls.save is save:
+            cls.save = original
+        for fd in fds:
+            os.close(fd)
 
 
 def _alive(pid: int) -> bool:
@@ -403,7 +414,7 @@ class Board:
         """Take and run jobs until every job is claimed. A job whose dependencies'
         owners died unfinished runs anyway (settled), as does any job once give_up()
         says so: it then compiles what they left itself."""
-        with _locked_cache_saves(CACHE_LOCK, self.folder / "saves.lock"):
+        with _locked_cache_saves(self.folder / "saves.lock", CACHE_LOCK):
             while True:
                 free = [j for j in self.jobs if not self.claimed(j)]
                 if not free:
@@ -640,6 +651,8 @@ def session(speeds, vocab: int, echo=None, tokenizing_here=False, teams=False):
     if not lock.take():
         return _AfterAnother(lock, speeds, vocab, echo, tokenizing_here, teams,
                              lock.noted() or reason)
+    if lock.no_flock:  # (the saves' lock cannot be held there either: compiled as the run goes)
+        return _Nothing()
     return _parallel_compile(lock, reason, speeds, vocab, echo, tokenizing_here, teams)
 
 

@@ -882,6 +882,9 @@ def second_signal_at_once(stop: StopRequest):
             or threading.current_thread() is not threading.main_thread()):
         yield  # (MPI: the ranks end together through the handler's path)
         return
+    # a signal taken while the kernels loaded counts; read before the wakeup fd is set
+    # (after it, a signal arriving meanwhile had been counted twice: by its byte too)
+    earlier = int(stop.received)
     r, w = os.pipe()
     os.set_blocking(w, False)
     try:
@@ -894,7 +897,7 @@ def second_signal_at_once(stop: StopRequest):
     over = threading.Event()
 
     def watch():
-        seen = int(stop.received)  # (one taken while the kernels loaded counts)
+        seen = earlier
         while True:
             try:
                 got = os.read(r, 64)
@@ -1041,8 +1044,10 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
         if stop.signum is not None:
             sys.exit(128 + stop.signum)
     finally:
-        progress.close()
-        runner.close()  # (waits for the threads' kernels: a second signal still ends it)
-        metrics.close()
-        watching.close()
+        try:
+            progress.close()
+            runner.close()  # (waits for the threads' kernels: a second signal still ends it)
+            metrics.close()
+        finally:
+            watching.close()
     return first, last, valid

@@ -1687,3 +1687,24 @@ def test_metrics_named_as_a_runs_file_is_refused_even_as_a_link_to_elsewhere(tmp
     code, _, err = hslm("train", *TINY, "--steps", 1, "--out", out, "--metrics",
                         out / "metrics.jsonl")
     assert code == 0 and '"kind": "train"' in elsewhere.read_text(), err
+
+
+def test_a_lock_file_removed_by_its_holder_while_this_run_took_it_is_refused(tmp_path,
+                                                                              monkeypatch):
+    """A run whose pid cannot be written removes its lock file (it holds the flock then);
+    another run that had opened that file meanwhile then locked a file no longer at the
+    name (trained, and was refused at its first save, while a third run could take the
+    folder). The file locked must be the one at the name."""
+    import fcntl
+    from hslm.errors import HslmError
+    flock = fcntl.flock
+
+    def holder_removes_it_meanwhile(fd, op):
+        os.unlink(tmp_path / ".hslm.lock")
+        return flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", holder_removes_it_meanwhile)
+    with pytest.raises(HslmError, match="its lock file was replaced"):
+        FolderLock(tmp_path).acquire()
+    monkeypatch.setattr(fcntl, "flock", flock)
+    FolderLock(tmp_path).acquire().release()  # (the control)

@@ -177,7 +177,7 @@ def test_a_run_waits_for_another_runs_compile_of_the_same_cache_then_compiles_no
     compiling = precompile.session([3], 729, said.append)
     assert isinstance(compiling, precompile._AfterAnother) and made == []
     released = threading.Event()
-    threading.Timer(0.5, lambda: (other.note(""), other.release(), released.set())).start()
+    threading.Timer(0.5, lambda: (other.note(""), released.set(), other.release())).start()
     with compiling:
         compiling.finish()
     assert released.is_set()  # it waited for the other's jobs
@@ -720,4 +720,10 @@ def test_a_compile_lock_that_is_not_this_users_own_file_or_cannot_lock_compiles_
 
     monkeypatch.setattr(fcntl, "flock", no_flock)
     lock = precompile.CompileLock(tmp_path / "c.lock")
-    assert lock.take() and lock.file is None
+    assert lock.take() and lock.file is None and lock.no_flock
+    # and then no parallel compile: Numba's saves could not be locked there either (the
+    # helpers' kernels had not been saved, and the next run compiled them all again)
+    monkeypatch.setattr(precompile.CompileLock, "for_cache",
+                        classmethod(lambda cls: cls(tmp_path / "c.lock")))
+    monkeypatch.setattr(precompile, "needed", lambda speeds, teams=False: "a reason")
+    assert isinstance(precompile.session([3], 729, None), precompile._Nothing)

@@ -1311,3 +1311,47 @@ def test_a_phase_above_its_ceiling_says_why():
     line = next(r for r in format_report(report) if "optimiser + requantise" in r)
     assert line.endswith("% of its ceiling (above it: its arrays were in cache, as a small "
                          "model's stay, or the pass was timed slow)"), line
+
+
+ONE_SIGNAL_AFTER_ONE_TAKEN = """
+import signal, sys, time
+import hslm
+from numba import njit
+from hslm.train import StopRequest, second_signal_at_once
+
+@njit(cache=False, nogil=True)
+def chain(n):
+    x = 0.0
+    for i in range(n):
+        x = x * 0.999999 + 1.0
+    return x
+
+chain(10)
+t0 = time.perf_counter(); chain(10 ** 7); rate = 10 ** 7 / (time.perf_counter() - t0)
+stop = StopRequest(lambda *args, **kwargs: None)
+stop.received = sys.argv[1] == "taken"  # (a stop asked while the kernels loaded)
+signal.signal(signal.SIGINT, stop)
+with second_signal_at_once(stop):
+    print("in the kernel", flush=True)
+    chain(int(6 * rate))
+print("after the kernel", flush=True)
+"""
+
+
+@pytest.mark.parametrize("before", ["taken", "none"])
+def test_a_signal_taken_before_the_steps_counts_toward_the_second(before):
+    """A Ctrl-C taken while the kernels loaded (before step 1) is the first: one more
+    during a long kernel stops the run at once. With none before (the control), one
+    signal waits for the kernel, as a first stop does."""
+    p = subprocess.Popen([sys.executable, "-c", ONE_SIGNAL_AFTER_ONE_TAKEN, before],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    with running(p, 120):
+        assert p.stdout.readline() == "in the kernel\n"
+        time.sleep(0.3)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    if before == "taken":
+        assert (p.returncode, err.strip(), out) == (130, "error: interrupted", ""), err
+    else:
+        assert (p.returncode, out) == (0, "after the kernel\n"), err
