@@ -1224,15 +1224,15 @@ def test_a_stop_inside_a_command_is_one_line_with_no_empty_line_before_it(tmp_pa
     assert (p.returncode, p.stderr) == expect, p.stderr
 
 
-A_KERNEL_THAT_HOLDS_THE_MAIN_THREAD = """
-import sys, time
+# chain(int(s * rate)): one kernel call of about s seconds that does not return to Python,
+# as a large model's step kernels (nogil, as hslm's)
+LONG_KERNEL = """
+import signal, sys, time
 import hslm
 from numba import njit
-from hslm import train
-from hslm.cli import main
 
 @njit(cache=False, nogil=True)
-def chain(n):  # one call that does not return to Python, as a large model's step kernels
+def chain(n):
     x = 0.0
     for i in range(n):
         x = x * 0.999999 + 1.0
@@ -1240,6 +1240,11 @@ def chain(n):  # one call that does not return to Python, as a large model's ste
 
 chain(10)
 t0 = time.perf_counter(); chain(10 ** 7); rate = 10 ** 7 / (time.perf_counter() - t0)
+"""
+
+A_KERNEL_THAT_HOLDS_THE_MAIN_THREAD = LONG_KERNEL + """
+from hslm import train
+from hslm.cli import main
 step = train.Run.train_step
 def long_step(self, runner):
     if self.step >= 1:
@@ -1313,21 +1318,8 @@ def test_a_phase_above_its_ceiling_says_why():
                          "model's stay, or the pass was timed slow)"), line
 
 
-ONE_SIGNAL_AFTER_ONE_TAKEN = """
-import signal, sys, time
-import hslm
-from numba import njit
+ONE_SIGNAL_AFTER_ONE_TAKEN = LONG_KERNEL + """
 from hslm.train import StopRequest, second_signal_at_once
-
-@njit(cache=False, nogil=True)
-def chain(n):
-    x = 0.0
-    for i in range(n):
-        x = x * 0.999999 + 1.0
-    return x
-
-chain(10)
-t0 = time.perf_counter(); chain(10 ** 7); rate = 10 ** 7 / (time.perf_counter() - t0)
 stop = StopRequest(lambda *args, **kwargs: None)
 stop.received = sys.argv[1] == "taken"  # (a stop asked while the kernels loaded)
 signal.signal(signal.SIGINT, stop)
