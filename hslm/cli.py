@@ -11,8 +11,8 @@ from pathlib import Path
 import click
 
 from . import _the_hslm_command, distributed, end_of_start_up, missing_package_line
-from .errors import (HslmError, is_terminated, keeping_dropped_interrupts, quiet_after_interrupt,
-                     raise_dropped_interrupt)
+from .errors import (HslmError, is_terminated, keeping_dropped_interrupts, one_line,
+                     quiet_after_interrupt, raise_dropped_interrupt)
 from .speeds import DEFAULT_SPEED, SPEEDS, speed_help
 
 
@@ -557,15 +557,6 @@ def guard_streams():
             stream.reconfigure(errors="surrogateescape" if utf8 else "backslashreplace")
         setattr(sys, name, ReaderGone(stream, note))
 
-
-# a message's control characters (a file name holding a newline, say) as escapes, so that
-# an error stays one line; other characters as they are (a name's bytes that are not UTF-8
-# included: guard_streams)
-_CONTROLS = {c: repr(chr(c))[1:-1] for c in [*range(32), 127] if c != 9}
-
-
-def one_line(message: str) -> str:
-    return message.translate(_CONTROLS)
 
 
 def main(argv=None):

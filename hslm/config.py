@@ -59,16 +59,14 @@ class Config:
         or one head. (Setting head_width to width // heads had been suggested where
         it came to 1, which the next rule refused.)"""
         w, h, hw = self.width, self.heads, self.head_width
-        tries = [({"head_width": w // h}, w % h == 0),
-                 ({"width": h * hw}, True),
-                 ({"heads": w // hw}, w % hw == 0),
-                 ({"heads": 1, "head_width": w}, True)]
+        tries = [{"head_width": w // h}, {"width": h * hw}, {"heads": w // hw},
+                 {"heads": 1, "head_width": w}]
         # one that keeps vsa_dim's rule first; else one right on the heads alone (the
         # vsa_dim rule then says its own fix)
         for vsa_too in (True, False):
-            for change, exact in tries:
+            for change in tries:
                 c = {"width": w, "heads": h, "head_width": hw, **change}
-                if (exact and c["heads"] * c["head_width"] == c["width"]
+                if (c["heads"] * c["head_width"] == c["width"]
                         and c["head_width"] >= 2
                         and (self.vsa_dim >= 4 * c["width"] or not vsa_too)):
                     return "set " + " and ".join(f"{k} to {v}" for k, v in change.items())

@@ -278,7 +278,9 @@ def record_specs(dims, B):
     return [((B,) + shape(dims), np.float64) for _, shape in ACT_FIELDS + RECORD_FIELDS]
 
 
-def one_line(e) -> str:
+def collapsed_line(e) -> str:
+    """An error as one line, its whitespace collapsed (MPI's rule; the CLI's escapes
+    control characters instead: errors.one_line)."""
     return " ".join(str(e).split()) or type(e).__name__
 
 
@@ -1004,11 +1006,11 @@ def run_main(cli, argv):
         w.fail("interrupted", 130)
     except AllRanksError as e:  # raised by every rank at the same point
         w.close()
-        w.fail(_Shared(one_line(e)), 2)
+        w.fail(_Shared(collapsed_line(e)), 2)
     except HslmError as e:
-        w.fail(one_line(e), 2)
+        w.fail(collapsed_line(e), 2)
     except Exception as e:  # noqa: BLE001 - one rank's bug must not leave the others waiting
-        w.fail(f"{type(e).__name__}: {one_line(e)}", 1)
+        w.fail(f"{type(e).__name__}: {collapsed_line(e)}", 1)
     if not w.started and not w.settled:  # a command that does not train: agreed all the same
         w._agree(ENDED, 0)
     sys.exit(rv if isinstance(rv, int) else 0)

@@ -62,6 +62,16 @@ def raise_dropped_interrupt():
         raise e.with_traceback(None)
 
 
+# a message's control characters (a file name holding a newline, say) as escapes, so that
+# an error stays one line; other characters as they are (a name's bytes that are not UTF-8
+# included: cli.guard_streams). (distributed.collapsed_line is MPI's own rule.)
+_CONTROLS = {c: repr(chr(c))[1:-1] for c in [*range(32), 127] if c != 9}
+
+
+def one_line(message: str) -> str:
+    return message.translate(_CONTROLS)
+
+
 def is_terminated(e: BaseException) -> bool:
     """Whether an interrupt the CLI caught was SIGTERM's (click wraps it in an Abort)."""
     return isinstance(e, Terminated) or isinstance(e.__cause__, Terminated)

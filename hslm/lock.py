@@ -79,8 +79,7 @@ class FolderLock:
             raise HslmError(f"cannot lock {self.path}: {e.strerror or e}") from None
         try:  # the file locked must still be the one at the name: its holder may have
             # removed it (its pid could not be written) while we waited to lock it
-            held, named = os.fstat(fd), os.lstat(LOCK_NAME, dir_fd=dir_fd)
-            current = (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino)
+            current = os.path.samestat(os.fstat(fd), os.lstat(LOCK_NAME, dir_fd=dir_fd))
         except OSError:
             current = False
         if not current:
@@ -124,6 +123,15 @@ class FolderLock:
         if st is not None and (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino):
             return None
         return "unlocked" if held.st_nlink == 0 else "moved"
+
+    def holds(self, folder) -> bool:
+        """Whether folder (a name) is the folder this lock holds, now."""
+        if self.dir_fd is None:
+            return False
+        try:
+            return os.path.samestat(os.stat(folder), os.fstat(self.dir_fd))
+        except OSError:
+            return False
 
     def release(self):
         if self.fd is not None:

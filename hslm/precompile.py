@@ -21,9 +21,9 @@ processes saving entries of one function at once could lose one or, worse,
 point two entries at one data file; every save here takes the run's own lock and
 this user's (_locked_cache_saves: the board's, then CACHE_LOCK where usable). A
 helper that fails or dies only costs time: the jobs waiting on its unfinished one go
-ahead (Board.settled) and compile what it left where they need it. The helpers get this process's Numba target and
-cache folder (helper_environment), and end, removing the folder, if the run's
-process disappears.
+ahead (Board.settled) and compile what it left where they need it. The helpers get
+this process's Numba target and cache folder (helper_environment), and end, removing
+the folder, if the run's process disappears.
 
 One parallel compile a kernel cache at a time (CompileLock): a second run started
 while another compiles the same cache's kernels waits for them, then loads them
@@ -645,8 +645,8 @@ def session(speeds, vocab: int, echo=None, tokenizing_here=False, teams=False):
             echo("compiling kernels (first run on this machine: under a minute) ...")
         return _Nothing()
     reason = needed(speeds, teams)
-    lock = CompileLock.for_cache()
-    if not reason or lock is None:  # (no temporary folder: compiled as the run goes)
+    lock = CompileLock.for_cache() if reason else None
+    if lock is None:  # (warm; or no temporary folder: compiled as the run goes)
         return _Nothing()
     if not lock.take():
         return _AfterAnother(lock, speeds, vocab, echo, tokenizing_here, teams,
@@ -682,8 +682,9 @@ def in_cache(*kernels) -> bool:
     every kernel in one process, silently. When it cannot tell: True (no parallel compile
     and no message, rather than a wrong one)."""
     try:
-        return all(any(key[1] == k.targetctx.codegen().magic_tuple()
-                       for key in k._cache._cache_file._load_index()) for k in kernels)
+        target = kernels[0].targetctx.codegen().magic_tuple() if kernels else None
+        return all(any(key[1] == target for key in k._cache._cache_file._load_index())
+                   for k in kernels)
     except Exception:  # noqa: BLE001 (any failure of the private API: assume cached)
         return True
 

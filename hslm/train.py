@@ -648,12 +648,8 @@ class HeldFolder:
         if self.created is None:
             return
         out = self.lock.path.parent
-        try:
-            st, held = os.stat(out), os.fstat(self.lock.dir_fd)
-            if (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino):
-                shutil.rmtree(out, ignore_errors=True)
-        except (OSError, TypeError):  # (gone already, or not held)
-            pass
+        if self.lock.holds(out):
+            shutil.rmtree(out, ignore_errors=True)
         if out != self.created:
             _remove_empty_folders(out.parent, self.created)
 
