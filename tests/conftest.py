@@ -20,3 +20,24 @@ def compiled_kernels(tmp_path_factory):
                         "1", "--no-torch", "--no-profile"], cwd=tmp_path_factory.mktemp("warm"),
                        capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compile_locks_removed():
+    """A kernel cache's compile lock is a file in the temporary folder, named after the
+    cache's folder (hslm.precompile.CompileLock); the suite makes about 170 caches of its
+    own, in folders that go, and their locks go with them. Only a lock that is free (no
+    process compiles) and not the lock of the cache this process uses is removed."""
+    from hslm import precompile
+    if precompile.CACHE_LOCK is None:
+        yield
+        return
+    pattern = f"{precompile.CACHE_LOCK.stem}-compile-*.lock"
+    mine = precompile.CompileLock.for_cache().path
+    before = set(precompile.CACHE_LOCK.parent.glob(pattern)) | {mine}
+    yield
+    for path in set(precompile.CACHE_LOCK.parent.glob(pattern)) - before:
+        lock = precompile.CompileLock(path)
+        if lock.take() and lock.file is not None:
+            path.unlink(missing_ok=True)
+            lock.release()
