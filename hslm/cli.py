@@ -3,6 +3,7 @@ the work is in the modules it calls (the run itself: hslm/train.py)."""
 from __future__ import annotations
 
 import codecs
+import errno
 import functools
 import os
 import sys
@@ -11,8 +12,8 @@ from pathlib import Path
 import click
 
 from . import _the_hslm_command, distributed, end_of_start_up, missing_package_line
-from .errors import (HslmError, is_terminated, keeping_dropped_interrupts, one_line,
-                     quiet_after_interrupt, raise_dropped_interrupt)
+from .errors import (HslmError, keeping_dropped_interrupts, one_line, quiet_after_interrupt,
+                     raise_dropped_interrupt, stop_line, terminated_by)
 from .speeds import DEFAULT_SPEED, SPEEDS, speed_help
 
 
@@ -52,7 +53,7 @@ def default_threads() -> int:
 
 class _Group(click.Group):
     """click.Group whose commands' interrupts come out as click.Abort, their cause kept
-    (SIGTERM's Terminated: is_terminated): click's main prints an empty line before the
+    (SIGTERM's Terminated: terminated_by): click's main prints an empty line before the
     Abort it makes of a KeyboardInterrupt, so a stop before step 1 printed two lines,
     where the README says one."""
 
@@ -456,13 +457,19 @@ def need_stdout(command: str, required: bool = True):
         sys.stdout.keep_going = False
 
 
+def _reader_gone(e: OSError) -> bool:
+    """A pipe's reader gone (`| head`: EPIPE), or a terminal hung up (EIO: an ssh session
+    dropped; the run then saves and stops, train.StopRequest)."""
+    return isinstance(e, BrokenPipeError) or e.errno == errno.EIO
+
+
 class ReaderGone:
     """sys.stdout and sys.stderr for the CLI: when the reader of a pipe goes away (`hslm
-    train | head`, `2>&1 | head`), that stream's output goes to /dev/null from then on and
-    the run goes on, saving as it would, instead of the BrokenPipeError that would stop
-    it unsaved (click exits 1 on one). A closed standard output is noted on stderr,
-    unless the command's only product is that output (keep_going False: `hslm sample`
-    stops at its next token, as `head`'s writer would)."""
+    train | head`, `2>&1 | head`) or the terminal hangs up, that stream's output goes to
+    /dev/null from then on and the run goes on, saving as it would, instead of the
+    BrokenPipeError (or EIO) that would stop it unsaved (click exits 1 on one). A closed
+    standard output is noted on stderr, unless the command's only product is that output
+    (keep_going False: `hslm sample` stops at its next token, as `head`'s writer would)."""
 
     def __init__(self, stream, note=None):
         self._stream = stream
@@ -473,7 +480,9 @@ class ReaderGone:
     def write(self, text):
         try:
             return self._stream.write(text)
-        except BrokenPipeError:
+        except OSError as e:
+            if not _reader_gone(e):
+                raise
             self._drop()
             return len(text)
 
@@ -483,13 +492,17 @@ class ReaderGone:
             self._stream.flush()
             self._stream.buffer.write(data)
             self._stream.buffer.flush()
-        except BrokenPipeError:
+        except OSError as e:
+            if not _reader_gone(e):
+                raise
             self._drop()
 
     def flush(self):
         try:
             self._stream.flush()
-        except BrokenPipeError:
+        except OSError as e:
+            if not _reader_gone(e):
+                raise
             self._drop()
 
     def _drop(self):
@@ -592,11 +605,9 @@ def run_command(argv):
     except (click.Abort, KeyboardInterrupt) as e:  # click makes an Abort of either
         if _the_hslm_command():  # (not a program calling main())
             quiet_after_interrupt()
-        if is_terminated(e):
-            click.echo("error: terminated", err=True)
-            sys.exit(128 + 15)
-        click.echo("error: interrupted", err=True)
-        sys.exit(130)
+        signum = terminated_by(e) or 2
+        click.echo(stop_line(signum), err=True)
+        sys.exit(128 + signum)
     except HslmError as e:
         click.echo(f"error: {one_line(str(e))}", err=True)
         sys.exit(2)

@@ -90,7 +90,7 @@ import numpy as np
 
 from . import (MPI_LAUNCH_VARIABLES, MPI_RANK_VARIABLES, MPI_SIZE_VARIABLES, launch_value,
                launched_by_mpi)
-from .errors import HslmError, is_terminated
+from .errors import HslmError, stop_line, terminated_by
 
 # Environment variables that MPI launchers set (MPICH/Hydra and Intel MPI, Open MPI,
 # PMIx under Slurm, MVAPICH). HSLM_MPI=1 forces MPI, HSLM_MPI=0 ignores it.
@@ -1001,9 +1001,8 @@ def run_main(cli, argv):
     except click.ClickException as e:
         w.fail(e.format_message(), e.exit_code)
     except (click.Abort, KeyboardInterrupt) as e:  # click makes an Abort of either
-        if is_terminated(e):
-            w.fail("terminated", 128 + 15)
-        w.fail("interrupted", 130)
+        signum = terminated_by(e) or 2
+        w.fail(stop_line(signum).removeprefix("error: "), 128 + signum)
     except AllRanksError as e:  # raised by every rank at the same point
         w.close()
         w.fail(_Shared(collapsed_line(e)), 2)

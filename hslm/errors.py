@@ -9,11 +9,21 @@ class HslmError(Exception):
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM before a run's own handler is in (while its text is read): stops at once,
-    as Ctrl-C does then, tidying up on the way out; the CLI exits 143."""
+    as Ctrl-C does then, tidying up on the way out; the CLI exits 128 + signum (143;
+    129 for a SIGHUP while the step's kernels compile: hslm.train.StopRequest)."""
+
+    def __init__(self, signum: int = 15):
+        super().__init__(signum)
+        self.signum = signum
 
 
 def raise_terminated(signum, frame):
-    raise Terminated()
+    raise Terminated(signum)
+
+
+def stop_line(signum: int) -> str:
+    """The CLI's one line for a run ended by a signal, before anything was saved."""
+    return {2: "error: interrupted", 1: "error: hung up"}.get(signum, "error: terminated")
 
 
 # Interrupts that C code dropped: an exception raised in a signal handler while Python
@@ -72,9 +82,12 @@ def one_line(message: str) -> str:
     return message.translate(_CONTROLS)
 
 
-def is_terminated(e: BaseException) -> bool:
-    """Whether an interrupt the CLI caught was SIGTERM's (click wraps it in an Abort)."""
-    return isinstance(e, Terminated) or isinstance(e.__cause__, Terminated)
+def terminated_by(e: BaseException) -> int | None:
+    """The signal of a Terminated the CLI caught (click wraps it in an Abort), else None."""
+    for x in (e, e.__cause__):
+        if isinstance(x, Terminated):
+            return x.signum
+    return None
 
 
 def node_kind(mode) -> str:

@@ -26,7 +26,7 @@ from .config import PRESETS, Config
 from .data import (BUILTIN_SHA256, BUILTIN_SOURCE, Corpus, Tokenizer, check_apart_from_text,
                    check_cache_apart, same_file)
 from .errors import (HslmError, Terminated, open_regular, raise_dropped_interrupt,
-                     raise_terminated, read_bytes, refuse_unless_file)
+                     raise_terminated, read_bytes, refuse_unless_file, stop_line)
 from .hyper import HYPER_NAMES, Hyper
 from .optim import adamw_step, adamw_tensors, bias_corrections, learning_rate
 from .params import ModelState, init_params, ternary_mask
@@ -750,9 +750,9 @@ def train_run(o: TrainOptions, echo=None):
     if not distributed.is_writer():  # MPI: rank 0 alone prints and writes
         o = replace(o, quiet=True, metrics=None)
     # A signal ignored when hslm started stays ignored (a job started in the background by
-    # a shell without job control ignores Ctrl-C; hslm/__init__.py leaves it so too).
-    ignored = {s for s in (signal.SIGINT, signal.SIGTERM)
-               if signal.getsignal(s) is signal.SIG_IGN}
+    # a shell without job control ignores Ctrl-C, nohup SIGHUP; hslm/__init__.py leaves
+    # them so too).
+    ignored = {s for s in STOP_SIGNALS if signal.getsignal(s) is signal.SIG_IGN}
     original_term = signal.getsignal(signal.SIGTERM)
     if signal.SIGTERM not in ignored:
         signal.signal(signal.SIGTERM, raise_terminated)  # as Ctrl-C, until below
@@ -761,13 +761,12 @@ def train_run(o: TrainOptions, echo=None):
     except BaseException:
         signal.signal(signal.SIGTERM, original_term)
         raise
-    # From here on SIGINT/SIGTERM finish the current step and save (before, while the
-    # text is read and tokenized, Ctrl-C stops at once and open_run tidies up):
+    # From here on SIGINT/SIGTERM/SIGHUP finish the current step and save (before, while
+    # the text is read and tokenized, Ctrl-C stops at once and open_run tidies up):
     # installed before the run's own files (tokenizer.json, checkpoints) are written,
     # so a signal that sees them always gets a checkpoint.
     stop = StopRequest(echo)
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)
-                if s not in ignored}
+    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS if s not in ignored}
     previous[signal.SIGTERM] = original_term
     # one writer per folder, held (open_run took it) until the run ends
     lock = held.lock
@@ -796,15 +795,15 @@ def train_run(o: TrainOptions, echo=None):
         except StoppedBeforeTraining as e:  # as a stop while the text was read
             held.remove_created()
             if distributed.current() is None:
-                raise Terminated() if e.signum == signal.SIGTERM else KeyboardInterrupt()
+                raise KeyboardInterrupt() if e.signum == signal.SIGINT else Terminated(e.signum)
             if distributed.is_writer():  # MPI: an agreed stop, every rank here
-                echo("error: terminated" if e.signum == signal.SIGTERM else
-                     "error: interrupted", err=True)
+                echo(stop_line(e.signum), err=True)
             sys.exit(128 + e.signum)
     finally:
         lock.release()
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            # after a hangup, later ones (a closed terminal sends two) find the run ending
+            signal.signal(sig, signal.SIG_IGN if sig == stop.hung_up else handler)
 
 
 def run_identity(run, o: "TrainOptions") -> dict:
@@ -830,11 +829,20 @@ class StoppedBeforeTraining(Exception):
         self.signum = signum
 
 
+# The signals that stop a run once its step is done, with a checkpoint. SIGHUP is a
+# closed terminal (an ssh session dropped): it had ended the run at once, unsaved. A
+# SIGHUP ignored at the start (nohup) stays ignored, as the others do.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM) + (
+    (signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
+
+
 class StopRequest:
-    """Signal handler: the first SIGINT/SIGTERM asks the loop to stop after the
+    """Signal handler: the first SIGINT/SIGTERM/SIGHUP asks the loop to stop after the
     current step (with a checkpoint), or, while the step's kernels compile before step 1
-    (training False), once they are compiled, with nothing trained; a second one stops at
-    once."""
+    (training False), once they are compiled, with nothing trained; a second SIGINT or
+    SIGTERM stops at once. A SIGHUP then is ignored: a closed terminal sends two (the
+    shell passes its own on, and the kernel sends one as the shell ends), and the first
+    stop's save goes on. The run's output then goes nowhere (cli.ReaderGone)."""
 
     def __init__(self, echo):
         self.signum = None     # the stop to act on (under MPI: the one the ranks agreed on)
@@ -842,6 +850,7 @@ class StopRequest:
         self.echo = echo
         self.progress = None   # run_loop's Progress: a bar on screen needs a line break first
         self.training = True   # False while run_loop compiles the step's kernels
+        self.hung_up = None    # SIGHUP, once one came (train_run then ignores more)
 
     # how long a second signal waits for the run to end of it before ending the process
     AT_ONCE_GRACE = 1.0
@@ -849,7 +858,12 @@ class StopRequest:
     def __call__(self, signum, frame):
         # Only this process's own second signal stops at once: under MPI the ranks may
         # agree on a stop (another rank's signal) before this rank's own one arrives.
+        hangup = signum == getattr(signal, "SIGHUP", None)
+        if hangup:
+            self.hung_up = signum
         if self.received:
+            if hangup:  # the terminal closed on a stop under way: its save goes on
+                return
             raise KeyboardInterrupt
         self.received = True
         self.signum = self.signum or signum

@@ -1281,26 +1281,65 @@ def test_a_second_ctrl_c_stops_at_once_while_a_kernel_holds_the_main_thread(tmp_
     assert not list((tmp_path / "o").glob("ckpt_2.*"))  # stopped, not saved
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP])
 @pytest.mark.parametrize("ignored", [True, False])
-def test_ctrl_c_ignored_when_the_run_started_stays_ignored_in_training(tmp_path, ignored):
-    """A job started in the background by a shell without job control ignores SIGINT;
-    hslm kept it ignored before step 1, then installed its stop handler all the same, so
-    the same SIGINT stopped the run once it trained. The control: not ignored, it stops."""
+def test_a_signal_ignored_when_the_run_started_stays_ignored_in_training(tmp_path, ignored,
+                                                                        sig):
+    """A job started in the background by a shell without job control ignores SIGINT, and
+    one started by nohup SIGHUP; hslm kept SIGINT ignored before step 1, then installed
+    its stop handler all the same, so the same SIGINT stopped the run once it trained.
+    The control: not ignored, it stops (saved, 128 + the signal)."""
     out = tmp_path / "o"
     p = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "train", "--model",
                           "hslm-tiny", "--batch", "1", "--threads", "1", "--steps", "3000",
                           "--log-every", "1", "--out", str(out)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+                         preexec_fn=(lambda: signal.signal(sig, signal.SIG_IGN))
                          if ignored else None)
     with running(p, 600):
         for line in p.stdout:
             if line.startswith("step    10 "):
                 break
-        p.send_signal(signal.SIGINT)
+        p.send_signal(sig)
         _, err = p.communicate(timeout=600)
-    assert p.returncode == (0 if ignored else 130), err
+    assert p.returncode == (0 if ignored else 128 + sig), err
     assert (out / "ckpt_3000.bin").exists() == ignored
+    assert len(list(out.glob("ckpt_*.state"))) == 1  # (stopped: one checkpoint, saved)
+
+
+def test_a_closed_terminal_finishes_the_step_and_saves(tmp_path):
+    """An ssh session that drops closes the run's terminal: the kernel sends SIGHUP to
+    the run (here the terminal's controlling process), and every write to the terminal
+    fails with EIO. The run had ended at once, with nothing saved since its last
+    checkpoint; it now finishes its step, saves and ends with 128 + SIGHUP, its output
+    going nowhere. A closed terminal can send two (the shell passes its own on, and the
+    kernel sends one as the shell ends): a second is sent here, and the save goes on."""
+    import fcntl
+    import pty
+    import termios
+    master, terminal = pty.openpty()
+    out = tmp_path / "o"
+    p = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "train", "--model",
+                          "hslm-tiny", "--batch", "1", "--threads", "1", "--steps", "100000",
+                          "--out", str(out)], stdin=terminal, stdout=terminal, stderr=terminal,
+                         start_new_session=True,
+                         preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
+    os.close(terminal)
+    with running(p, 600):
+        shown = b""
+        while shown.count(b"| loss ") < 3:  # the progress bar, step 3
+            shown += os.read(master, 4096)
+        os.close(master)  # the terminal hangs up
+        time.sleep(0.05)
+        p.send_signal(signal.SIGHUP)
+        p.wait(timeout=120)
+    assert p.returncode == 128 + signal.SIGHUP, shown.decode(errors="replace")
+    [state] = out.glob("ckpt_*.state")
+    step = int(state.stem.split("_")[1])
+    assert step >= 3 and (out / f"ckpt_{step}.bin").is_file()
+    ckpt.read(out / f"ckpt_{step}.bin", expect_kind="params")
+    code, _, err = hslm("train", "--resume", state, "--steps", step + 1)
+    assert code == 0, err
 
 
 def test_a_phase_above_its_ceiling_says_why():
