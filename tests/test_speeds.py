@@ -180,10 +180,23 @@ def test_team_rows_cover_the_window_in_order():
 
 def test_a_waiting_member_gives_up_when_the_team_aborts():
     """A member waiting for a member before it returns False once progress[-1] is set
-    (another member failed), instead of waiting forever; with the counter there, True."""
+    (another member failed), instead of waiting forever; with the counter there, True.
+    It waits for every counter it names, not the first alone: the team test runs its
+    members in order, so every wait there is met before it starts (a wait on member 0
+    alone passed it; a review found it by mutation)."""
     from hslm.spin import wait_for
     progress = np.zeros(4, np.int64)
     progress[3] = 1
     assert not wait_for(progress, 0, 1, 2, 1, 3)
+    for published in ([1, 0, 0, 1], [0, 1, 0, 1]):  # counters 0 and 1
+        progress[:] = published
+        assert not wait_for(progress, 0, 1, 2, 1, 3)
+    for published in ([1, 1, 0, 1], [0, 0, 1, 1]):  # counters 0 and 2 (a stride of 2)
+        progress[:] = published
+        assert not wait_for(progress, 0, 2, 2, 1, 3)
+    progress[:] = [1, 0, 1, 1]
+    assert wait_for(progress, 0, 2, 2, 1, 3)
+    progress[:] = [2, 1, 0, 1]
+    assert not wait_for(progress, 0, 1, 2, 2, 3)  # counter 1 short of the value, 2
     progress[:] = [1, 1, 0, 0]
     assert wait_for(progress, 0, 1, 2, 1, 3)
