@@ -338,7 +338,10 @@ class Corpus:
                     if recalled:  # maybe of other bytes: hashed in full (below)
                         raise DataChanged("the remembered sha256 is not the checkpoint's")
                     raise HslmError(f"the training text ({source}) differs from the one the "
-                                    "checkpoint was trained on; pass the same --data")
+                                    "checkpoint was trained on; " + (
+                                        "that was the built-in text: leave out --data"
+                                        if expect_sha256 == BUILTIN_SHA256 else
+                                        "pass the same --data"))
                 self.tokenizer, self.tokens = corpus_tokens(src, self.text_sha256, vocab,
                                                             tokenizer, cache_dir)
                 if memo is not None:  # (a text refused, or one that failed its checks, is

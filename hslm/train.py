@@ -1022,19 +1022,22 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
                 stop_for_metrics(run.save(out)[1])
             if agreed is not None:
                 stop.signum = agreed
-                b, s = run.save(out)
-                last = run.step >= o.steps  # nothing left to resume (no validation either)
-                progress.message(f"{signal.Signals(agreed).name}: stopped after step "
-                                 f"{run.step}{', the last' if last else ''}; saved {b} and {s}")
-                if not last:
-                    progress.message(f"resume with: {o.resume_command(s)}")
-                sys.exit(128 + agreed)
+            if agreed is not None and run.step >= o.steps:
+                break  # the last step: its evaluation and save below, said as a stop
+            # an evaluation due at this step comes before a stop's save too: the resumed
+            # run starts past this step, and its record had been lost for good
             if o.eval_every and run.step % o.eval_every == 0 and run.step < o.steps:
                 v = evaluate()
                 if distributed.any_rank(metrics_error is not None):  # stop at this step
                     stop_for_metrics(run.save(out)[1])
                 progress.message(f"step {run.step}: valid {v:.4f} (perplexity "
                                  f"{perplexity(v):.1f})")
+            if agreed is not None:
+                b, s = run.save(out)
+                progress.message(f"{signal.Signals(agreed).name}: stopped after step "
+                                 f"{run.step}; saved {b} and {s}")
+                progress.message(f"resume with: {o.resume_command(s)}")
+                sys.exit(128 + agreed)
             if o.save_every and run.step % o.save_every == 0 and run.step < o.steps:
                 run.save(out)
         progress.close()
@@ -1043,8 +1046,9 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
         b, s = run.save(out)
         if distributed.any_rank(metrics_error is not None):
             stop_for_metrics(s)
-        if stop.signum is not None:  # asked during the last evaluation or save: done anyway,
-            # but said as a stop is, and ended as one (a caller's `&&` must not go on)
+        if stop.signum is not None:  # asked in the last step, its evaluation or save: done
+            # anyway (nothing is left to resume), but said as a stop is, and ended as one (a
+            # caller's `&&` must not go on)
             progress.message(f"{signal.Signals(stop.signum).name}: stopped after step "
                              f"{run.step}, the last; saved {b} and {s}")
         elif not o.quiet:

@@ -996,12 +996,20 @@ def test_a_stop_while_the_kernels_compile_trains_nothing(tmp_path, monkeypatch, 
     assert "Traceback" not in err and not out.exists()
 
 
+def metrics_records(path):
+    """A metrics file's records as (kind, step, loss): what two runs' files compare by."""
+    return [(r["kind"], r["step"], r.get("loss", r.get("valid_loss")))
+            for r in map(json.loads, path.read_text().splitlines())]
+
+
 def test_ctrl_c_in_the_last_step_saves_and_prints_no_resume_command(tmp_path):
-    """A stop asked during the run's last step: saved, and no resume command (it would be
-    refused: the checkpoint is already at --steps)."""
+    """A stop asked during the run's last step: evaluated and saved as the run's end is,
+    and no resume command (it would be refused: the checkpoint is already at --steps).
+    The final evaluation had been skipped, and no command could make it afterwards."""
     d = tmp_path / "last"
     proc = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "train", "--model", "hslm-3",
-                             "--batch", "32", "--threads", "1", "--steps", "1", "--out", str(d)],
+                             "--batch", "32", "--threads", "1", "--steps", "1", "--out", str(d),
+                             "--metrics", str(tmp_path / "m.jsonl")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     with running(proc, timeout=600):
         assert proc.stdout.readline().startswith("model ")  # the handlers are in; step 1 runs
@@ -1010,6 +1018,38 @@ def test_ctrl_c_in_the_last_step_saves_and_prints_no_resume_command(tmp_path):
     assert proc.returncode == 130, err
     assert "stopped after step 1, the last; saved" in out and "resume with" not in out
     ckpt.read(d / "ckpt_1.state")
+    assert [r[:2] for r in metrics_records(tmp_path / "m.jsonl")] == [("train", 1), ("eval", 1)]
+
+
+def test_a_stop_at_a_step_due_an_evaluation_evaluates_it_first(tmp_path):
+    """A stop after a step that --eval-every makes due had saved before evaluating it: the
+    resumed run starts past that step, and its evaluation was lost for good. Now the
+    stopped and resumed run's metrics are the uninterrupted run's (which is the control:
+    before, one evaluation short)."""
+    args = ["--model", "hslm-tiny", "--batch", "1", "--threads", "1", "--eval-every", "1",
+            "--eval-windows", "2", "--log-every", "1"]
+    stopped = tmp_path / "stopped.jsonl"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "train", *args, "--steps",
+                             "100000", "--out", str(tmp_path / "a"), "--metrics", str(stopped)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with running(proc, timeout=600):
+        for line in proc.stdout:
+            if line.startswith("step     5 "):
+                break
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err
+    [state] = (tmp_path / "a").glob("ckpt_*.state")
+    n = int(state.stem.split("_")[1])
+    assert [r[:2] for r in metrics_records(stopped)[-2:]] == [("train", n), ("eval", n)]
+    code, _, err = hslm("train", "--resume", state, "--steps", n + 2, "--eval-every", 1,
+                        "--metrics", stopped)
+    assert code == 0, err
+    straight = tmp_path / "straight.jsonl"
+    code, _, err = hslm("train", *args, "--steps", n + 2, "--out", tmp_path / "b",
+                        "--metrics", straight)
+    assert code == 0, err
+    assert metrics_records(stopped) == metrics_records(straight)
 
 
 def test_ctrl_c_during_the_final_evaluation_ends_as_a_stop(tmp_path):

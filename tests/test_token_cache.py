@@ -269,7 +269,8 @@ def test_the_text_sha256_is_remembered_by_stat_and_rehashed_when_it_changes(tmp_
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
     third = Corpus.load(f, 300, 27, cache_dir=tmp_path / "c")
     assert scans == [1, 1] and third.text_sha256 == hashlib.sha256(changed.encode()).hexdigest()
-    with pytest.raises(HslmError, match="differs from the one the checkpoint"):
+    with pytest.raises(HslmError, match="differs from the one the checkpoint was trained on; "
+                       "pass the same --data$"):
         Corpus.load(f, 300, 27, cache_dir=tmp_path / "c", expect_sha256=first.text_sha256)
 
 
