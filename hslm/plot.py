@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import warnings
 
 from .errors import HslmError, read_bytes
@@ -55,8 +56,23 @@ def read_metrics(path, warn=None):
     if not train and not valid:
         raise HslmError(f"{path} holds no training or validation records")
     # a run killed after its last checkpoint and resumed appends the steps since again
-    # (with the same values: the bytes do not change): one point a step, the last written
-    return sorted(dict(train).items()), sorted(dict(valid).items())
+    # (with the same values: the bytes do not change): one point a step
+    return _one_run(train, "loss", path), _one_run(valid, "validation loss", path)
+
+
+def _one_run(points, what: str, path):
+    """[(step, loss)], one point a step. A step written twice with other values is two
+    runs' records in one file (a new run given another's --metrics): refused, or the plot
+    had joined them into one curve."""
+    seen = {}
+    for step, loss in points:
+        before = seen.setdefault(step, loss)
+        if before != loss and not (math.isnan(before) and math.isnan(loss)):
+            raise HslmError(f"{path} holds more than one run's records: step {step}'s {what} "
+                            f"is {before:.6g} in one and {loss:.6g} in another (a resumed run "
+                            "repeats a step with the same value); give each run its own "
+                            "--metrics file")
+    return sorted(seen.items())
 
 
 def _point(record, key):

@@ -743,6 +743,21 @@ def warn_of_replaced_checkpoints(out: Path, step: int, steps: int, save_every: i
               "they are replaced", file=sys.stderr)
 
 
+def warn_of_another_runs_metrics(metrics, step: int):
+    """One line on stderr when a new run (step 0) appends to a metrics file that already
+    holds records: another run's, which hslm plot refuses to join to this one's where
+    their values at a step differ."""
+    import sys
+    try:
+        held = metrics is not None and step == 0 and os.path.getsize(metrics) > 0
+    except OSError:
+        held = False
+    if held:
+        print(f"warning: --metrics {metrics} already holds records (another run's?); this "
+              "run's are added after them, and hslm plot refuses a file of two runs' records",
+              file=sys.stderr)
+
+
 def train_run(o: TrainOptions, echo=None):
     """`hslm train`: open the run, hold its folder, step until o.steps with progress,
     metrics, evaluations and checkpoints. Returns (first loss, last loss, validation loss)."""
@@ -775,6 +790,7 @@ def train_run(o: TrainOptions, echo=None):
         cfg, h = run.cfg, run.hyper
         if distributed.is_writer():
             warn_of_replaced_checkpoints(out, run.step, o.steps, o.save_every)
+            warn_of_another_runs_metrics(o.metrics, run.step)
             save_tokenizer(out, run.corpus.tokenizer, lock.dir_fd)
         if not o.quiet:
             need = memory_estimate(cfg, h.batch, o.threads, o.speed)

@@ -881,6 +881,43 @@ def test_plot_reads_a_resumed_runs_repeated_steps_once(tmp_path):
     assert [s for s, _ in train] == [1, 2, 3, 4, 5] and valid == [(4, 4.7)]
 
 
+def test_a_new_run_appending_to_another_runs_metrics_is_warned(tmp_path):
+    """A new run given a metrics file that holds records says so (plot will refuse the
+    file where the two runs' values differ); a resumed run appending to its own does not
+    (the control)."""
+    m = tmp_path / "m.jsonl"
+    code, _, err = hslm("train", *TINY, "--steps", "2", "--out", tmp_path / "a", "--metrics", m)
+    assert code == 0 and "already holds records" not in err, err
+    code, _, err = hslm("train", "--resume", tmp_path / "a" / "ckpt_2.state", "--steps", "3",
+                        "--metrics", m)
+    assert code == 0 and "already holds records" not in err, err
+    code, _, err = hslm("train", *TINY, "--steps", "1", "--out", tmp_path / "b", "--metrics", m)
+    assert code == 0, err
+    assert f"warning: --metrics {m} already holds records (another run's?)" in err
+
+
+@pytest.mark.parametrize("kind", ["train", "eval", "nan"])
+def test_plot_refuses_two_runs_records_in_one_file(tmp_path, kind):
+    """A new run given another run's --metrics appends its steps 1, 2, ... after the first
+    run's: plot had joined them into one curve (the later run's values at the steps they
+    share, the earlier's past them). A step repeated with another value is refused; one
+    repeated with the same value (a resumed run; NaN included) is not."""
+    from hslm.errors import HslmError
+    from hslm.plot import read_metrics
+    key = "valid_loss" if kind == "eval" else "loss"
+    rec = "eval" if kind == "eval" else "train"
+    first = [{"kind": rec, "step": s, key: 5.0 - 0.1 * s} for s in (1, 2, 3)]
+    if kind == "nan":
+        first[2]["loss"] = float("nan")
+    m = tmp_path / "m.jsonl"
+    m.write_text("".join(json.dumps(r) + "\n" for r in first + first[1:]))
+    read_metrics(m)  # (the control: a resumed run's repeats)
+    second = [{"kind": rec, "step": s, key: 6.0 - 0.1 * s} for s in (1, 2)]
+    m.write_text("".join(json.dumps(r) + "\n" for r in first + second))
+    with pytest.raises(HslmError, match=r"holds more than one run's records: step 1's "):
+        read_metrics(m)
+
+
 def test_bench_efficiency_is_against_the_fewest_threads_and_values_run_once():
     from hslm.bench_report import format_report
     from hslm.cli import _split
