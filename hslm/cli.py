@@ -313,7 +313,7 @@ def sample(ckpt_path, prompt, n_tokens, temperature, top_k, seed, data):
         sample_ids(Worker(cfg, DEFAULT_SPEED), state.kernel_model(), state.tables.vsa,
                    tok.encode(prompt), n_tokens, temperature, top_k, seed, cfg.window,
                    each=lambda t: write(text.decode(tok.decode_bytes([t]))),
-                   drawable=len(tok.pieces))
+                   drawable=tok.n_ids)
         write(text.decode(b"", final=True) + "\n")
     except ReaderLeft:
         pass

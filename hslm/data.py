@@ -68,11 +68,36 @@ class Tokenizer:
     def __init__(self, vocab: int, merges: np.ndarray):
         self.vocab = vocab
         self.merges = np.ascontiguousarray(merges, dtype=np.int64).reshape(-1, 2)
-        pieces = [b""] * N_SPECIAL + [bytes([i]) for i in range(256)]
-        for a, b in self.merges:
-            pieces.append(pieces[a] + pieces[b])
-        self.pieces = pieces
+        self.n_ids = FIRST_MERGE + len(self.merges)  # the ids with a piece (drawable)
+        # each id's bytes, made as decoding first needs them: a checkpoint's tokenizer is
+        # read by commands that decode nothing (info, diff, eval, a tokenizer.json's
+        # identity), and a crafted one's pieces, though each under 4 GiB, had added up to
+        # 14 GB there
+        self._pieces = {i: b"" for i in range(N_SPECIAL)}
+        self._pieces.update((BYTE0 + i, bytes([i])) for i in range(256))
         self._ranks = None  # {pair: merge}, made when a short text needs it (encode)
+
+    def piece(self, i) -> bytes:
+        """The bytes of token id i (b"" for a special id or one past the merges)."""
+        i = int(i)
+        if not 0 <= i < self.n_ids:
+            return b""
+        pieces, todo = self._pieces, [i]
+        while todo:  # (a loop, not recursion: a chain of merges is as deep as the vocabulary)
+            j = todo[-1]
+            if j in pieces:
+                todo.pop()
+                continue
+            a, b = (int(x) for x in self.merges[j - FIRST_MERGE])
+            missing = [x for x in (a, b) if x not in pieces]
+            if missing:
+                todo.extend(missing)
+                continue
+            if len(pieces[a]) + len(pieces[b]) > 1 << 26:
+                check_fits(len(pieces[a]) + len(pieces[b]), f"token {j}'s bytes")
+            pieces[j] = pieces[a] + pieces[b]
+            todo.pop()
+        return pieces[i]
 
     @classmethod
     def train(cls, text: str, vocab: int) -> "Tokenizer":
@@ -131,8 +156,7 @@ class Tokenizer:
         return [t for t in ids if t >= 0]
 
     def decode_bytes(self, ids) -> bytes:
-        return b"".join(self.pieces[int(i)] if 0 <= int(i) < len(self.pieces) else b""
-                        for i in ids)
+        return b"".join(map(self.piece, ids))
 
     def decode(self, ids) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
@@ -178,7 +202,6 @@ class Tokenizer:
                                   f"{length[-1]:,} bytes, longer than any text hslm reads")
         except Invalid as e:
             raise HslmError(f"tokenizer is not valid: {e}") from None
-        check_fits(sum(length), "the tokenizer's pieces")
         return cls(vocab, np.array(merges, np.int64).reshape(-1, 2))
 
 

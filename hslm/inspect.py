@@ -7,7 +7,7 @@ import numpy as np
 
 from . import checkpoint as ckpt
 from .config import canonical_json
-from .errors import HslmError
+from .errors import HslmError, one_line
 
 
 def ternary_scale(W) -> float:
@@ -111,12 +111,12 @@ def _differing(a, b, n=60):
     so the difference is on the line."""
     sa, sb = str(a), str(b)
     if len(sa) <= n and len(sb) <= n:
-        return f"{sa} != {sb}"
+        return f"{one_line(sa)} != {one_line(sb)}"  # (control characters as escapes)
     i = next((j for j, (x, y) in enumerate(zip(sa, sb)) if x != y), min(len(sa), len(sb)))
     start = 0 if i < 16 else i - 8
 
     def cut(s):
-        part = s[start:start + 24]
+        part = one_line(s[start:start + 24])
         return (("..." if start else "") + part + ("..." if start + 24 < len(s) else "")
                 + f" ({len(s)} chars)")
     return f"{cut(sa)} != {cut(sb)} (first difference at character {i})"
@@ -152,7 +152,10 @@ def describe(path):
         hyper = json.loads(ck.meta["hyper"])  # checked when the file was read
         lines += [
             f"hyper     {json.dumps(hyper, sort_keys=True)}",
-            f"data      {ck.meta.get('data_source')} (text sha256 {ck.meta.get('text_sha256', '')[:16]}...)",
+            # (the one free text of a checkpoint's: a crafted one's control characters, a
+            # terminal's escapes or lines of its own, printed as escapes)
+            f"data      {one_line(str(ck.meta.get('data_source')))} (text sha256 "
+            f"{ck.meta.get('text_sha256', '')[:16]}...)",
             f"tokenizer {ck.meta.get('tokenizer', '')[:16]}...",
             f"weights   {ck.meta.get('params_sha256', '')[:16]}... (the .bin this state belongs to)",
         ]

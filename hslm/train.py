@@ -454,7 +454,14 @@ def load_for_inference(path, threads=1, warn=None, trained_on=None):
     path = Path(path)
     named_state = path.suffix == ".state"
     if named_state:
+        # a named .state that is not there is an error, as a damaged one is: its .bin alone
+        # had been used, scored with the window's k, not the run's
+        if not path.exists():
+            raise HslmError(f"checkpoint not found: {path}")
         path = path.with_suffix(".bin")
+        if not path.exists():
+            raise HslmError(f"checkpoint not found: {path} (the parameters of "
+                            f"{path.with_suffix('.state')})")
     ck = ckpt.read(path, expect_kind="params")
     cfg = ck.config
     ck.check_finite()

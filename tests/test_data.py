@@ -1,4 +1,5 @@
 """Tokenizer, corpus and split."""
+import time
 import numpy as np
 
 from hslm.rng import Stream
@@ -224,7 +225,31 @@ def test_a_tokenizer_whose_pieces_would_not_fit_is_refused(doubling):
     with pytest.raises(HslmError, match="tokenizer is not valid: merge .* longer than any text"):
         Tokenizer.from_json(s)
     ok = json.dumps({"format": "hslm-bpe", "version": 1, "vocab": 729, "merges": merges[:20]})
-    assert len(Tokenizer.from_json(ok).pieces[-1]) == 1 << 20  # (control: 1 MB is a piece)
+    tok = Tokenizer.from_json(ok)
+    assert len(tok.piece(tok.n_ids - 1)) == 1 << 20  # (control: 1 MB is a piece)
+
+
+def test_a_tokenizer_is_read_without_making_its_pieces():
+    """Each piece under 4 GiB, but together 13 GiB: a tokenizer of 394 bytes (beside a
+    checkpoint, or in one whose checksums were made again) had its pieces made when read,
+    14 GB and 70 s for hslm info, eval or sample, which need its identity or a few of its
+    pieces. Now a piece is made when decoding first asks for it."""
+    import json
+    import tracemalloc
+    merges = [[4 + 97, 4 + 97]] + [[FIRST_MERGE + m, FIRST_MERGE + m] for m in range(30)]
+    top = FIRST_MERGE + 30  # a piece of 2^31 bytes
+    merges += [[top, top - 1], [top, top - 1], [top, top - 1]]  # three of 3 GiB
+    s = json.dumps({"format": "hslm-bpe", "version": 1, "vocab": 729, "merges": merges})
+    tracemalloc.start()
+    t = time.perf_counter()
+    tok = Tokenizer.from_json(s)
+    tok.identity
+    took, peak = time.perf_counter() - t, tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 16 << 20 and took < 5, (peak, took)
+    # the pieces decoding asks for (control: what had been made whole before)
+    assert tok.decode_bytes([4 + 97, FIRST_MERGE, FIRST_MERGE + 3, 2, 10 ** 9]) == b"a" * 19
+    assert len(tok.piece(FIRST_MERGE + 20)) == 1 << 21
 
 
 def test_a_text_past_4_gib_is_refused_before_it_is_read(tmp_path, monkeypatch):

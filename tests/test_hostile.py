@@ -953,7 +953,7 @@ def test_sample_never_draws_an_id_without_a_piece(base):
     from hslm.speeds import DEFAULT_SPEED
     from hslm.step import Worker
     cfg, state, tok, _ = load_for_inference(base / "ckpt_2.bin")
-    bound = len(tok.pieces) - 40  # as if the last 40 merges had not been learned
+    bound = tok.n_ids - 40  # as if the last 40 merges had not been learned
 
     def draw(**kw):
         return sample_ids(Worker(cfg, DEFAULT_SPEED), state.kernel_model(), state.tables.vsa,
@@ -1155,6 +1155,47 @@ def _forged_state(src, dst, **meta_changes):
     dst.write_bytes(ckpt.encode([(n, ck.tensor(n)) for n in ck.names()], meta))
     ckpt.read(dst)
     return dst
+
+
+def test_a_checkpoints_data_source_is_printed_on_one_line_as_escapes(base, tmp_path):
+    """data_source is the one free text of a checkpoint's: a crafted .state's newlines and
+    terminal escapes had passed through hslm info and diff as they were (a line `checksum
+    ok` of its own, colours). Control: the source as hslm writes it, as it is."""
+    src = base / "ckpt_2.state"
+    bad = _forged_state(src, tmp_path / "bad.state",
+                        data_source="built-in x\n\x1b[31mRED\x1b[0m\nchecksum  ok")
+    code, out, err = hslm("info", bad)
+    assert code == 0, err
+    [line] = [x for x in out.splitlines() if x.startswith("data ")]
+    assert "built-in x\\n\\x1b[31mRED\\x1b[0m\\nchecksum  ok (text sha256" in line, line
+    assert "\x1b" not in out and sum(x.startswith("checksum") for x in out.splitlines()) == 1
+    code, out, err = hslm("diff", src, bad)
+    assert code == 1 and "\x1b" not in out and "\\x1b[31mRED" in out, out
+    code, out, err = hslm("info", src)
+    source = ckpt.read(src).meta["data_source"]
+    assert code == 0 and f"data      {source} (text sha256" in out, out
+
+
+def test_a_named_state_that_is_not_there_is_an_error(base, tmp_path):
+    """eval and sample given a .state that is not there (a name mistyped, a link to
+    nothing) had used the .bin beside it and scored it with the window's k, not the
+    run's, saying nothing; a name with neither file was reported as the .bin. Control:
+    the .bin named, it is used alone."""
+    d = tmp_path / "alone"
+    d.mkdir()
+    (d / "ckpt_2.bin").write_bytes((base / "ckpt_2.bin").read_bytes())
+    (d / "dangling.state").symlink_to(d / "nothing")
+    (d / "lost.state").write_bytes((base / "ckpt_2.state").read_bytes())  # (no lost.bin)
+    for cmd in (["eval"], ["sample", "--tokens", "2"]):
+        for name, expect in (("ckpt_2.state", d / "ckpt_2.state"),
+                             ("dangling.state", d / "dangling.state"),
+                             ("typo.state", d / "typo.state"),
+                             ("lost.state", f"{d / 'lost.bin'} (the parameters of "
+                                            f"{d / 'lost.state'})")):
+            line = one_line_error(*hslm(*cmd, d / name))
+            assert line == f"error: checkpoint not found: {expect}", line
+        code, out, err = hslm(*cmd, d / "ckpt_2.bin")
+        assert code == 0, err
 
 
 def test_diff_names_a_field_that_differs_only_as_minus_zero(base, tmp_path):
