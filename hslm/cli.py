@@ -253,7 +253,8 @@ def eval_cmd(ckpt_path, data, cache_dir, eval_windows, loss_positions, threads, 
             "windows": len(w),
             "window": cfg.window, "loss_positions": k, "text_sha256": corpus.text_sha256}))
         return
-    click.echo(f"valid loss {v:.4f}, perplexity {perplexity(v):.2f} ({len(w)} windows of "
+    loss = f"{v:.4f}" if abs(v) < 1e6 else f"{v:.4e}"  # (a crafted model's 1e300)
+    click.echo(f"valid loss {loss}, perplexity {perplexity(v):.2f} ({len(w)} windows of "
                f"{cfg.window}, last {k} scored; uniform baseline {math.log(cfg.vocab):.4f})")
 
 

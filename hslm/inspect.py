@@ -134,6 +134,11 @@ def describe(path):
         f"checksum  ok (header sha256 {ck.meta['header_sha256']}, data sha256 "
         f"{ck.data_sha256})",
     ]
+    try:  # (a consistent file can hold them: its checksums are of its bytes, whatever they are)
+        ck.check_finite()
+    except HslmError as e:  # what eval, sample and a resume refuse, said before the shares
+        lines.append(f"values    {str(e).split(': ', 1)[1]}: eval, sample and --resume "
+                     "refuse this file")
     if ck.kind == "params":
         tok = ck.tokenizer()
         lines.append(f"tokenizer {tok.identity[:16]}... ({len(tok.merges)} merges, carried "
@@ -146,8 +151,9 @@ def describe(path):
             a = ternary_scale(W)
             neg = np.count_nonzero(W < -a / 2) / W.size
             pos = np.count_nonzero(W > a / 2) / W.size
+            scale = f"{a:.6f}" if abs(a) < 1e6 else f"{a:.6e}"  # (a crafted file's 1e300)
             lines.append(f"  {name:16s} {neg:6.1%} {1 - neg - pos:6.1%} {pos:6.1%}  "
-                         f"alpha {a:.6f}")
+                         f"alpha {scale}")
     else:
         hyper = json.loads(ck.meta["hyper"])  # checked when the file was read
         lines += [

@@ -18,18 +18,17 @@ def read_metrics(path, warn=None):
     from .progress import TAIL_CHECKED, partial_tail
     train, valid = [], []
     raw = read_bytes(path, "metrics file", limit=1 << 30)
+    tail = raw[-TAIL_CHECKED:]  # (the bytes read: a live run may be writing on)
+    cut = partial_tail(tail, len(tail) == len(raw)) or 0
     try:
-        lines = raw.decode("utf-8").splitlines()
+        text = str(memoryview(raw)[:len(raw) - cut], "utf-8")
     except UnicodeDecodeError as e:
         raise HslmError(f"metrics file {path} is not UTF-8 text (offset {e.start})") from None
-    tail = raw[-TAIL_CHECKED:]  # (the bytes read: a live run may be writing on)
-    cut = partial_tail(tail, len(tail) == len(raw))
-    if cut and lines:
-        lines.pop()
-        if warn is not None:
-            warn(f"warning: {path} ends in a partial record (a run stopped while writing it): "
-                 f"its {cut} bytes left out")
-    for n, line in enumerate(lines, 1):
+    del raw
+    if cut and warn is not None:
+        warn(f"warning: {path} ends in a partial record (a run stopped while writing it): "
+             f"its {cut} bytes left out")
+    for n, line in enumerate(_lines(text), 1):
         if not line.strip():
             continue
         try:
@@ -58,6 +57,17 @@ def read_metrics(path, warn=None):
     # a run killed after its last checkpoint and resumed appends the steps since again
     # (with the same values: the bytes do not change): one point a step
     return _one_run(train, "loss", path), _one_run(valid, "validation loss", path)
+
+
+def _lines(text: str):
+    """text's lines, one at a time: a list of them all had taken 26 times a file of short
+    lines' size (150 MB of `{}` lines: 3.9 GB)."""
+    start = 0
+    while start < len(text):
+        end = text.find("\n", start)
+        end = len(text) if end < 0 else end
+        yield text[start:end]
+        start = end + 1
 
 
 def _one_run(points, what: str, path):
@@ -140,8 +150,8 @@ def plot_metrics(path, output, warn=None):
             ax.set_xlabel("step")
             ax.xaxis.get_major_locator().set_params(integer=True)  # steps are whole numbers
             ax.set_ylabel("loss (nats)")
-            ax.grid(alpha=0.3)
-            ax.legend()
+            ax.grid(color="0.9")  # (as alpha 0.3 looked; PostScript has no transparency)
+            ax.legend(framealpha=1)
             fig.tight_layout()
             fig.savefig(buf, format=ext)
     # .pgf without LaTeX, say; and values matplotlib cannot lay out (losses of +-1e308:

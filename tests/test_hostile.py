@@ -1176,6 +1176,36 @@ def test_a_checkpoints_data_source_is_printed_on_one_line_as_escapes(base, tmp_p
     assert code == 0 and f"data      {source} (text sha256" in out, out
 
 
+def test_info_says_a_checkpoint_holds_non_finite_values_and_huge_ones_are_short(base,
+                                                                                tmp_path):
+    """A consistent .bin (its checksums are of its bytes) may hold a NaN: hslm info had
+    said `checksum ok` and shown the matrix as all zeros with alpha nan, where eval and
+    sample refuse the file. It now says so. Values of 1e300 (a crafted file) were printed
+    as 300-digit decimals by info (alpha) and eval (the loss). Control: a good file has no
+    such line."""
+    import numpy as np
+    ck = ckpt.read(base / "ckpt_2.bin")
+    tensors = [(n, ck.tensor(n).copy()) for n in ck.names()]
+    dict(tensors)["Wout"].reshape(-1)[:2] = [np.nan, np.inf]
+    (tmp_path / "nan").mkdir()
+    (tmp_path / "nan" / "ckpt_2.bin").write_bytes(ckpt.encode(tensors, dict(ck.meta)))
+    code, out, err = hslm("info", tmp_path / "nan" / "ckpt_2.bin")
+    assert code == 0 and "checksum  ok" in out, err
+    assert (f"values    2 of {dict(tensors)['Wout'].size:,} elements of Wout are NaN or "
+            "infinite: eval, sample and --resume refuse this file") in out.splitlines(), out
+    code, out, err = hslm("info", base / "ckpt_2.bin")
+    assert code == 0 and "values " not in out and " alpha 0." in out, out
+
+    tensors = [(n, ck.tensor(n) * (1e300 if n == "Wout" else 1)) for n in ck.names()]
+    (tmp_path / "huge").mkdir()
+    (tmp_path / "huge" / "ckpt_2.bin").write_bytes(ckpt.encode(tensors, dict(ck.meta)))
+    code, out, err = hslm("info", tmp_path / "huge" / "ckpt_2.bin")
+    [line] = [x for x in out.splitlines() if x.startswith("  Wout ")]
+    assert code == 0 and line.split("alpha ")[1].endswith("e+298"), line
+    code, out, err = hslm("eval", tmp_path / "huge" / "ckpt_2.bin")
+    assert code == 0 and out.startswith("valid loss ") and "e+299, perplexity inf" in out, out
+
+
 def test_a_named_state_that_is_not_there_is_an_error(base, tmp_path):
     """eval and sample given a .state that is not there (a name mistyped, a link to
     nothing) had used the .bin beside it and scored it with the window's k, not the
