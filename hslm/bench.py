@@ -177,6 +177,9 @@ def finish_run(e):
     return {**e, "digest": digest, "checkpoint_bytes": size}
 
 
+TORCH_BATCHES = 8  # the distinct batches PyTorch's trainer takes in turn
+
+
 def torch_trainer(cfg, hyper, corpus, dtype_name, steps):
     """The same model and objective in PyTorch, one thread, windows batched: a function
     step() that trains the next step (forward, autograd backward, per-tensor clipping and
@@ -200,13 +203,16 @@ def torch_trainer(cfg, hyper, corpus, dtype_name, steps):
                              {"params": other, "weight_decay": 0.0}], lr=hyper.lr)
     table = vsa_table(cfg)
     rng = Stream.seeded("bench", 0)
-    batches = [corpus.draw_windows(rng, hyper.batch, cfg.window) for _ in range(steps + 1)]
+    # a few batches, taken in turn: one a step had grown with --steps (each batch's VSA
+    # streams, made in Python, 0.4 MB and 0.1 s for hslm-3's; 25 GB at 10,000 steps)
+    batches = [corpus.draw_windows(rng, hyper.batch, cfg.window)
+               for _ in range(min(steps + 1, TORCH_BATCHES))]
     vsas = [np.stack([vsa_stream(cfg, table, w) for w in b]) for b in batches]
 
     taken = [0]
 
     def step():
-        i = taken[0]
+        i = taken[0] % len(batches)
         taken[0] += 1
         loss, _, _ = window_losses(cfg, params, batches[i], vsas[i], hyper.loss_positions,
                                    dtype=dtype)
@@ -501,8 +507,9 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
                        "(--no-torch leaves it out)")
     for name, cfg, k in plan:
         corpus = None
-        entry = {"model": name, "params": cfg.n_params, "k": k, "window": cfg.window,
-                 "flops_per_token": flops_per_token(cfg, k), "rows": [], "groups": []}
+        entry = {"model": name, "config": cfg.to_json(), "params": cfg.n_params, "k": k,
+                 "window": cfg.window, "flops_per_token": flops_per_token(cfg, k), "rows": [],
+                 "groups": []}
         for batch in batches:
             hyper = bench_hyper(cfg, batch, k)
             if corpus is None:

@@ -249,7 +249,21 @@ def load_report(path) -> dict:
         raise HslmError(f"{path}: not an hslm bench report (no models and rows)")
     if not any(e["rows"] for e in report["models"]):
         raise HslmError(f"{path}: not an hslm bench report (no run in it)")
+    for e in report["models"]:  # older reports' parts under today's labels, to compare
+        try:
+            e["parts_ms"] = {phase: [[PARTS_RENAMED.get(label, label), ms] for label, ms in items]
+                             for phase, items in e["parts_ms"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError):
+            pass  # (none, or malformed: judged where they are read)
     return report
+
+
+# the profile's parts renamed in 4da4f4c (2026-12-05): what reports before it call them
+PARTS_RENAMED = {
+    "the norms (the blocks' and the head's)": "the norms (the blocks' and head's)",
+    "attention's gradient (panels, rotary)": "attention's gradient, rotary's, its panels",
+    "through the norms (the blocks' and head's)": "the norms' gradient (the blocks' and head's)",
+}
 
 
 def machine_of(report):
@@ -310,6 +324,8 @@ def compare_reports(named) -> list:
             out.append(f"  model {e['model']}")
             key = lambda row: (row["batch"], row["speed"], row["threads"])  # noqa: E731
             before = {key(x): x for x in b["rows"]}
+            if not any(key(row) in before for row in e["rows"]):
+                out.append("    no run in common (other batches, speeds or thread counts)")
             for row in e["rows"]:
                 old = before.get(key(row))
                 if old is None:
@@ -468,7 +484,13 @@ def _other_runs(base, b, r, e):
     """What makes two reports' runs of a model (reports base and r, their entries b and e)
     other runs, whose bytes are not to be compared: [] where they are the same run."""
     texts = b.get("text_sha256"), e.get("text_sha256")  # (not in reports before 1cceec6)
+    # the same name, another model (a config file changed between the runs): its config,
+    # or in reports without one, its size
+    configs = b.get("config"), e.get("config")
+    same_model = (configs[0] == configs[1] if None not in configs else
+                  all(b.get(f) == e.get(f) for f in ("params", "window", "flops_per_token")))
     return [what for what, same in (
+        ("model", same_model),
         ("steps", base["steps"] == r["steps"]), ("seed", base.get("seed") == r.get("seed")),
         ("rounds", base.get("rounds", 0) == r.get("rounds", 0)),  # (each adds a step)
         ("k", b.get("k") == e.get("k")), ("text", None in texts or texts[0] == texts[1]))

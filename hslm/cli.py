@@ -19,14 +19,21 @@ from .speeds import DEFAULT_SPEED, SPEEDS, speed_help
 
 class PathArg(click.Path):
     """A file or folder name; an empty one is refused (Path("") is the current folder,
-    so `--out ""` would have written there)."""
+    so `--out ""` would have written there). A file's name (file=True) ending in a slash
+    is refused too: Path drops the slash, so `--json results/` had written a file named
+    results, and `--json a.json/` replaced a.json."""
 
-    def __init__(self):
+    def __init__(self, file: bool = False):
         super().__init__(path_type=Path)
+        self.file = file
 
     def convert(self, value, param, ctx):
         if isinstance(value, str) and not value.strip():
             self.fail("an empty path; give a file or folder name", param, ctx)
+        if self.file and isinstance(value, str) and value.endswith(
+                tuple(filter(None, (os.sep, os.altsep)))):
+            self.fail(f"{value} ends in a slash, as a folder's name does; give a file name",
+                      param, ctx)
         return super().convert(value, param, ctx)
 
 
@@ -108,11 +115,11 @@ def threads_option(f):
               help="Checkpoint folder [default: ckpt, or the resumed checkpoint's folder].")
 @click.option("--save-every", type=click.IntRange(0), default=0, show_default=True,
               help="Also save every N steps (0: only at the end).")
-@click.option("--resume", type=PathArg(), default=None,
+@click.option("--resume", type=PathArg(file=True), default=None,
               help="Continue from DIR/ckpt_N.state (and the ckpt_N.bin beside it).")
 @click.option("--eval-every", type=click.IntRange(0), default=0, show_default=True,
               help="Validation loss every N steps (0: only at the end).")
-@click.option("--metrics", type=PathArg(), default=None,
+@click.option("--metrics", type=PathArg(file=True), default=None,
               help="Append one JSON object per step and per evaluation to this file.")
 @click.option("--log-every", type=click.IntRange(1), default=1, show_default=True,
               help="A plain progress line every N steps (when stdout is not a terminal).")
@@ -136,8 +143,8 @@ def train(ctx, **opts):
 
 
 @cli.command()
-@click.argument("a", type=PathArg())
-@click.argument("b", type=PathArg())
+@click.argument("a", type=PathArg(file=True))
+@click.argument("b", type=PathArg(file=True))
 @click.pass_context
 def diff(ctx, a, b):
     """Compare two checkpoints (.bin or .state): exit 0 if byte-identical, else 1."""
@@ -200,7 +207,7 @@ def _file_kind(path):
 
 
 @cli.command(name="eval")
-@click.argument("ckpt_path", metavar="CKPT", type=PathArg())
+@click.argument("ckpt_path", metavar="CKPT", type=PathArg(file=True))
 @click.option("--data", type=PathArg(), multiple=True,
               help="The text (files or folders, as for train) whose validation split to score "
                    "[default: the built-in corpus].")
@@ -259,7 +266,7 @@ def eval_cmd(ckpt_path, data, cache_dir, eval_windows, loss_positions, threads, 
 
 
 @cli.command()
-@click.argument("ckpt_path", metavar="CKPT", type=PathArg())
+@click.argument("ckpt_path", metavar="CKPT", type=PathArg(file=True))
 @click.option("--prompt", default="", help="Text to continue.")
 @click.option("--tokens", "n_tokens", type=click.IntRange(1), default=100, show_default=True,
               help="Tokens to generate.")
@@ -325,8 +332,8 @@ class ReaderLeft(Exception):
 
 
 @cli.command()
-@click.argument("metrics_file", metavar="METRICS", type=PathArg())
-@click.option("-o", "--output", type=PathArg(), default=Path("loss.png"),
+@click.argument("metrics_file", metavar="METRICS", type=PathArg(file=True))
+@click.option("-o", "--output", type=PathArg(file=True), default=Path("loss.png"),
               show_default=True, help="Image file to write (.png, .pdf, .svg, ...).")
 def plot(metrics_file, output):
     """Training and validation loss against step, from a --metrics file."""
@@ -369,7 +376,7 @@ def _split(values, convert, name):
               help="Also time the PyTorch baseline (f64 and f32, one thread) if installed.")
 @click.option("--profile/--no-profile", default=True, show_default=True,
               help="Per-phase profile of a speed-3 step (first model and batch).")
-@click.option("--json", "json_path", type=PathArg(), default=None,
+@click.option("--json", "json_path", type=PathArg(file=True), default=None,
               help="Also write every figure (machine, versions, rows, ratios, profile) as JSON.")
 def bench(model, data, cache_dir, speed, threads, batch, steps, loss_positions, with_torch,
           profile, json_path):
@@ -387,7 +394,9 @@ def bench(model, data, cache_dir, speed, threads, batch, steps, loss_positions, 
         raise HslmError(f"--threads must be from 1 to {MAX_THREADS} and --batch at least 1")
     if json_path is not None:  # before minutes of benchmarking, not after
         from .checkpoint import check_atomic_target
+        from .validate import check_report_apart
         check_atomic_target(json_path, "--json")
+        check_report_apart(json_path, models, data)
     from .precompile import compile_first
     from .token_cache import cache_dir as token_cache_dir
     from .train import resolve_config
@@ -405,18 +414,19 @@ def bench(model, data, cache_dir, speed, threads, batch, steps, loss_positions, 
     report = run_bench(models, speeds, thread_counts, batches, steps, loss_positions, data,
                        with_torch, profile, progress=lambda m: click.echo(f"  {m}", err=True),
                        cache_dir=token_cache_dir(cache_dir, None))
+    if json_path is not None:  # first: a standard output that fails (a full disk) had lost it
+        from .checkpoint import write_atomic
+        write_atomic(json_path, (json.dumps(report, indent=1) + "\n").encode(), what="report")
     for line in format_report(report):
         click.echo(line)
     if json_path is not None:
-        from .checkpoint import write_atomic
-        write_atomic(json_path, (json.dumps(report, indent=1) + "\n").encode(), what="report")
         click.echo(f"wrote {json_path}")
     if not all_identical(report):
         sys.exit(1)
 
 
 @cli.command("bench-compare")
-@click.argument("reports", nargs=-1, required=True, type=PathArg())
+@click.argument("reports", nargs=-1, required=True, type=PathArg(file=True))
 @click.pass_context
 def bench_compare(ctx, reports):
     """Compare reports `hslm bench --json` wrote, each against the first: tok/s, the
@@ -440,8 +450,8 @@ def bench_compare(ctx, reports):
     except malformed as e:
         raise HslmError(f"the reports do not compare: one is not an hslm bench report "
                         f"({type(e).__name__}: {str(e)[:80]})") from None
-    for line in lines:
-        click.echo(line)
+    for line in lines:  # (a report's text fields: control characters and lone surrogates
+        click.echo(one_line(line))  # as escapes, not a forged line or a half-printed table)
     ctx.exit(1 if differ else 0)
 
 

@@ -1,4 +1,5 @@
 """The one exception the CLI turns into a one-line error and a non-zero exit."""
+import re
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -78,8 +79,13 @@ def raise_dropped_interrupt():
 _CONTROLS = {c: repr(chr(c))[1:-1] for c in [*range(32), 127] if c != 9}
 
 
+# lone surrogates that stand for no byte (a report's JSON "\ud800"): no stream can write
+# them, so as escapes too (surrogateescape's \udc80-\udcff, a name's bytes, are kept)
+_UNWRITABLE = re.compile("[\ud800-\udc7f]")
+
+
 def one_line(message: str) -> str:
-    return message.translate(_CONTROLS)
+    return _UNWRITABLE.sub(lambda m: f"\\u{ord(m.group()):04x}", message.translate(_CONTROLS))
 
 
 def terminated_by(e: BaseException) -> int | None:

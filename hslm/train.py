@@ -755,8 +755,13 @@ def warn_of_another_runs_metrics(metrics, step: int):
     holds records: another run's, which hslm plot refuses to join to this one's where
     their values at a step differ."""
     import sys
-    try:
-        held = metrics is not None and step == 0 and os.path.getsize(metrics) > 0
+    if metrics is None or step != 0:
+        return
+    try:  # (its first and last 64 KB: the records are lines, and blank lines are none)
+        with open(metrics, "rb") as f:
+            held = f.read(1 << 16).strip() != b""
+            f.seek(max(0, f.seek(0, os.SEEK_END) - (1 << 16)))
+            held = held or f.read().strip() != b""
     except OSError:
         held = False
     if held:

@@ -165,12 +165,36 @@ def bench_hyper(cfg, batch: int, loss_positions):
     return h
 
 
+def check_report_apart(json_path, models, data):
+    """bench --json may not name one of the bench's inputs, even through a link: a model's
+    config file, a --data file, or a name in a --data folder (whose files are read as
+    text). The report had replaced them."""
+    from pathlib import Path
+
+    from .config import PRESETS
+    from .data import same_file
+    for m in models:
+        if m not in PRESETS and same_file(m, json_path):
+            raise HslmError(f"--json {json_path} is the model config {m}; give another name")
+    for p in data:
+        if same_file(p, json_path):
+            raise HslmError(f"--json {json_path} is the --data file {p}; give another name")
+        if Path(p).is_dir() and same_file(p, Path(json_path).parent):
+            raise HslmError(f"--json {json_path} is in the --data folder {p}, whose files are "
+                            "read as text; give another folder")
+
+
 def check_bench_plan(named_cfgs, speeds, threads, batches, loss_positions):
     """hslm bench's runs judged before anything is compiled or timed: each model's and
     batch's hyper-parameters (bench_hyper), and the memory of its runs side by side."""
+    from .data import FIRST_MERGE
     combos = [(s, t) for t in threads for s in speeds]
     shown = ",".join(str(t) for t in sorted(set(threads)))
     for name, cfg in named_cfgs:
+        if cfg.vocab < FIRST_MERGE:  # (else found when its text is tokenized: after the
+            # models before it had been timed, minutes lost)
+            raise HslmError(f"--model {name}: vocabulary {cfg.vocab} is too small for the "
+                            f"byte-level tokenizer (needs at least {FIRST_MERGE})")
         for batch in batches:
             bench_hyper(cfg, batch, loss_positions)
             check_fits(sum(memory_estimate(cfg, batch, t, s) for s, t in combos),

@@ -755,6 +755,43 @@ def test_bench_paths_and_reports_are_judged_first(tmp_path):
     assert "zero.json: not an hslm bench report" in line, line
 
 
+def test_bench_json_may_not_name_its_own_inputs_nor_end_in_a_slash(tmp_path):
+    """--json had replaced the bench's own model config or text with its report (or put
+    it in a --data folder, to be read as text next time), and `--json a.json/` replaced
+    a.json (Path drops the slash). Each refused before anything runs, its file intact.
+    A model that cannot be benched is refused before the models before it are timed.
+    Control: the same bench with another --json writes it, first (a standard output that
+    fails had lost it)."""
+    cfg = tmp_path / "m.json"
+    from hslm.config import PRESETS
+    cfg.write_text(PRESETS["hslm-tiny"].to_json())
+    text = tmp_path / "t.txt"
+    text.write_text("the text of the bench. " * 2000)
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.txt").write_text("more text. " * 2000)
+    keep = {p: p.read_bytes() for p in (cfg, text)}
+    args = ["--speed", "3", "--steps", "1", "--no-torch", "--no-profile"]
+    for extra, json_path, expect in (
+            (["--model", cfg], cfg, f"--json {cfg} is the model config {cfg}"),
+            (["--model", "hslm-tiny", "--data", text], text, f"is the --data file {text}"),
+            (["--model", "hslm-tiny", "--data", folder], folder / "r.json",
+             f"is in the --data folder {folder}"),
+            (["--model", "hslm-tiny"], f"{tmp_path / 'r'}/", "ends in a slash")):
+        code, out, err = hslm("bench", *extra, *args, "--json", json_path)
+        assert code == 2 and expect in one_line_error(code, out, err), err
+        assert "set up" not in err  # (nothing ran)
+    assert {p: p.read_bytes() for p in keep} == keep and not (folder / "r.json").exists()
+    code, out, err = hslm("bench", "--model", "hslm-tiny,hslm-test", *args)
+    assert code == 2 and "--model hslm-test: vocabulary 27 is too small" in err
+    assert "set up" not in err, err
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([sys.executable, str(ROOT / "cli.py"), "bench", "--model", cfg,
+                            *args, "--json", str(tmp_path / "r.json")], stdout=full,
+                           stderr=subprocess.PIPE, text=True, timeout=600)
+    assert p.returncode == 2 and json.loads((tmp_path / "r.json").read_text())["models"]
+
+
 @pytest.mark.parametrize("args,expect", [(["-k", "0"], "--loss-positions"),
                                          (["-k", "10"], "--loss-positions"),
                                          (["--batch", "0"], "--batch"),

@@ -819,6 +819,112 @@ def test_nominal_peak_counts_the_lanes_the_pipes_hold(monkeypatch):
         assert ("two halves" in desc) == halves, desc
 
 
+def test_bench_compare_other_models_of_one_name_escapes_and_old_labels(tmp_path):
+    """Found by a review: a model config changed between two runs (one file name, another
+    model) was compared as one model: CHECKPOINTS DIFFER, exit 1; a report's text field
+    holding a lone surrogate ended the comparison half-printed, in a traceback (exit 1, as
+    bytes that differ), and control characters there made lines of their own; the parts a
+    reports before 4da4f4c named otherwise were left out; reports with no run in common
+    printed an empty section. Controls: the same report compares as the same bytes."""
+    import copy
+
+    from hslm.bench_report import compare_reports, load_report
+    base = load_report(ROOT / "docs" / "bench" / "threads.json")
+    other = copy.deepcopy(base)
+    other["models"][0]["params"] += 1  # (a report without a config: told apart by size)
+    lines, differ = compare_reports([("a", base), ("b", other)])
+    assert not differ and "    batch 8: checkpoints not comparable (other model)" in lines
+    lines, differ = compare_reports([("a", base), ("b", copy.deepcopy(base))])
+    assert not differ and any("the same checkpoint bytes in both" in x for x in lines)
+    with_config = copy.deepcopy(base)
+    with_config["models"][0]["config"] = '{"blocks": 3}'
+    again = copy.deepcopy(with_config)
+    again["models"][0]["config"] = '{"blocks": 2}'  # (the same size, another model)
+    assert not compare_reports([("a", with_config), ("b", again)])[1]
+    assert compare_reports([("a", with_config), ("b", with_config)])[1] is False
+
+    odd = copy.deepcopy(base)
+    odd["machine"] = "x\ud800\x1b[31m\nerror: fake"
+    (tmp_path / "odd.json").write_text(json.dumps(odd))
+    code, out, err = hslm("bench-compare", ROOT / "docs" / "bench" / "threads.json",
+                          tmp_path / "odd.json")
+    assert code == 0 and "Traceback" not in err, err
+    assert "x\\ud800\\x1b[31m\\nerror: fake" in out and "\x1b" not in out, out
+    assert not any(line.startswith("error: fake") for line in out.splitlines())
+
+    # main.json names its parts as before 4da4f4c; a report since names them so:
+    text = (ROOT / "docs" / "bench" / "main.json").read_text()
+    assert "attention's gradient (panels, rotary)" in text
+    since = json.loads(text.replace("attention's gradient (panels, rotary)",
+                                    "attention's gradient, rotary's, its panels"))
+    lines, _ = compare_reports([("a", load_report(ROOT / "docs" / "bench" / "main.json")),
+                                ("b", since)])
+    assert sum("attention's gradient, rotary's, its panels" in x for x in lines) == 1, lines
+
+    one = copy.deepcopy(base)
+    one["models"][0]["rows"] = [r for r in one["models"][0]["rows"] if r["batch"] == 1]
+    eight = copy.deepcopy(base)
+    eight["models"][0]["rows"] = [r for r in eight["models"][0]["rows"] if r["batch"] == 8]
+    lines, _ = compare_reports([("a", one), ("b", eight)])
+    assert "    no run in common (other batches, speeds or thread counts)" in lines
+
+
+def test_pytorchs_trainer_holds_a_few_batches_whatever_the_steps(monkeypatch):
+    """bench's PyTorch baseline drew, and made the VSA streams of (in Python), one batch a
+    step before it started: 25 GB and minutes at --steps 10000 for hslm-3, outside the
+    memory check. It takes bench.TORCH_BATCHES in turn. Control: a step count under it
+    draws one a step."""
+    from hslm import bench
+    from hslm.config import PRESETS
+    from hslm.train import load_corpus
+    from hslm.validate import bench_hyper
+    cfg = PRESETS["hslm-tiny"]
+    corpus = load_corpus(None, cfg)
+    drawn = []
+    real = type(corpus).draw_windows
+    monkeypatch.setattr(type(corpus), "draw_windows",
+                        lambda self, *a: drawn.append(1) or real(self, *a))
+    for steps, expect in ((200, bench.TORCH_BATCHES), (3, 4)):
+        drawn.clear()
+        step = bench.torch_trainer(cfg, bench_hyper(cfg, 2, None), corpus, "f64", steps)
+        for _ in range(steps):
+            step()
+        assert len(drawn) == expect, (steps, len(drawn))
+
+
+def test_readme_tool_leaves_the_readme_whole_and_says_why_in_one_line(tmp_path,
+                                                                      monkeypatch, capsys):
+    """tools/bench_readme.py had written README.md in place: a report whose model name was
+    not UTF-8 left it empty (a traceback, exit 1); a tok/s of 0 or a part that is no pair
+    was a traceback and exit 1, --check's "it differs". Now one line and exit 2, the
+    README untouched, and its rewrite atomic. Control: a good report rewrites it."""
+    tool = _bench_readme_tool()
+    report = json.loads((ROOT / "docs" / "bench" / "main.json").read_text())
+    (tmp_path / "docs" / "bench").mkdir(parents=True)
+    monkeypatch.setattr(tool, "ROOT", tmp_path)
+    readme = tmp_path / "README.md"
+    stale = "# t\n<!-- bench report docs/bench/r.json -->\nold\n<!-- /bench -->\n"
+    for change in ("surrogate", "zero", "parts"):
+        bad = json.loads(json.dumps(report))
+        if change == "surrogate":
+            bad["models"][0]["model"] = "docs/bench/\udcff.json"
+        elif change == "zero":
+            bad["models"][0]["rows"][0]["tok_s"] = 0
+        else:
+            bad["models"][0]["parts_ms"] = [1]
+        (tmp_path / "docs" / "bench" / "r.json").write_text(json.dumps(bad))
+        readme.write_text(stale)
+        capsys.readouterr()
+        for argv in ([], ["--check"]):
+            assert tool.main(argv) == 2, change
+            err = capsys.readouterr().err
+            assert err.startswith("error: ") and err.count("\n") == 1, err
+        assert readme.read_text() == stale
+    (tmp_path / "docs" / "bench" / "r.json").write_text(json.dumps(report))
+    assert tool.main(["--check"]) == 1 and tool.main([]) == 0
+    assert readme.read_text() != stale and tool.main(["--check"]) == 0
+
+
 def test_bench_compare_tells_machines_apart_not_versions_of_the_machine_line():
     """Two reports of one core whose machine lines differ only in how the version counted
     the flops a cycle (as before and after ea5a639 on AMD Zen 4) are of the same

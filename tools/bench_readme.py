@@ -28,7 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from hslm.bench_report import format_report, load_report  # noqa: E402
-from hslm.errors import HslmError  # noqa: E402
+from hslm.checkpoint import write_atomic  # noqa: E402
+from hslm.errors import HslmError, one_line  # noqa: E402
 
 BLOCK = re.compile(r"^<!-- bench (?P<args>[^>]*?) -->\n(?P<body>.*?)^<!-- /bench -->$",
                    re.M | re.S)
@@ -167,19 +168,25 @@ def main(argv) -> int:
         print(__doc__.strip().split("\n\n")[1], file=sys.stderr)
         return 2
     readme = ROOT / "README.md"
-    text = readme.read_text()
+    text = readme.read_text(encoding="utf-8")
     try:
         new, changed = generate(text)
-    except (HslmError, OSError, ValueError, KeyError, IndexError, TypeError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        new.encode("utf-8")  # (a report's name that is not UTF-8: refused, not half-written)
+    # a field of the wrong shape (a tok/s of 0: ArithmeticError; a part that is no pair:
+    # AttributeError), said in one line and 2: 1 is --check's "the README differs"
+    except (HslmError, OSError, ValueError, KeyError, IndexError, TypeError, AttributeError,
+            ArithmeticError) as e:
+        said = str(e) if isinstance(e, HslmError) else f"{type(e).__name__}: {e}"
+        print(f"error: {one_line(said)}".encode("utf-8", "backslashreplace").decode("utf-8"),
+              file=sys.stderr)
         return 2
     if argv == ["--check"]:
         for name in changed:
             print(f"README.md: the block 'bench {name}' differs from its reports "
                   "(python tools/bench_readme.py rewrites it)")
         return 1 if changed else 0
-    if changed:
-        readme.write_text(new)
+    if changed:  # atomically: a failed write had left README.md empty
+        write_atomic(readme, new.encode("utf-8"), what="README")
     print(f"README.md: {len(changed)} block(s) rewritten" if changed else "README.md: up to date")
     return 0
 
