@@ -243,8 +243,9 @@ def eval_cmd(ckpt_path, data, cache_dir, eval_windows, loss_positions, threads, 
     corpus = Corpus.load(data, cfg.vocab, cfg.window, tokenizer=tok,  # the run's tokenizer
                          cache_dir=token_cache_dir(cache_dir, ckpt_path.parent))
     if not data and trained_on.get("sha256") not in (None, corpus.text_sha256):
-        click.echo(f"note: scoring the built-in text; {ckpt_path} was trained on another "
-                   "(pass its --data to score that)", err=True)
+        if distributed.is_writer():  # (MPI: every rank scores alike; rank 0 says so)
+            click.echo(f"note: scoring the built-in text; {ckpt_path} was trained on another "
+                       "(pass its --data to score that)", err=True)
     runner = StepRunner(cfg, DEFAULT_SPEED, threads)
     try:
         w = corpus.validation_windows(eval_windows, cfg.window)

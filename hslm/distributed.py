@@ -111,7 +111,12 @@ def init():
     """The World when launched by MPI with more than one rank, else None (and then
     mpi4py is never imported)."""
     global _world
-    check_mpi_variables()
+    try:
+        check_mpi_variables()
+    except HslmError as e:
+        if launched_by_mpi():  # (a rank's own environment: it may be the only one)
+            _die_before_joining(f"error: {e}")
+        raise
     if _world is not None or not launched_by_mpi():
         return _world
     if launch_value(MPI_SIZE_VARIABLES) == "1" and os.environ.get("HSLM_MPI") != "1":
@@ -120,12 +125,9 @@ def init():
         try:
             from mpi4py import MPI  # (MPI_Init: it waits in C for every rank to start)
         except ImportError:
-            # this rank will not join: had it exited with a status, the others would wait
-            # in MPI's start for it; killed by a signal, the launcher ends them
-            os.write(2, b"error: launched by MPI, but mpi4py is not installed: pip install "
-                        b"mpi4py mpich (or set HSLM_MPI=0 to run each copy as one process)\n")
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
+            _die_before_joining("error: launched by MPI, but mpi4py is not installed: pip "
+                                "install mpi4py mpich (or set HSLM_MPI=0 to run each copy as "
+                                "one process)")
             raise HslmError("launched by MPI, but mpi4py is not installed") from None
     if MPI.COMM_WORLD.Get_size() == 1:
         return None
@@ -152,6 +154,15 @@ def start_notice_seconds() -> float:
         raise HslmError(f"HSLM_MPI_START_NOTICE must be a finite number of seconds, 0 or "
                         f"more (0: no notice), got {notice!r}")
     return seconds
+
+
+def _die_before_joining(line: str):
+    """A rank that will not join MPI: its line, then death by SIGTERM. Had it exited with
+    a status, the other ranks would wait in MPI's start for it for ever; killed by a
+    signal, the launcher ends them."""
+    os.write(2, line.encode("utf-8", "backslashreplace") + b"\n")
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def check_mpi_variables():
@@ -330,6 +341,19 @@ class World:
         else:
             self.node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.shared = os.environ.get("HSLM_MPI_SHARED", "1") != "0"
+        # the switches that decide the ranks' collectives, the same on every rank (a rank's
+        # own -env) before any of them: else the ranks had waited on each other for ever
+        # in unmatched collectives, where no signal ends them
+        settings = {"HSLM_MPI_SHARED": self.shared, "HSLM_MPI_REDUCTION": self.forced_reduction}
+        every = comm.allgather(settings)
+        odd = [r for r, x in enumerate(every) if x != every[0]]
+        if odd:
+            what = [k for k in settings if any(every[r][k] != every[0][k] for r in odd)]
+            if self.rank == 0:
+                print(f"error: the ranks were not given the same MPI settings: rank(s) {odd} "
+                      f"differ from rank 0 in {', '.join(what)}; nothing trained",
+                      file=sys.stderr, flush=True)
+            sys.exit(2)
         every = comm.allgather(self.node.allgather(self.rank))  # per rank: its node's ranks
         self.renumbered = False
         if self.shared and not all(r == list(range(r[0], r[0] + len(r))) for r in every):
@@ -989,7 +1013,8 @@ def run_main(cli, argv):
     except SystemExit as e:
         if not w.started and not w.settled:  # nothing to report
             w._agree(*((ENDED, 0) if e.code in (0, None) else (None, e.code)))
-        if w.started and e.code in (128 + 2, 128 + 15):  # an agreed stop: every rank is here
+        if w.started and e.code in (128 + 1, 128 + 2, 128 + 15):  # an agreed stop: every
+            # rank is here (SIGHUP, SIGINT, SIGTERM)
             w.close()
         raise
     except click.exceptions.NoArgsIsHelpError as e:

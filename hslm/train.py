@@ -450,7 +450,9 @@ def load_for_inference(path, threads=1, warn=None, trained_on=None):
     that is damaged or belongs to other parameters is an error (the file named would
     be the one ignored); one found beside a named .bin is set aside with a warning."""
     import sys
-    warn = warn or (lambda msg: print(f"warning: {msg}", file=sys.stderr))
+    # (MPI: every rank reads the same files; rank 0 alone warns)
+    warn = warn or (lambda msg: distributed.is_writer() and print(f"warning: {msg}",
+                                                                   file=sys.stderr))
     path = Path(path)
     named_state = path.suffix == ".state"
     if named_state:
@@ -1074,17 +1076,19 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
         b, s = run.save(out)
         if distributed.any_rank(metrics_error is not None):
             stop_for_metrics(s)
-        if stop.signum is not None:  # asked in the last step, its evaluation or save: done
-            # anyway (nothing is left to resume), but said as a stop is, and ended as one (a
-            # caller's `&&` must not go on)
-            progress.message(f"{signal.Signals(stop.signum).name}: stopped after step "
+        # asked in the last step, its evaluation or save: done anyway (nothing is left to
+        # resume), but said as a stop is, and ended as one (a caller's `&&` must not go on).
+        # MPI: agreed, as in the steps (one rank's stop had ended the run unsaid)
+        stopped = distributed.largest(stop.signum or 0)
+        if stopped:
+            progress.message(f"{signal.Signals(stopped).name}: stopped after step "
                              f"{run.step}, the last; saved {b} and {s}")
         elif not o.quiet:
             echo(f"saved {b} and {s}")
         distributed.summary(echo)  # MPI: bytes sent per rank per step
         distributed.close()
-        if stop.signum is not None:
-            sys.exit(128 + stop.signum)
+        if stopped:
+            sys.exit(128 + stopped)
     finally:
         try:
             progress.close()

@@ -467,6 +467,46 @@ def test_ranks_given_different_runs_are_refused_before_training(tmp_path, differ
 
 
 @needs_mpi
+@pytest.mark.parametrize("variable,values", [("HSLM_MPI_REDUCTION", ("records", "running sums")),
+                                             ("HSLM_MPI_SHARED", ("1", "0"))])
+def test_ranks_given_other_mpi_settings_are_refused_not_left_waiting(tmp_path, variable,
+                                                                     values):
+    """HSLM_MPI_REDUCTION and HSLM_MPI_SHARED decide what the ranks do together: ranks
+    given other values (`-env` per rank) had waited on each other for ever, in C, where
+    neither SIGTERM nor one Ctrl-C ended them. Refused once MPI starts, in one line.
+    Control: the same values on both train."""
+    one = [sys.executable, str(ROOT / "cli.py"), "train", *TINY, "--batch", "2", "--steps",
+           "2", "--threads", "1", "--out", str(tmp_path / "o")]
+    cmd = [MPIEXEC, "-n", "1", "-env", variable, values[0], *one,
+           ":", "-n", "1", "-env", variable, values[1], *one]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env())
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert p.returncode == 2 and errors == [
+        "error: the ranks were not given the same MPI settings: rank(s) [1] differ from rank "
+        f"0 in {variable}; nothing trained"], p.stderr
+    cmd = [MPIEXEC, "-n", "2", "-env", variable, values[1], *one]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env())
+    assert p.returncode == 0 and (tmp_path / "o" / "ckpt_2.bin").exists(), p.stderr
+
+
+@needs_mpi
+def test_a_rank_whose_own_setting_is_bad_ends_the_run(tmp_path):
+    """A bad value in one rank's environment: that rank said so and exited with a status
+    before joining MPI, and the others waited in MPI's start for it until killed. It now
+    dies by SIGTERM after its line, so the launcher ends the others."""
+    one = [sys.executable, str(ROOT / "cli.py"), "train", *TINY, "--batch", "2", "--steps",
+           "2", "--threads", "1", "--out", str(tmp_path / "o")]
+    cmd = [MPIEXEC, "-n", "1", "-env", "HSLM_MPI_START_NOTICE", "100", *one,
+           ":", "-n", "1", "-env", "HSLM_MPI_SHARED", "x", *one]
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env())
+    assert p.returncode != 0 and time.monotonic() - t0 < 60, p.stderr
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "HSLM_MPI_SHARED must be 1" in errors[0], p.stderr
+    assert not list((tmp_path / "o").glob("ckpt_*"))
+
+
+@needs_mpi
 def test_bad_flags_are_reported_once(tmp_path):
     code, _, err = hslm("train", *TINY, "--batch", 0, "--out", tmp_path, ranks=3)
     assert code == 2
@@ -535,6 +575,35 @@ def test_sigterm_saves_one_checkpoint_and_stops_every_rank(tmp_path):
     assert len(ckpts) == 2, ckpts
     assert "SIGTERM: stopped after step" in stdout + err
     assert err.count("SIGTERM: finishing the current step") == 1
+
+
+@needs_mpi
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the ranks in /proc")
+def test_a_stop_on_one_rank_in_the_final_evaluation_is_said_and_agreed(tmp_path):
+    """SIGTERM to one rank (not rank 0) after the last step, while the ranks evaluate: the
+    run had ended 143 with no word (rank 0, which prints, had not got the signal, and
+    said its usual end). The ranks agree on it: rank 0 says the run stopped, the last
+    step saved, and every rank exits 143, as one process does."""
+    out = tmp_path / "run"
+    cmd = [MPIEXEC, "-n", "2", sys.executable, str(ROOT / "cli.py"), "train", *TINY,
+           "--batch", 2, "--steps", 1, "--eval-windows", 20000, "--out", out, "--threads", 1,
+           "--metrics", tmp_path / "m.jsonl"]
+    p = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env())
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (
+                (tmp_path / "m.jsonl").exists() and (tmp_path / "m.jsonl").read_text()):
+            time.sleep(0.05)  # step 1 recorded: the final evaluation runs
+        pids = rank_pids(str(out))
+        os.kill(pids[1], signal.SIGTERM)
+        stdout, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert "SIGTERM: stopped after step 1, the last; saved" in stdout + err, stdout + err
+    assert (out / "ckpt_1.bin").exists()
 
 
 @needs_mpi
