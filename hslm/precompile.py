@@ -74,6 +74,8 @@ JOBS = {
     "evaluation": ("forward", "backward"),
 }
 MAX_PROCESSES = 4  # the chains allow no more than about this many at once
+# the signals that end a parallel compile of the signal, its helpers stopped first
+TERMINATING = (signal.SIGTERM,) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
 # the folder that holds this hslm package: the helpers import it from there (and no other)
 PACKAGE_PARENT = str(Path(__file__).resolve().parents[1])
 
@@ -475,14 +477,15 @@ class ParallelCompile:
             self.lock.note(self.reason)
             self._watcher = threading.Thread(target=self._release_when_done, daemon=True)
             self._watcher.start()
-        self._sigterm = None
+        self._previous = {}
         if threading.current_thread() is threading.main_thread():
-            # SIGTERM while compiling: stop the helpers and remove the folder, then end
-            # of the signal as before (the run installs its own handler later)
-            previous = signal.getsignal(signal.SIGTERM)
-            if previous is not signal.SIG_IGN:
-                self._sigterm = signal.SIG_DFL if previous is None else previous
-                signal.signal(signal.SIGTERM, self._terminated)
+            # SIGTERM (or SIGHUP) while compiling: stop the helpers and remove the folder,
+            # then end of the signal as before (the run installs its own handler later)
+            for sig in TERMINATING:
+                previous = signal.getsignal(sig)
+                if previous is not signal.SIG_IGN:
+                    self._previous[sig] = signal.SIG_DFL if previous is None else previous
+                    signal.signal(sig, self._terminated)
         try:
             env = helper_environment()
             for _ in range(self.n - 1):
@@ -543,9 +546,9 @@ class ParallelCompile:
         os.kill(os.getpid(), signum)
 
     def __exit__(self, *exc):
-        if self._sigterm is not None:
-            signal.signal(signal.SIGTERM, self._sigterm)
-            self._sigterm = None
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
         for h in self.helpers:  # normally ended already; on Ctrl-C or an error, stopped here
             if h.poll() is None:
                 h.terminate()

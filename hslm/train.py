@@ -782,13 +782,16 @@ def train_run(o: TrainOptions, echo=None):
     # a shell without job control ignores Ctrl-C, nohup SIGHUP; hslm/__init__.py leaves
     # them so too).
     ignored = {s for s in STOP_SIGNALS if signal.getsignal(s) is signal.SIG_IGN}
-    original_term = signal.getsignal(signal.SIGTERM)
-    if signal.SIGTERM not in ignored:
-        signal.signal(signal.SIGTERM, raise_terminated)  # as Ctrl-C, until below
+    # SIGTERM and SIGHUP as Ctrl-C until below (a closed terminal had left the folder the
+    # run made, with its lock, as a kill does)
+    originals = {s: signal.getsignal(s) for s in STOP_SIGNALS if s != signal.SIGINT}
+    for s in originals.keys() - ignored:
+        signal.signal(s, raise_terminated)
     try:
         run, out, held = open_run(o)
     except BaseException:
-        signal.signal(signal.SIGTERM, original_term)
+        for s, handler in originals.items():
+            signal.signal(s, handler)
         raise
     # From here on SIGINT/SIGTERM/SIGHUP finish the current step and save (before, while
     # the text is read and tokenized, Ctrl-C stops at once and open_run tidies up):
@@ -796,7 +799,7 @@ def train_run(o: TrainOptions, echo=None):
     # so a signal that sees them always gets a checkpoint.
     stop = StopRequest(echo)
     previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS if s not in ignored}
-    previous[signal.SIGTERM] = original_term
+    previous.update(originals)
     # one writer per folder, held (open_run took it) until the run ends
     lock = held.lock
     run.folder_lock = lock

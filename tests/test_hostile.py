@@ -1039,6 +1039,30 @@ def metrics_records(path):
             for r in map(json.loads, path.read_text().splitlines())]
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_while_the_text_is_read_removes_the_folder_and_says_one_line(
+        tmp_path, monkeypatch, capsys, signum):
+    """SIGTERM or SIGHUP (a closed terminal) while the run reads its text: one line, 128 +
+    the signal, nothing trained and the folder the run made removed. SIGHUP had ended the
+    run at once, leaving that folder and its lock, as a kill does."""
+    import hslm.train as train
+    from hslm.cli import main
+    real = train.load_corpus
+
+    def load_then_signal(*a, **k):
+        os.kill(os.getpid(), signum)
+        return real(*a, **k)
+    monkeypatch.setattr(train, "load_corpus", load_then_signal)
+    out = tmp_path / "o"
+    with pytest.raises(SystemExit) as e:
+        main(["train", *TINY, "--steps", "2", "--out", str(out)])
+    err = capsys.readouterr().err
+    word = "terminated" if signum == signal.SIGTERM else "hung up"
+    assert e.value.code == 128 + signum and err.splitlines()[-1] == f"error: {word}", err
+    assert "Traceback" not in err and not out.exists()
+    assert signal.getsignal(signum) == signal.SIG_DFL  # (put back as it was)
+
+
 def test_ctrl_c_in_the_last_step_saves_and_prints_no_resume_command(tmp_path):
     """A stop asked during the run's last step: evaluated and saved as the run's end is,
     and no resume command (it would be refused: the checkpoint is already at --steps).

@@ -113,7 +113,8 @@ def test_special_files_and_empty_folders_are_refused(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig,code,word", [(signal.SIGINT, 130, "interrupted"),
-                                           (signal.SIGTERM, 143, "terminated")])
+                                           (signal.SIGTERM, 143, "terminated"),
+                                           (signal.SIGHUP, 129, "hung up")])
 def test_ctrl_c_while_learning_the_tokenizer_stops_at_once(tmp_path, sig, code, word):
     rng = np.random.default_rng(0)
     words = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), rng.integers(2, 9)))
