@@ -311,16 +311,22 @@ class Checkpoint:
         from .data import Tokenizer
         return Tokenizer.from_json(self.meta["tokenizer"])
 
-    def check_finite(self):
-        """HslmError naming the first tensor that holds a NaN or an infinity."""
+    def non_finite(self) -> str | None:
+        """What the first tensor that holds a NaN or an infinity holds, else None."""
         if np.isfinite(self._values()).all():
-            return
+            return None
         for name in self.names():
             x = self.tensor(name)
             bad = ~np.isfinite(x)
             if bad.any():
-                raise HslmError(f"{self.path} holds non-finite values: {int(bad.sum()):,} of "
-                                f"{x.size:,} elements of {name} are NaN or infinite")
+                return f"{int(bad.sum()):,} of {x.size:,} elements of {name} are NaN or infinite"
+        return None
+
+    def check_finite(self):
+        """HslmError naming the first tensor that holds a NaN or an infinity."""
+        found = self.non_finite()
+        if found is not None:
+            raise HslmError(f"{self.path} holds non-finite values: {found}")
 
 
 def _damaged(path, why):

@@ -30,10 +30,11 @@ class PathArg(click.Path):
     def convert(self, value, param, ctx):
         if isinstance(value, str) and not value.strip():
             self.fail("an empty path; give a file or folder name", param, ctx)
-        if self.file and isinstance(value, str) and value.endswith(
-                tuple(filter(None, (os.sep, os.altsep)))):
-            self.fail(f"{value} ends in a slash, as a folder's name does; give a file name",
-                      param, ctx)
+        seps = tuple(filter(None, (os.sep, os.altsep)))
+        if self.file and isinstance(value, str) and (
+                value.endswith(seps) or os.path.basename(value) in (".", "..")):
+            self.fail(f"{value} ends as a folder's name does (a slash, . or ..); give a file "
+                      "name", param, ctx)
         return super().convert(value, param, ctx)
 
 
@@ -469,12 +470,6 @@ def need_stdout(command: str, required: bool = True):
         sys.stdout.keep_going = False
 
 
-def _reader_gone(e: OSError) -> bool:
-    """A pipe's reader gone (`| head`: EPIPE), or a terminal hung up (EIO: an ssh session
-    dropped; the run then saves and stops, train.StopRequest)."""
-    return isinstance(e, BrokenPipeError) or e.errno == errno.EIO
-
-
 class ReaderGone:
     """sys.stdout and sys.stderr for the CLI: when the reader of a pipe goes away (`hslm
     train | head`, `2>&1 | head`) or the terminal hangs up, that stream's output goes to
@@ -488,12 +483,22 @@ class ReaderGone:
         self._note = note
         self.gone = False
         self.keep_going = True
+        try:  # (judged now: a terminal that has hung up is still one, but asked then...)
+            self._terminal = stream.isatty()
+        except (OSError, ValueError, AttributeError):
+            self._terminal = False
+
+    def _reader_gone(self, e: OSError) -> bool:
+        """A pipe's reader gone (`| head`: EPIPE), or this terminal hung up (EIO: an ssh
+        session dropped; the run then saves and stops, train.StopRequest). An EIO from a
+        file (a failing disk) is an error, as any other."""
+        return isinstance(e, BrokenPipeError) or (e.errno == errno.EIO and self._terminal)
 
     def write(self, text):
         try:
             return self._stream.write(text)
         except OSError as e:
-            if not _reader_gone(e):
+            if not self._reader_gone(e):
                 raise
             self._drop()
             return len(text)
@@ -505,7 +510,7 @@ class ReaderGone:
             self._stream.buffer.write(data)
             self._stream.buffer.flush()
         except OSError as e:
-            if not _reader_gone(e):
+            if not self._reader_gone(e):
                 raise
             self._drop()
 
@@ -513,7 +518,7 @@ class ReaderGone:
         try:
             self._stream.flush()
         except OSError as e:
-            if not _reader_gone(e):
+            if not self._reader_gone(e):
                 raise
             self._drop()
 

@@ -75,29 +75,70 @@ class Tokenizer:
         # 14 GB there
         self._pieces = {i: b"" for i in range(N_SPECIAL)}
         self._pieces.update((BYTE0 + i, bytes([i])) for i in range(256))
+        self._lengths = None  # each id's piece's length (_length)
+        self._kept = 0  # bytes of the pieces made and kept (KEPT_TOTAL)
         self._ranks = None  # {pair: merge}, made when a short text needs it (encode)
 
+    KEPT_PIECE = 1 << 16  # pieces up to this long are kept once made (a real one's are),
+    KEPT_TOTAL = 1 << 28  # up to this many bytes of them in all
+
     def piece(self, i) -> bytes:
-        """The bytes of token id i (b"" for a special id or one past the merges)."""
+        """The bytes of token id i (b"" for a special id or one past the merges). The short
+        pieces it is made of are made and kept first (while KEPT_TOTAL lasts); a long one
+        (only a crafted tokenizer's) is unfolded down to them each time it is asked for,
+        its size judged first: kept, a few had held all the memory there was."""
         i = int(i)
         if not 0 <= i < self.n_ids:
             return b""
-        pieces, todo = self._pieces, [i]
-        while todo:  # (a loop, not recursion: a chain of merges is as deep as the vocabulary)
+        got = self._pieces.get(i)
+        if got is not None:
+            return got
+        size = self._length(i)
+        if size > self.KEPT_PIECE:
+            check_fits(size, f"token {i}'s bytes ({size:,})")
+        todo, visited = [i], set()
+        while todo:  # its merges, parts first (a loop: a chain is as deep as the vocabulary)
             j = todo[-1]
-            if j in pieces:
+            if j in self._pieces or j in visited:
                 todo.pop()
                 continue
             a, b = (int(x) for x in self.merges[j - FIRST_MERGE])
-            missing = [x for x in (a, b) if x not in pieces]
-            if missing:
-                todo.extend(missing)
+            parts = [x for x in (a, b) if x not in self._pieces and x not in visited]
+            if parts:
+                todo += parts
                 continue
-            if len(pieces[a]) + len(pieces[b]) > 1 << 26:
-                check_fits(len(pieces[a]) + len(pieces[b]), f"token {j}'s bytes")
-            pieces[j] = pieces[a] + pieces[b]
             todo.pop()
-        return pieces[i]
+            visited.add(j)
+            n = self._length(j)
+            if n <= self.KEPT_PIECE and self._kept + n <= self.KEPT_TOTAL:
+                self._pieces[j] = self._unfolded(a) + self._unfolded(b)
+                self._kept += n
+        return self._unfolded(i)
+
+    def _unfolded(self, i: int) -> bytes:
+        """Token i's bytes, its merges unfolded down to the pieces kept."""
+        got = self._pieces.get(i)
+        if got is not None:
+            return got
+        out, todo = bytearray(), [i]
+        while todo:
+            j = todo.pop()
+            made = self._pieces.get(j)
+            if made is None:
+                a, b = self.merges[j - FIRST_MERGE]
+                todo += (int(b), int(a))  # a first
+            else:
+                out += made
+        return bytes(out)
+
+    def _length(self, i: int) -> int:
+        """The length of token i's piece, from the merges alone (all made at first use)."""
+        if self._lengths is None:
+            length = [0] * N_SPECIAL + [1] * 256
+            for a, b in self.merges.tolist():
+                length.append(length[a] + length[b])
+            self._lengths = length
+        return self._lengths[i]
 
     @classmethod
     def train(cls, text: str, vocab: int) -> "Tokenizer":

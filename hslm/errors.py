@@ -81,7 +81,7 @@ _CONTROLS = {c: repr(chr(c))[1:-1] for c in [*range(32), 127] if c != 9}
 
 # lone surrogates that stand for no byte (a report's JSON "\ud800"): no stream can write
 # them, so as escapes too (surrogateescape's \udc80-\udcff, a name's bytes, are kept)
-_UNWRITABLE = re.compile("[\ud800-\udc7f]")
+_UNWRITABLE = re.compile("[\ud800-\udc7f\udd00-\udfff]")
 
 
 def one_line(message: str) -> str:

@@ -134,11 +134,11 @@ def describe(path):
         f"checksum  ok (header sha256 {ck.meta['header_sha256']}, data sha256 "
         f"{ck.data_sha256})",
     ]
-    try:  # (a consistent file can hold them: its checksums are of its bytes, whatever they are)
-        ck.check_finite()
-    except HslmError as e:  # what eval, sample and a resume refuse, said before the shares
-        lines.append(f"values    {str(e).split(': ', 1)[1]}: eval, sample and --resume "
-                     "refuse this file")
+    # (a consistent file can hold them: its checksums are of its bytes, whatever they are):
+    # what eval, sample and a resume refuse, said before the shares
+    found = ck.non_finite()
+    if found is not None:
+        lines.append(f"values    {found}: eval, sample and --resume refuse this file")
     if ck.kind == "params":
         tok = ck.tokenizer()
         lines.append(f"tokenizer {tok.identity[:16]}... ({len(tok.merges)} merges, carried "

@@ -223,7 +223,7 @@ class Phase:
         from .distributed import is_writer
         self.stream = stream or sys.stderr
         self.show = show and is_writer()  # (MPI: rank 0 alone, as for every line of a run's)
-        self.tty = show and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.tty = self.show and hasattr(self.stream, "isatty") and self.stream.isatty()
         self.what, self.total, self.unit = what, max(total, 1), unit
         self.t0 = self.last = time.perf_counter()
         self.done = 0

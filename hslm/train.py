@@ -759,11 +759,13 @@ def warn_of_another_runs_metrics(metrics, step: int):
     import sys
     if metrics is None or step != 0:
         return
-    try:  # (its first and last 64 KB: the records are lines, and blank lines are none)
+    def whole_line(chunk):  # a record whole (its newline there), not a blank line's
+        return chunk[:chunk.rfind(b"\n") + 1].strip() != b""
+    try:  # (its first and last 64 KB; a torn last record is cut off, with its own warning)
         with open(metrics, "rb") as f:
-            held = f.read(1 << 16).strip() != b""
+            held = whole_line(f.read(1 << 16))
             f.seek(max(0, f.seek(0, os.SEEK_END) - (1 << 16)))
-            held = held or f.read().strip() != b""
+            held = held or whole_line(f.read())
     except OSError:
         held = False
     if held:
@@ -865,8 +867,8 @@ class StoppedBeforeTraining(Exception):
 # The signals that stop a run once its step is done, with a checkpoint. SIGHUP is a
 # closed terminal (an ssh session dropped): it had ended the run at once, unsaved. A
 # SIGHUP ignored at the start (nohup) stays ignored, as the others do.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM) + (
-    (signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
+HANGUP = getattr(signal, "SIGHUP", None)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM) + ((HANGUP,) if HANGUP else ())
 
 
 class StopRequest:
@@ -891,7 +893,7 @@ class StopRequest:
     def __call__(self, signum, frame):
         # Only this process's own second signal stops at once: under MPI the ranks may
         # agree on a stop (another rank's signal) before this rank's own one arrives.
-        hangup = signum == getattr(signal, "SIGHUP", None)
+        hangup = signum == HANGUP
         if hangup:
             self.hung_up = signum
         if self.received:
@@ -906,7 +908,7 @@ class StopRequest:
             self.echo(f"{lead}{signal.Signals(signum).name}: " + (
                 "finishing the current step, then saving" if self.training else
                 "stopping once the step's kernels are compiled, with nothing trained")
-                + " (again to stop at once)", err=True)
+                + ("" if hangup else " (again to stop at once)"), err=True)
 
 
 @contextmanager
@@ -948,7 +950,8 @@ def second_signal_at_once(stop: StopRequest):
                 return
             if not got:
                 return
-            seen += sum(b in (signal.SIGINT, signal.SIGTERM) for b in got)
+            for b in got:  # a SIGHUP counts as a first signal only, as in the handler
+                seen += b in (signal.SIGINT, signal.SIGTERM) or (b == HANGUP and not seen)
             if seen >= 2 and not over.wait(stop.AT_ONCE_GRACE):
                 bar = stop.progress is not None and stop.progress.bar_shown
                 with contextlib.suppress(OSError):  # (a bar on screen ends its line first)
@@ -1011,12 +1014,13 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
             f"{metrics_error or 'rank 0 could not write --metrics'}; stopped after step "
             f"{run.step} and saved {saved} (resume with: {o.resume_command(saved)})")
 
-    def evaluate():
+    def evaluate(saved=None):
         v = run.validation_loss(runner)
         if not math.isfinite(v):
             raise distributed.AllRanksError(
                 f"step {run.step}: the validation loss is {v} (the parameters are finite but "
-                "the model overflows; is --lr too high?); not saved")
+                "the model overflows; is --lr too high?); " + (
+                    "not saved" if saved is None else f"saved before it was evaluated: {saved}"))
         ppl = perplexity(v)  # JSON has no inf: null past the largest double
         write_metrics(kind="eval", step=run.step, valid_loss=v,
                       perplexity=ppl if math.isfinite(ppl) else None)
@@ -1057,20 +1061,28 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
                 stop.signum = agreed
             if agreed is not None and run.step >= o.steps:
                 break  # the last step: its evaluation and save below, said as a stop
-            # an evaluation due at this step comes before a stop's save too: the resumed
-            # run starts past this step, and its record had been lost for good
-            if o.eval_every and run.step % o.eval_every == 0 and run.step < o.steps:
+            due = o.eval_every and run.step % o.eval_every == 0 and run.step < o.steps
+            if agreed is not None:
+                # saved first (a scheduler's SIGKILL may follow its SIGTERM soon), then the
+                # evaluation this step is due: the resumed run starts past it, and its record
+                # had been lost for good
+                b, s = run.save(out)
+                if due:
+                    v = evaluate(saved=s)
+                    if distributed.any_rank(metrics_error is not None):
+                        stop_for_metrics(s)
+                    progress.message(f"step {run.step}: valid {v:.4f} (perplexity "
+                                     f"{perplexity(v):.1f})")
+                progress.message(f"{signal.Signals(agreed).name}: stopped after step "
+                                 f"{run.step}; saved {b} and {s}")
+                progress.message(f"resume with: {o.resume_command(s)}")
+                sys.exit(128 + agreed)
+            if due:
                 v = evaluate()
                 if distributed.any_rank(metrics_error is not None):  # stop at this step
                     stop_for_metrics(run.save(out)[1])
                 progress.message(f"step {run.step}: valid {v:.4f} (perplexity "
                                  f"{perplexity(v):.1f})")
-            if agreed is not None:
-                b, s = run.save(out)
-                progress.message(f"{signal.Signals(agreed).name}: stopped after step "
-                                 f"{run.step}; saved {b} and {s}")
-                progress.message(f"resume with: {o.resume_command(s)}")
-                sys.exit(128 + agreed)
             if o.save_every and run.step % o.save_every == 0 and run.step < o.steps:
                 run.save(out)
         progress.close()

@@ -172,16 +172,16 @@ def check_report_apart(json_path, models, data):
     from pathlib import Path
 
     from .config import PRESETS
-    from .data import same_file
+    from .data import check_apart_from_text, same_file
     for m in models:
         if m not in PRESETS and same_file(m, json_path):
             raise HslmError(f"--json {json_path} is the model config {m}; give another name")
     for p in data:
         if same_file(p, json_path):
             raise HslmError(f"--json {json_path} is the --data file {p}; give another name")
-        if Path(p).is_dir() and same_file(p, Path(json_path).parent):
-            raise HslmError(f"--json {json_path} is in the --data folder {p}, whose files are "
-                            "read as text; give another folder")
+    # (through a link, the folder its file is in)
+    target = os.path.realpath(json_path) if os.path.islink(json_path) else json_path
+    check_apart_from_text(data, Path(target).parent, "report's folder", "--json")
 
 
 def check_bench_plan(named_cfgs, speeds, threads, batches, loss_positions):

@@ -776,8 +776,9 @@ def test_bench_json_may_not_name_its_own_inputs_nor_end_in_a_slash(tmp_path):
             (["--model", cfg], cfg, f"--json {cfg} is the model config {cfg}"),
             (["--model", "hslm-tiny", "--data", text], text, f"is the --data file {text}"),
             (["--model", "hslm-tiny", "--data", folder], folder / "r.json",
-             f"is in the --data folder {folder}"),
-            (["--model", "hslm-tiny"], f"{tmp_path / 'r'}/", "ends in a slash")):
+             f"report's folder {folder} is the --data folder {folder}"),
+            (["--model", "hslm-tiny"], f"{tmp_path / 'r'}/", "ends as a folder's name does"),
+            (["--model", "hslm-tiny"], f"{cfg}/.", "ends as a folder's name does")):
         code, out, err = hslm("bench", *extra, *args, "--json", json_path)
         assert code == 2 and expect in one_line_error(code, out, err), err
         assert "set up" not in err  # (nothing ran)

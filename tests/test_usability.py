@@ -840,11 +840,13 @@ def test_bench_compare_other_models_of_one_name_escapes_and_old_labels(tmp_path)
     with_config["models"][0]["config"] = '{"blocks": 3}'
     again = copy.deepcopy(with_config)
     again["models"][0]["config"] = '{"blocks": 2}'  # (the same size, another model)
-    assert not compare_reports([("a", with_config), ("b", again)])[1]
-    assert compare_reports([("a", with_config), ("b", with_config)])[1] is False
+    lines, differ = compare_reports([("a", with_config), ("b", again)])
+    assert not differ and "    batch 8: checkpoints not comparable (other model)" in lines
+    lines, differ = compare_reports([("a", with_config), ("b", copy.deepcopy(with_config))])
+    assert not differ and "    batch 8: checkpoints not comparable (other model)" not in lines
 
     odd = copy.deepcopy(base)
-    odd["machine"] = "x\ud800\x1b[31m\nerror: fake"
+    odd["machine"] = "x\ud800\x1b[31m\nerror: fake\udfff"
     (tmp_path / "odd.json").write_text(json.dumps(odd))
     code, out, err = hslm("bench-compare", ROOT / "docs" / "bench" / "threads.json",
                           tmp_path / "odd.json")
@@ -867,6 +869,57 @@ def test_bench_compare_other_models_of_one_name_escapes_and_old_labels(tmp_path)
     eight["models"][0]["rows"] = [r for r in eight["models"][0]["rows"] if r["batch"] == 8]
     lines, _ = compare_reports([("a", one), ("b", eight)])
     assert "    no run in common (other batches, speeds or thread counts)" in lines
+
+
+def test_an_io_error_on_a_file_is_an_error_and_on_a_terminal_the_terminal_gone(tmp_path):
+    """The CLI's streams take EIO as a hung-up terminal (an ssh session dropped: output
+    goes nowhere, the run saves); from a file (a failing disk) it had been taken so too,
+    and `hslm eval --json > out.json` exited 0 with an empty file. Only a terminal's."""
+    import errno
+
+    from hslm.cli import ReaderGone
+
+    class Failing(io.StringIO):
+        def __init__(self, terminal):
+            super().__init__()
+            self.terminal, self.fd = terminal, os.open(os.devnull, os.O_WRONLY)
+
+        def isatty(self):
+            return self.terminal
+
+        def fileno(self):
+            return self.fd
+
+        def write(self, text):
+            raise OSError(errno.EIO, "Input/output error")
+
+    on_file = ReaderGone(Failing(False))
+    with pytest.raises(OSError):
+        on_file.write("x")
+    assert not on_file.gone
+    on_terminal = ReaderGone(Failing(True))
+    assert on_terminal.write("x") == 1 and on_terminal.gone
+    pipe = ReaderGone(Failing(False))
+    pipe._stream.write = lambda text: (_ for _ in ()).throw(BrokenPipeError())
+    assert pipe.write("x") == 1 and pipe.gone  # (a pipe's reader gone, as before)
+
+
+def test_the_texts_progress_is_drawn_by_rank_0_alone(monkeypatch):
+    """Under MPI every rank reads the text; only rank 0's progress is drawn (the other
+    ranks' had been drawn on a terminal). Control: rank 0's is."""
+    from hslm import distributed
+    from hslm.textsource import Phase
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+    for writer in (False, True):
+        monkeypatch.setattr(distributed, "is_writer", lambda: writer)
+        out = Tty()
+        ph = Phase("reading", 100, stream=out)
+        ph.update(100)
+        ph.close()
+        assert bool(out.getvalue()) == writer, out.getvalue()
 
 
 def test_pytorchs_trainer_holds_a_few_batches_whatever_the_steps(monkeypatch):
@@ -921,6 +974,9 @@ def test_readme_tool_leaves_the_readme_whole_and_says_why_in_one_line(tmp_path,
             assert err.startswith("error: ") and err.count("\n") == 1, err
         assert readme.read_text() == stale
     (tmp_path / "docs" / "bench" / "r.json").write_text(json.dumps(report))
+    readme.write_bytes(stale.encode() + b"\xff\n")  # a README that is not UTF-8
+    assert tool.main(["--check"]) == 2 and capsys.readouterr().err.startswith("error: ")
+    readme.write_text(stale)
     assert tool.main(["--check"]) == 1 and tool.main([]) == 0
     assert readme.read_text() != stale and tool.main(["--check"]) == 0
 
@@ -1025,6 +1081,11 @@ def test_a_new_run_appending_to_another_runs_metrics_is_warned(tmp_path):
     code, _, err = hslm("train", *TINY, "--steps", "1", "--out", tmp_path / "b", "--metrics", m)
     assert code == 0, err
     assert f"warning: --metrics {m} already holds records (another run's?)" in err
+    torn = tmp_path / "torn.jsonl"  # a torn record is no record (blank lines neither:
+    torn.write_bytes(b'{"kind": "tr')  # tests/test_hostile.py's metrics_write_failure)
+    code, _, err = hslm("train", *TINY, "--steps", "1", "--out", tmp_path / "c", "--metrics",
+                        torn)
+    assert code == 0 and "already holds records" not in err and "partial record" in err, err
 
 
 @pytest.mark.parametrize("kind", ["train", "eval", "nan"])
@@ -1425,11 +1486,13 @@ main()
 """
 
 
-def test_a_second_ctrl_c_stops_at_once_while_a_kernel_holds_the_main_thread(tmp_path):
+@pytest.mark.parametrize("first", [signal.SIGINT, signal.SIGHUP])
+def test_a_second_ctrl_c_stops_at_once_while_a_kernel_holds_the_main_thread(tmp_path, first):
     """Python runs a signal's handler between the main thread's bytecodes, with one
     pending flag a signal: two Ctrl-C during one long kernel call ran the handler once,
     and the run finished the step and saved as for one; a second one after the handler
-    waited for the kernel. The README says a second Ctrl-C stops at once."""
+    waited for the kernel. The README says a second Ctrl-C stops at once. A SIGHUP counts
+    as a first signal (not as a second: tests above)."""
     p = subprocess.Popen([sys.executable, "-c", A_KERNEL_THAT_HOLDS_THE_MAIN_THREAD,
                           str(tmp_path / "o")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -1438,7 +1501,7 @@ def test_a_second_ctrl_c_stops_at_once_while_a_kernel_holds_the_main_thread(tmp_
             if line.startswith("step     1"):
                 break
         time.sleep(0.5)  # inside step 2's kernel, 8 s long
-        p.send_signal(signal.SIGINT)
+        p.send_signal(first)
         time.sleep(0.3)
         t0 = time.monotonic()
         p.send_signal(signal.SIGINT)
@@ -1473,6 +1536,9 @@ def test_a_signal_ignored_when_the_run_started_stays_ignored_in_training(tmp_pat
     assert p.returncode == (0 if ignored else 128 + sig), err
     assert (out / "ckpt_3000.bin").exists() == ignored
     assert len(list(out.glob("ckpt_*.state"))) == 1  # (stopped: one checkpoint, saved)
+    if not ignored:  # (a second SIGHUP is ignored: the notice does not offer it)
+        again = "" if sig == signal.SIGHUP else " (again to stop at once)"
+        assert f"{sig.name}: finishing the current step, then saving{again}\n" in err, err
 
 
 def test_a_closed_terminal_finishes_the_step_and_saves(tmp_path):

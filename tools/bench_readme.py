@@ -168,8 +168,8 @@ def main(argv) -> int:
         print(__doc__.strip().split("\n\n")[1], file=sys.stderr)
         return 2
     readme = ROOT / "README.md"
-    text = readme.read_text(encoding="utf-8")
     try:
+        text = readme.read_text(encoding="utf-8")
         new, changed = generate(text)
         new.encode("utf-8")  # (a report's name that is not UTF-8: refused, not half-written)
     # a field of the wrong shape (a tok/s of 0: ArithmeticError; a part that is no pair:
