@@ -214,8 +214,8 @@ def _file_kind(path):
                    "[default: the built-in corpus].")
 @click.option("--cache-dir", type=PathArg(), default=None,
               help="Folder for the token cache [default: $HSLM_CACHE_DIR, else CKPT's folder].")
-@click.option("--eval-windows", type=click.IntRange(1), default=64, show_default=True,
-              help="Validation windows to score.")
+@click.option("--eval-windows", type=click.IntRange(1), default=None,
+              help="Validation windows to score [default: the run's, or 64].")
 @click.option("--loss-positions", "-k", type=int, default=None,
               help="Scored positions [default: the run's, or the window].")
 @threads_option
@@ -223,7 +223,7 @@ def _file_kind(path):
               help="Print one JSON object, the loss with all 17 digits (as the metrics file "
                    "keeps it), instead of the line.")
 def eval_cmd(ckpt_path, data, cache_dir, eval_windows, loss_positions, threads, as_json):
-    """Validation loss and perplexity of a checkpoint (.bin).
+    """Validation loss and perplexity of a checkpoint (.bin, or a .state beside its .bin).
 
     The text is encoded with the run's own tokenizer, which the .bin carries."""
     import math
@@ -236,8 +236,10 @@ def eval_cmd(ckpt_path, data, cache_dir, eval_windows, loss_positions, threads, 
     threads = threads or default_threads()
     trained_on = {}
     cfg, state, tok, hyper = load_for_inference(ckpt_path, threads, trained_on=trained_on)
+    # the run's own (its .state's) unless given: on its text, the run's validation loss
     k = loss_positions if loss_positions is not None else (
         hyper.loss_positions if hyper else cfg.window)
+    eval_windows = eval_windows or (hyper.eval_windows if hyper else 64)
     if not 1 <= k <= cfg.window:
         raise HslmError(f"--loss-positions must be between 1 and the window ({cfg.window}), "
                         f"got {k}")

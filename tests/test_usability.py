@@ -871,6 +871,25 @@ def test_bench_compare_other_models_of_one_name_escapes_and_old_labels(tmp_path)
     assert "    no run in common (other batches, speeds or thread counts)" in lines
 
 
+def test_eval_of_a_runs_checkpoint_gives_its_last_validation_loss_to_the_bit(tmp_path):
+    """hslm eval takes the run's -k and --eval-windows from its .state, so on the run's
+    text it gives the run's own last validation loss, every digit (--eval-windows had
+    defaulted to 64 whatever the run's: another number, beside the run's own). Control:
+    another --eval-windows, another loss."""
+    m = tmp_path / "m.jsonl"
+    code, _, err = hslm("train", *TINY, "--steps", "3", "--eval-windows", "10", "-k", "3",
+                        "--out", tmp_path / "r", "--metrics", m)
+    assert code == 0, err
+    run = [json.loads(x) for x in m.read_text().splitlines()][-1]
+    assert run["kind"] == "eval" and run["step"] == 3
+    code, out, err = hslm("eval", tmp_path / "r" / "ckpt_3.state", "--json")
+    assert code == 0, err
+    assert json.loads(out)["valid_loss"] == run["valid_loss"] and json.loads(out)["windows"] == 10
+    code, out, err = hslm("eval", tmp_path / "r" / "ckpt_3.state", "--json", "--eval-windows",
+                          "64")
+    assert code == 0 and json.loads(out)["valid_loss"] != run["valid_loss"], out
+
+
 def test_an_io_error_on_a_file_is_an_error_and_on_a_terminal_the_terminal_gone(tmp_path):
     """The CLI's streams take EIO as a hung-up terminal (an ssh session dropped: output
     goes nowhere, the run saves); from a file (a failing disk) it had been taken so too,
