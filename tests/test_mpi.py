@@ -390,6 +390,23 @@ def running(pid):
         return False
 
 
+def start_two_ranks(tmp_path, out, *args):
+    """`mpiexec -n 2 hslm train` of TINY into out, its metrics in tmp_path / m.jsonl,
+    started: (the launcher's Popen, a function that waits until a step is recorded, when
+    every rank is past its start, its handlers in)."""
+    metrics = tmp_path / "m.jsonl"
+    cmd = [MPIEXEC, "-n", "2", sys.executable, str(ROOT / "cli.py"), "train", *TINY,
+           "--out", out, "--threads", 1, "--metrics", metrics, *args]
+    p = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env())
+
+    def wait_for_a_step(seconds, poll=0.2):
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text()):
+            time.sleep(poll)
+    return p, wait_for_a_step
+
+
 @needs_mpi
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the ranks in /proc")
 def test_a_killed_rank_stops_every_rank(tmp_path):
@@ -397,16 +414,9 @@ def test_a_killed_rank_stops_every_rank(tmp_path):
     within seconds, though they wait at a node barrier (shared memory); no traceback,
     and no checkpoint is written."""
     out = tmp_path / "run"
-    cmd = [MPIEXEC, "-n", "2", sys.executable, str(ROOT / "cli.py"), "train", *TINY,
-           "--batch", 4, "--steps", 10 ** 6, "--out", out, "--threads", 1,
-           "--metrics", tmp_path / "m.jsonl"]
-    p = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=env())
+    p, wait_for_a_step = start_two_ranks(tmp_path, out, "--batch", 4, "--steps", 10 ** 6)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not (
-                (tmp_path / "m.jsonl").exists() and (tmp_path / "m.jsonl").read_text()):
-            time.sleep(0.2)
+        wait_for_a_step(60)
         pids = rank_pids(str(out))
         assert sorted(pids) == [0, 1], pids
         os.kill(pids[1], signal.SIGKILL)
@@ -554,17 +564,10 @@ def test_ranks_that_do_not_agree_before_training_end_at_once(tmp_path, case):
 
 @needs_mpi
 def test_sigterm_saves_one_checkpoint_and_stops_every_rank(tmp_path):
-    cmd = [MPIEXEC, "-n", "2", sys.executable, str(ROOT / "cli.py"), "train", *TINY,
-           "--batch", 4, "--steps", 10 ** 6, "--out", tmp_path / "run", "--threads", 1,
-           "--log-every", 1, "--metrics", tmp_path / "m.jsonl"]
-    p = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=env())
+    p, wait_for_a_step = start_two_ranks(tmp_path, tmp_path / "run", "--batch", 4, "--steps",
+                                         10 ** 6, "--log-every", 1)
     try:
-        # a step recorded: every rank is past the start (its handlers in), however slow
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (
-                (tmp_path / "m.jsonl").exists() and (tmp_path / "m.jsonl").read_text()):
-            time.sleep(0.2)
+        wait_for_a_step(120)  # however slow
         p.send_signal(signal.SIGTERM)
         stdout, err = p.communicate(timeout=60)
     finally:
@@ -585,16 +588,10 @@ def test_a_stop_on_one_rank_in_the_final_evaluation_is_said_and_agreed(tmp_path)
     said its usual end). The ranks agree on it: rank 0 says the run stopped, the last
     step saved, and every rank exits 143, as one process does."""
     out = tmp_path / "run"
-    cmd = [MPIEXEC, "-n", "2", sys.executable, str(ROOT / "cli.py"), "train", *TINY,
-           "--batch", 2, "--steps", 1, "--eval-windows", 20000, "--out", out, "--threads", 1,
-           "--metrics", tmp_path / "m.jsonl"]
-    p = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=env())
+    p, wait_for_a_step = start_two_ranks(tmp_path, out, "--batch", 2, "--steps", 1,
+                                         "--eval-windows", 20000)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (
-                (tmp_path / "m.jsonl").exists() and (tmp_path / "m.jsonl").read_text()):
-            time.sleep(0.05)  # step 1 recorded: the final evaluation runs
+        wait_for_a_step(120, poll=0.05)  # step 1 recorded: the final evaluation runs
         pids = rank_pids(str(out))
         os.kill(pids[1], signal.SIGTERM)
         stdout, err = p.communicate(timeout=120)
