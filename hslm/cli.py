@@ -5,7 +5,9 @@ from __future__ import annotations
 import codecs
 import errno
 import functools
+import io
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -485,9 +487,9 @@ class ReaderGone:
         self._note = note
         self.gone = False
         self.keep_going = True
-        try:  # (judged now: a terminal that has hung up is still one, but asked then...)
-            self._terminal = stream.isatty()
-        except (OSError, ValueError, AttributeError):
+        try:  # (by its file type: isatty() says False for a terminal already hung up)
+            self._terminal = stat.S_ISCHR(os.fstat(stream.fileno()).st_mode)
+        except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
             self._terminal = False
 
     def _reader_gone(self, e: OSError) -> bool:

@@ -19,6 +19,9 @@ class Terminated(KeyboardInterrupt):
 
 
 def raise_terminated(signum, frame):
+    import signal
+    if signum == getattr(signal, "SIGHUP", None):  # a closed terminal sends two: the second
+        signal.signal(signum, signal.SIG_IGN)     # must not end the tidying up (train_run)
     raise Terminated(signum)
 
 

@@ -793,7 +793,8 @@ def train_run(o: TrainOptions, echo=None):
         run, out, held = open_run(o)
     except BaseException:
         for s, handler in originals.items():
-            signal.signal(s, handler)
+            if not (s == HANGUP and signal.getsignal(s) is signal.SIG_IGN):  # (one came)
+                signal.signal(s, handler)
         raise
     # From here on SIGINT/SIGTERM/SIGHUP finish the current step and save (before, while
     # the text is read and tokenized, Ctrl-C stops at once and open_run tidies up):
@@ -1027,6 +1028,7 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
         return v
 
     watching = contextlib.ExitStack()  # (second_signal_at_once, from step 1)
+    saved_first = False  # a stop asked in the last step: saved before its evaluation
     try:
         # a stop asked while the kernels compiled (under MPI a first run compiles them
         # here, for half a minute): nothing trained, as before the text was read; the ranks
@@ -1060,7 +1062,8 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
             if agreed is not None:
                 stop.signum = agreed
             if agreed is not None and run.step >= o.steps:
-                break  # the last step: its evaluation and save below, said as a stop
+                saved_first = True
+                break  # the last step: its save and evaluation below, said as a stop
             due = o.eval_every and run.step % o.eval_every == 0 and run.step < o.steps
             if agreed is not None:
                 # saved first (a scheduler's SIGKILL may follow its SIGTERM soon), then the
@@ -1086,9 +1089,15 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
             if o.save_every and run.step % o.save_every == 0 and run.step < o.steps:
                 run.save(out)
         progress.close()
-        # evaluate before saving: a model whose validation loss is not finite is not saved
-        valid = evaluate()
-        b, s = run.save(out)
+        # evaluate before saving: a model whose validation loss is not finite is not saved;
+        # but a stop asked in the last step saves first, as in the steps (a scheduler's
+        # SIGKILL may follow its SIGTERM), and a loss not finite then says so
+        if saved_first:
+            b, s = run.save(out)
+            valid = evaluate(saved=s)
+        else:
+            valid = evaluate()
+            b, s = run.save(out)
         if distributed.any_rank(metrics_error is not None):
             stop_for_metrics(s)
         # asked in the last step, its evaluation or save: done anyway (nothing is left to

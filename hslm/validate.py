@@ -179,9 +179,9 @@ def check_report_apart(json_path, models, data):
     for p in data:
         if same_file(p, json_path):
             raise HslmError(f"--json {json_path} is the --data file {p}; give another name")
-    # (through a link, the folder its file is in)
-    target = os.path.realpath(json_path) if os.path.islink(json_path) else json_path
-    check_apart_from_text(data, Path(target).parent, "report's folder", "--json")
+    # (the name's own folder, a link's included: write_atomic replaces a link, it does not
+    # write through it)
+    check_apart_from_text(data, Path(json_path).parent, "report's folder", "--json")
 
 
 def check_bench_plan(named_cfgs, speeds, threads, batches, loss_positions):

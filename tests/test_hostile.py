@@ -782,6 +782,13 @@ def test_bench_json_may_not_name_its_own_inputs_nor_end_in_a_slash(tmp_path):
         code, out, err = hslm("bench", *extra, *args, "--json", json_path)
         assert code == 2 and expect in one_line_error(code, out, err), err
         assert "set up" not in err  # (nothing ran)
+    # a link in the --data folder: write_atomic replaces the link there (it does not write
+    # through it), so it is refused as a name there is, wherever it leads
+    (tmp_path / "elsewhere.json").write_text("{}")
+    (folder / "link.json").symlink_to(tmp_path / "elsewhere.json")
+    code, out, err = hslm("bench", "--model", "hslm-tiny", "--data", folder, *args, "--json",
+                          folder / "link.json")
+    assert code == 2 and f"report's folder {folder} is the --data folder" in err, err
     assert {p: p.read_bytes() for p in keep} == keep and not (folder / "r.json").exists()
     code, out, err = hslm("bench", "--model", "hslm-tiny,hslm-test", *args)
     assert code == 2 and "--model hslm-test: vocabulary 27 is too small" in err
@@ -1061,26 +1068,37 @@ def test_a_signal_while_the_text_is_read_removes_the_folder_and_says_one_line(
     word = "terminated" if signum == signal.SIGTERM else "hung up"
     assert e.value.code == 128 + signum and err.splitlines()[-1] == f"error: {word}", err
     assert "Traceback" not in err and not out.exists()
-    assert signal.getsignal(signum) == signal.SIG_DFL  # (put back as it was)
+    # put back as it was; but SIGHUP, once one came, is ignored from then on: a closed
+    # terminal sends two, and the second had ended the run's tidying up, with no line
+    assert signal.getsignal(signum) == (
+        signal.SIG_DFL if signum == signal.SIGTERM else signal.SIG_IGN)
+    signal.signal(signum, signal.SIG_DFL)
 
 
 def test_ctrl_c_in_the_last_step_saves_and_prints_no_resume_command(tmp_path):
-    """A stop asked during the run's last step: evaluated and saved as the run's end is,
-    and no resume command (it would be refused: the checkpoint is already at --steps).
-    The final evaluation had been skipped, and no command could make it afterwards."""
+    """A stop asked during the run's last step: saved, then evaluated (the final
+    evaluation had been skipped, and no command could make it afterwards), and no resume
+    command (it would be refused: the checkpoint is already at --steps)."""
     d = tmp_path / "last"
+    m = tmp_path / "m.jsonl"
     proc = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "train", "--model", "hslm-3",
                              "--batch", "32", "--threads", "1", "--steps", "1", "--out", str(d),
-                             "--metrics", str(tmp_path / "m.jsonl")],
+                             "--metrics", str(m), "--eval-windows", "3000"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     with running(proc, timeout=600):
         assert proc.stdout.readline().startswith("model ")  # the handlers are in; step 1 runs
         proc.send_signal(signal.SIGINT)
+        while proc.poll() is None and not (d / "ckpt_1.state").exists():
+            time.sleep(0.01)
+        # saved before the evaluation (of about 3 s here), as a stop in the steps is: a
+        # scheduler's SIGKILL may follow its SIGTERM
+        evaluated_first = [r[0] for r in metrics_records(m)] != ["train"]
         out, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err
+    assert not evaluated_first
     assert "stopped after step 1, the last; saved" in out and "resume with" not in out
     ckpt.read(d / "ckpt_1.state")
-    assert [r[:2] for r in metrics_records(tmp_path / "m.jsonl")] == [("train", 1), ("eval", 1)]
+    assert [r[:2] for r in metrics_records(m)] == [("train", 1), ("eval", 1)]
 
 
 def test_a_stop_at_a_step_due_an_evaluation_evaluates_it_first(tmp_path):

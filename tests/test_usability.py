@@ -893,18 +893,18 @@ def test_eval_of_a_runs_checkpoint_gives_its_last_validation_loss_to_the_bit(tmp
 def test_an_io_error_on_a_file_is_an_error_and_on_a_terminal_the_terminal_gone(tmp_path):
     """The CLI's streams take EIO as a hung-up terminal (an ssh session dropped: output
     goes nowhere, the run saves); from a file (a failing disk) it had been taken so too,
-    and `hslm eval --json > out.json` exited 0 with an empty file. Only a terminal's."""
+    and `hslm eval --json > out.json` exited 0 with an empty file. Only a terminal's, a
+    terminal that hung up before the command started included (isatty() says False for
+    one: judged by isatty, it had been a fatal error there)."""
     import errno
+    import pty
 
     from hslm.cli import ReaderGone
 
-    class Failing(io.StringIO):
-        def __init__(self, terminal):
+    class FailingFile(io.StringIO):
+        def __init__(self, fd):
             super().__init__()
-            self.terminal, self.fd = terminal, os.open(os.devnull, os.O_WRONLY)
-
-        def isatty(self):
-            return self.terminal
+            self.fd = fd
 
         def fileno(self):
             return self.fd
@@ -912,15 +912,24 @@ def test_an_io_error_on_a_file_is_an_error_and_on_a_terminal_the_terminal_gone(t
         def write(self, text):
             raise OSError(errno.EIO, "Input/output error")
 
-    on_file = ReaderGone(Failing(False))
+    fd = os.open(tmp_path / "out", os.O_WRONLY | os.O_CREAT)
+    on_file = ReaderGone(FailingFile(fd))
     with pytest.raises(OSError):
         on_file.write("x")
     assert not on_file.gone
-    on_terminal = ReaderGone(Failing(True))
-    assert on_terminal.write("x") == 1 and on_terminal.gone
-    pipe = ReaderGone(Failing(False))
+    master, terminal = pty.openpty()
+    os.close(master)  # hung up before the stream is made
+    assert not os.isatty(terminal)
+    with pytest.raises(OSError):  # (what a write there does)
+        os.write(terminal, b"x\n")
+    on_terminal = ReaderGone(open(terminal, "w", closefd=False))
+    on_terminal.write("x\n")
+    on_terminal.flush()
+    assert on_terminal.gone
+    pipe = ReaderGone(FailingFile(fd))
     pipe._stream.write = lambda text: (_ for _ in ()).throw(BrokenPipeError())
     assert pipe.write("x") == 1 and pipe.gone  # (a pipe's reader gone, as before)
+    os.close(terminal)
 
 
 def test_the_texts_progress_is_drawn_by_rank_0_alone(monkeypatch):
@@ -994,7 +1003,8 @@ def test_readme_tool_leaves_the_readme_whole_and_says_why_in_one_line(tmp_path,
         assert readme.read_text() == stale
     (tmp_path / "docs" / "bench" / "r.json").write_text(json.dumps(report))
     readme.write_bytes(stale.encode() + b"\xff\n")  # a README that is not UTF-8
-    assert tool.main(["--check"]) == 2 and capsys.readouterr().err.startswith("error: ")
+    assert tool.main(["--check"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {readme} is not UTF-8 (")
     readme.write_text(stale)
     assert tool.main(["--check"]) == 1 and tool.main([]) == 0
     assert readme.read_text() != stale and tool.main(["--check"]) == 0

@@ -169,7 +169,10 @@ def main(argv) -> int:
         return 2
     readme = ROOT / "README.md"
     try:
-        text = readme.read_text(encoding="utf-8")
+        try:
+            text = readme.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise HslmError(f"{readme} is not UTF-8 ({e.reason} at byte {e.start})") from None
         new, changed = generate(text)
         new.encode("utf-8")  # (a report's name that is not UTF-8: refused, not half-written)
     # a field of the wrong shape (a tok/s of 0: ArithmeticError; a part that is no pair:
