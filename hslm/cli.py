@@ -5,9 +5,7 @@ from __future__ import annotations
 import codecs
 import errno
 import functools
-import io
 import os
-import stat
 import sys
 from pathlib import Path
 
@@ -474,6 +472,22 @@ def need_stdout(command: str, required: bool = True):
         sys.stdout.keep_going = False
 
 
+def _is_terminal(stream) -> bool:
+    """Whether stream is a terminal, one already hung up included (isatty() says False
+    for that: its tcgetattr fails with EIO, where another device's fails with ENOTTY)."""
+    try:
+        fd = stream.fileno()
+        if os.isatty(fd):
+            return True
+        import termios
+        termios.tcgetattr(fd)
+    except ImportError:  # (no termios: isatty's word)
+        return False
+    except Exception as e:  # noqa: BLE001 (termios.error, OSError, no fileno)
+        return bool(e.args) and e.args[0] == errno.EIO
+    return False
+
+
 class ReaderGone:
     """sys.stdout and sys.stderr for the CLI: when the reader of a pipe goes away (`hslm
     train | head`, `2>&1 | head`) or the terminal hangs up, that stream's output goes to
@@ -487,10 +501,7 @@ class ReaderGone:
         self._note = note
         self.gone = False
         self.keep_going = True
-        try:  # (by its file type: isatty() says False for a terminal already hung up)
-            self._terminal = stat.S_ISCHR(os.fstat(stream.fileno()).st_mode)
-        except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
-            self._terminal = False
+        self._terminal = _is_terminal(stream)
 
     def _reader_gone(self, e: OSError) -> bool:
         """A pipe's reader gone (`| head`: EPIPE), or this terminal hung up (EIO: an ssh

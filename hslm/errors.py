@@ -20,8 +20,12 @@ class Terminated(KeyboardInterrupt):
 
 def raise_terminated(signum, frame):
     import signal
-    if signum == getattr(signal, "SIGHUP", None):  # a closed terminal sends two: the second
-        signal.signal(signum, signal.SIG_IGN)     # must not end the tidying up (train_run)
+
+    import hslm
+    if signum == getattr(signal, "SIGHUP", None) and hslm._the_hslm_command():
+        # a closed terminal sends two: the second must not end the command's tidying up
+        # (a program calling hslm keeps its own handler: train_run puts it back)
+        signal.signal(signum, signal.SIG_IGN)
     raise Terminated(signum)
 
 

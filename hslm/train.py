@@ -21,7 +21,7 @@ import click
 import numpy as np
 
 from . import checkpoint as ckpt
-from . import distributed, precise
+from . import _the_hslm_command, distributed, precise
 from .config import PRESETS, Config
 from .data import (BUILTIN_SHA256, BUILTIN_SOURCE, Corpus, Tokenizer, check_apart_from_text,
                    check_cache_apart, same_file)
@@ -793,7 +793,8 @@ def train_run(o: TrainOptions, echo=None):
         run, out, held = open_run(o)
     except BaseException:
         for s, handler in originals.items():
-            if not (s == HANGUP and signal.getsignal(s) is signal.SIG_IGN):  # (one came)
+            # (the hslm command, once a SIGHUP came, ignores more: errors.raise_terminated)
+            if not (s == HANGUP and signal.getsignal(s) is signal.SIG_IGN):
                 signal.signal(s, handler)
         raise
     # From here on SIGINT/SIGTERM/SIGHUP finish the current step and save (before, while
@@ -838,8 +839,10 @@ def train_run(o: TrainOptions, echo=None):
     finally:
         lock.release()
         for sig, handler in previous.items():
-            # after a hangup, later ones (a closed terminal sends two) find the run ending
-            signal.signal(sig, signal.SIG_IGN if sig == stop.hung_up else handler)
+            # after a hangup, later ones (a closed terminal sends two) find the command
+            # ending; a program calling hslm gets its own handler back
+            signal.signal(sig, signal.SIG_IGN if sig == stop.hung_up and _the_hslm_command()
+                          else handler)
 
 
 def run_identity(run, o: "TrainOptions") -> dict:
@@ -1011,9 +1014,11 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
             metrics_error = metrics_error or e
 
     def stop_for_metrics(saved):
+        resume = (f" (resume with: {o.resume_command(saved)})" if run.step < o.steps else
+                  "")  # (at --steps a resume would be refused)
         raise distributed.AllRanksError(
             f"{metrics_error or 'rank 0 could not write --metrics'}; stopped after step "
-            f"{run.step} and saved {saved} (resume with: {o.resume_command(saved)})")
+            f"{run.step} and saved {saved}{resume}")
 
     def evaluate(saved=None):
         v = run.validation_loss(runner)
@@ -1090,11 +1095,14 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
                 run.save(out)
         progress.close()
         # evaluate before saving: a model whose validation loss is not finite is not saved;
-        # but a stop asked in the last step saves first, as in the steps (a scheduler's
-        # SIGKILL may follow its SIGTERM), and a loss not finite then says so
+        # but a stop asked in the last step saves first, as a stop in the steps does (a
+        # scheduler's SIGKILL may follow its SIGTERM: the run's last step would be lost),
+        # and a loss not finite then says it was saved
         if saved_first:
             b, s = run.save(out)
             valid = evaluate(saved=s)
+            progress.message(f"step {run.step}: valid {valid:.4f} (perplexity "
+                             f"{perplexity(valid):.1f})")
         else:
             valid = evaluate()
             b, s = run.save(out)

@@ -477,21 +477,25 @@ def test_a_folder_that_may_be_written_but_not_listed_is_opened_as_a_path(tmp_pat
     assert (tmp_path / "b.bin").read_bytes() == b"def"
 
 
-def test_metrics_write_failure_saves_and_stops(tmp_path):
+@pytest.mark.parametrize("steps", [3, 1])
+def test_metrics_write_failure_saves_and_stops(tmp_path, steps):
     """A metrics file whose writes fail mid-run (a file-size limit standing in for a full
     disk: the file is filled to 100 bytes short of it, so the first record fails; a
-    FIFO or device as --metrics is refused up front, tests/test_errors.py)."""
+    FIFO or device as --metrics is refused up front, tests/test_errors.py). In the last
+    step (steps 1) no resume command: it would be refused, the run being at --steps."""
     import resource
     limit = 1 << 20  # above the checkpoints of hslm-tiny; Python ignores SIGXFSZ
     m = tmp_path / "m.jsonl"
     m.write_bytes(b"\n" * (limit - 100))
     d = tmp_path / "mf"
     p = subprocess.run([sys.executable, str(ROOT / "cli.py"), "train", *map(str, TINY), "--steps",
-                        "3", "--metrics", str(m), "--out", str(d)], capture_output=True, text=True,
+                        str(steps), "--metrics", str(m), "--out", str(d)], capture_output=True,
+                       text=True,
                        timeout=600,
                        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
     line = one_line_error(p.returncode, p.stdout, p.stderr)
     assert "cannot write --metrics" in line and "saved" in line
+    assert ("resume with" in line) == (steps > 1), line
     ckpt.read(d / "ckpt_1.state")
     # the record that did not fit left nothing (it left its first 100 bytes, and the
     # printed resume command then appended to that half line: hslm plot refused the file)
@@ -1047,14 +1051,20 @@ def metrics_records(path):
             for r in map(json.loads, path.read_text().splitlines())]
 
 
+@pytest.mark.parametrize("command", [True, False])
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_while_the_text_is_read_removes_the_folder_and_says_one_line(
-        tmp_path, monkeypatch, capsys, signum):
+        tmp_path, monkeypatch, capsys, signum, command):
     """SIGTERM or SIGHUP (a closed terminal) while the run reads its text: one line, 128 +
     the signal, nothing trained and the folder the run made removed. SIGHUP had ended the
-    run at once, leaving that folder and its lock, as a kill does."""
+    run at once, leaving that folder and its lock, as a kill does. The hslm command then
+    ignores SIGHUP (a closed terminal sends two: the second had ended its tidying up); a
+    program calling hslm gets its own handler back (command False)."""
+    import hslm
     import hslm.train as train
     from hslm.cli import main
+    monkeypatch.setattr(hslm, "_the_hslm_command", lambda: command)
+    monkeypatch.setattr(train, "_the_hslm_command", lambda: command)
     real = train.load_corpus
 
     def load_then_signal(*a, **k):
@@ -1068,17 +1078,15 @@ def test_a_signal_while_the_text_is_read_removes_the_folder_and_says_one_line(
     word = "terminated" if signum == signal.SIGTERM else "hung up"
     assert e.value.code == 128 + signum and err.splitlines()[-1] == f"error: {word}", err
     assert "Traceback" not in err and not out.exists()
-    # put back as it was; but SIGHUP, once one came, is ignored from then on: a closed
-    # terminal sends two, and the second had ended the run's tidying up, with no line
     assert signal.getsignal(signum) == (
-        signal.SIG_DFL if signum == signal.SIGTERM else signal.SIG_IGN)
+        signal.SIG_IGN if signum == signal.SIGHUP and command else signal.SIG_DFL)
     signal.signal(signum, signal.SIG_DFL)
 
 
 def test_ctrl_c_in_the_last_step_saves_and_prints_no_resume_command(tmp_path):
     """A stop asked during the run's last step: saved, then evaluated (the final
-    evaluation had been skipped, and no command could make it afterwards), and no resume
-    command (it would be refused: the checkpoint is already at --steps)."""
+    evaluation had been skipped: its record was missing from the metrics file for good),
+    and no resume command (it would be refused: the checkpoint is already at --steps)."""
     d = tmp_path / "last"
     m = tmp_path / "m.jsonl"
     proc = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "train", "--model", "hslm-3",
@@ -1090,13 +1098,15 @@ def test_ctrl_c_in_the_last_step_saves_and_prints_no_resume_command(tmp_path):
         proc.send_signal(signal.SIGINT)
         while proc.poll() is None and not (d / "ckpt_1.state").exists():
             time.sleep(0.01)
-        # saved before the evaluation (of about 3 s here), as a stop in the steps is: a
+        assert (d / "ckpt_1.state").exists(), proc.communicate()
+        # saved before the evaluation (1.5-3 s here), as a stop in the steps is: a
         # scheduler's SIGKILL may follow its SIGTERM
         evaluated_first = [r[0] for r in metrics_records(m)] != ["train"]
         out, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err
     assert not evaluated_first
     assert "stopped after step 1, the last; saved" in out and "resume with" not in out
+    assert "step 1: valid " in out  # (the evaluation made is said)
     ckpt.read(d / "ckpt_1.state")
     assert [r[:2] for r in metrics_records(m)] == [("train", 1), ("eval", 1)]
 

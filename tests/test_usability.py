@@ -913,10 +913,13 @@ def test_an_io_error_on_a_file_is_an_error_and_on_a_terminal_the_terminal_gone(t
             raise OSError(errno.EIO, "Input/output error")
 
     fd = os.open(tmp_path / "out", os.O_WRONLY | os.O_CREAT)
-    on_file = ReaderGone(FailingFile(fd))
-    with pytest.raises(OSError):
-        on_file.write("x")
-    assert not on_file.gone
+    null = os.open(os.devnull, os.O_WRONLY)  # (a device, but no terminal: an error too)
+    for f in (fd, null):
+        on_file = ReaderGone(FailingFile(f))
+        with pytest.raises(OSError):
+            on_file.write("x")
+        assert not on_file.gone
+    os.close(null)
     master, terminal = pty.openpty()
     os.close(master)  # hung up before the stream is made
     assert not os.isatty(terminal)
@@ -930,6 +933,7 @@ def test_an_io_error_on_a_file_is_an_error_and_on_a_terminal_the_terminal_gone(t
     pipe._stream.write = lambda text: (_ for _ in ()).throw(BrokenPipeError())
     assert pipe.write("x") == 1 and pipe.gone  # (a pipe's reader gone, as before)
     os.close(terminal)
+    os.close(fd)
 
 
 def test_the_texts_progress_is_drawn_by_rank_0_alone(monkeypatch):
