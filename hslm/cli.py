@@ -300,8 +300,11 @@ def sample(ckpt_path, prompt, n_tokens, temperature, top_k, seed, data):
         raise HslmError(f"--seed must be from 0 to 2^63 - 1, got {seed}")
     try:
         prompt.encode("utf-8")
-    except UnicodeEncodeError:  # bytes the shell's locale could not decode (surrogates)
-        raise HslmError("--prompt is not UTF-8 text") from None
+    except UnicodeEncodeError:  # bytes the locale could not decode (surrogates): read as the
+        try:  # bytes given (a locale not UTF-8 with Python's UTF-8 mode off: C, POSIX)
+            prompt = os.fsencode(prompt).decode("utf-8")
+        except (UnicodeEncodeError, UnicodeDecodeError):
+            raise HslmError("--prompt is not UTF-8 text") from None
     cfg, state, tok, _ = load_for_inference(ckpt_path)
     # the text as it is drawn: an incremental decoder holds a character's first bytes
     # until its last arrives, and ends with the same text as decoding all the ids at once

@@ -84,6 +84,24 @@ def test_sample_is_reproducible_for_a_seed(trained):
     assert g[0] == 0 and g == hslm(*args, "--temperature", 0, "--seed", 9)
 
 
+def test_a_utf8_prompt_is_read_as_utf8_whatever_the_locale(trained):
+    """Under a locale that is not UTF-8 with Python's UTF-8 mode off (LC_ALL=C
+    PYTHONUTF8=0), the arguments are decoded as ASCII, and a UTF-8 --prompt had been
+    refused as "not UTF-8 text". It is read as the bytes given. Control: bytes that are
+    not UTF-8 are still refused, in one line."""
+    d, _ = trained
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    c_locale = {**env, "LC_ALL": "C", "PYTHONUTF8": "0"}
+    runs = []
+    for prompt, e in (("世界 ".encode(), env), ("世界 ".encode(), c_locale), (b"\xff", c_locale)):
+        p = subprocess.run([sys.executable, str(ROOT / "cli.py"), "sample",
+                            str(d / "ckpt_12.bin"), "--prompt", prompt, "--tokens", "8",
+                            "--seed", "1"], capture_output=True, env=e, timeout=300)
+        runs.append((p.returncode, p.stdout, p.stderr))
+    assert runs[0][0] == 0 and runs[1] == runs[0], runs
+    assert runs[2][0] == 2 and runs[2][2] == b"error: --prompt is not UTF-8 text\n", runs[2]
+
+
 def test_plot_writes_a_png(trained, tmp_path):
     d, _ = trained
     code, out, err = hslm("plot", d / "m.jsonl", "-o", tmp_path / "loss.png")
