@@ -13,7 +13,7 @@ import click
 
 from . import _the_hslm_command, distributed, end_of_start_up, missing_package_line
 from .errors import (HslmError, keeping_dropped_interrupts, one_line, quiet_after_interrupt,
-                     raise_dropped_interrupt, stop_line, terminated_by)
+                     raise_dropped_interrupt, stop_word, stopped_by)
 from .speeds import DEFAULT_SPEED, SPEEDS, speed_help
 
 
@@ -61,7 +61,7 @@ def default_threads() -> int:
 
 class _Group(click.Group):
     """click.Group whose commands' interrupts come out as click.Abort, their cause kept
-    (SIGTERM's Terminated: terminated_by): click's main prints an empty line before the
+    (SIGTERM's Terminated: stopped_by): click's main prints an empty line before the
     Abort it makes of a KeyboardInterrupt, so a stop before step 1 printed two lines,
     where the README says one."""
 
@@ -640,8 +640,8 @@ def run_command(argv):
     except (click.Abort, KeyboardInterrupt) as e:  # click makes an Abort of either
         if _the_hslm_command():  # (not a program calling main())
             quiet_after_interrupt()
-        signum = terminated_by(e) or 2
-        click.echo(stop_line(signum), err=True)
+        signum = stopped_by(e)
+        click.echo(f"error: {stop_word(signum)}", err=True)
         sys.exit(128 + signum)
     except HslmError as e:
         click.echo(f"error: {one_line(str(e))}", err=True)

@@ -65,7 +65,7 @@ BY_RANK_BYTES_PER_BYTE = 128
 
 
 class Tokenizer:
-    def __init__(self, vocab: int, merges: np.ndarray):
+    def __init__(self, vocab: int, merges: np.ndarray, lengths=None):
         self.vocab = vocab
         self.merges = np.ascontiguousarray(merges, dtype=np.int64).reshape(-1, 2)
         self.n_ids = FIRST_MERGE + len(self.merges)  # the ids with a piece (drawable)
@@ -75,7 +75,7 @@ class Tokenizer:
         # 14 GB there
         self._pieces = {i: b"" for i in range(N_SPECIAL)}
         self._pieces.update((BYTE0 + i, bytes([i])) for i in range(256))
-        self._lengths = None  # each id's piece's length (_length)
+        self._lengths = lengths  # each id's piece's length (from_json's, or _length's)
         self._kept = 0  # bytes of the pieces made and kept (KEPT_TOTAL)
         self._ranks = None  # {pair: merge}, made when a short text needs it (encode)
 
@@ -142,9 +142,7 @@ class Tokenizer:
 
     @classmethod
     def train(cls, text: str, vocab: int) -> "Tokenizer":
-        if vocab < FIRST_MERGE:
-            raise HslmError(f"vocabulary {vocab} is too small for the byte-level tokenizer "
-                            f"(needs at least {FIRST_MERGE})")
+        check_vocab(vocab)
         merges, _ = bpe.run(_bytes_to_ids(text, vocab), vocab)
         return cls(vocab, merges)
 
@@ -243,7 +241,7 @@ class Tokenizer:
                                   f"{length[-1]:,} bytes, longer than any text hslm reads")
         except Invalid as e:
             raise HslmError(f"tokenizer is not valid: {e}") from None
-        return cls(vocab, np.array(merges, np.int64).reshape(-1, 2))
+        return cls(vocab, np.array(merges, np.int64).reshape(-1, 2), length)
 
 
 def text_sha256(text: str) -> str:
@@ -255,7 +253,7 @@ def _bytes_to_ids(text: str, vocab: int) -> np.ndarray:
     return np.add(raw, BYTE0, dtype=bpe.ids_dtype(vocab))
 
 
-def _check_vocab(vocab):
+def check_vocab(vocab):
     if vocab < FIRST_MERGE:
         raise HslmError(f"vocabulary {vocab} is too small for the byte-level tokenizer "
                         f"(needs at least {FIRST_MERGE})")
@@ -320,7 +318,7 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
         if arr is not None:
             return tokenizer, arr
     if tokenizer is None:
-        _check_vocab(vocab)
+        check_vocab(vocab)
     _check_size(src)
     check_fits(bpe.memory_needed(vocab, src.size, learn=tokenizer is None),
                f"{'learning' if tokenizer is None else 'applying'} a tokenizer of vocabulary "

@@ -90,7 +90,7 @@ import numpy as np
 
 from . import (MPI_LAUNCH_VARIABLES, MPI_RANK_VARIABLES, MPI_SIZE_VARIABLES, launch_value,
                launched_by_mpi)
-from .errors import HslmError, stop_line, terminated_by
+from .errors import HslmError, stop_word, stopped_by
 
 # Environment variables that MPI launchers set (MPICH/Hydra and Intel MPI, Open MPI,
 # PMIx under Slurm, MVAPICH). HSLM_MPI=1 forces MPI, HSLM_MPI=0 ignores it.
@@ -289,6 +289,12 @@ def record_specs(dims, B):
     return [((B,) + shape(dims), np.float64) for _, shape in ACT_FIELDS + RECORD_FIELDS]
 
 
+def _unlike_rank_0(every):
+    """(the ranks whose {what: value} differs from rank 0's, the whats that differ)."""
+    odd = [r for r, x in enumerate(every) if x != every[0]]
+    return odd, [k for k in every[0] if any(every[r].get(k) != every[0][k] for r in odd)]
+
+
 def collapsed_line(e) -> str:
     """An error as one line, its whitespace collapsed (MPI's rule; the CLI's escapes
     control characters instead: errors.one_line)."""
@@ -345,10 +351,8 @@ class World:
         # own -env) before any of them: else the ranks had waited on each other for ever
         # in unmatched collectives, where no signal ends them
         settings = {"HSLM_MPI_SHARED": self.shared, "HSLM_MPI_REDUCTION": self.forced_reduction}
-        every = comm.allgather(settings)
-        odd = [r for r, x in enumerate(every) if x != every[0]]
+        odd, what = _unlike_rank_0(comm.allgather(settings))
         if odd:
-            what = [k for k in settings if any(every[r][k] != every[0][k] for r in odd)]
             if self.rank == 0:
                 print(f"error: the ranks were not given the same MPI settings: rank(s) {odd} "
                       f"differ from rank 0 in {', '.join(what)}; nothing trained",
@@ -870,10 +874,8 @@ class World:
         if self.forced_reduction not in (None,) + REDUCTIONS:  # every rank: rank 0 reports
             raise AllRanksError(f"HSLM_MPI_REDUCTION must be one of {', '.join(REDUCTIONS)}, "
                                 f"got {self.forced_reduction!r}")
-        every = self.comm.allgather(identity or {})
-        odd = [r for r, x in enumerate(every) if x != every[0]]
+        odd, what = _unlike_rank_0(self.comm.allgather(identity or {}))
         if odd:
-            what = [k for k in every[0] if any(every[r].get(k) != every[0][k] for r in odd)]
             raise AllRanksError(f"the ranks were not given the same run: rank(s) {odd} differ "
                                 f"from rank 0 in {', '.join(what)}; nothing trained")
 
@@ -1026,8 +1028,8 @@ def run_main(cli, argv):
     except click.ClickException as e:
         w.fail(e.format_message(), e.exit_code)
     except (click.Abort, KeyboardInterrupt) as e:  # click makes an Abort of either
-        signum = terminated_by(e) or 2
-        w.fail(stop_line(signum).removeprefix("error: "), 128 + signum)
+        signum = stopped_by(e)
+        w.fail(stop_word(signum), 128 + signum)
     except AllRanksError as e:  # raised by every rank at the same point
         w.close()
         w.fail(_Shared(collapsed_line(e)), 2)

@@ -1,5 +1,6 @@
 """The one exception the CLI turns into a one-line error and a non-zero exit."""
 import re
+import signal
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -18,20 +19,24 @@ class Terminated(KeyboardInterrupt):
         self.signum = signum
 
 
-def raise_terminated(signum, frame):
-    import signal
+# SIGHUP, where there is one: a closed terminal (an ssh session dropped)
+HANGUP = getattr(signal, "SIGHUP", None)
+# the signals that stop a run as SIGTERM does (Ctrl-C is Python's KeyboardInterrupt)
+TERMINATING = (signal.SIGTERM,) + ((HANGUP,) if HANGUP else ())
 
+
+def raise_terminated(signum, frame):
     import hslm
-    if signum == getattr(signal, "SIGHUP", None) and hslm._the_hslm_command():
+    if signum == HANGUP and hslm._the_hslm_command():
         # a closed terminal sends two: the second must not end the command's tidying up
         # (a program calling hslm keeps its own handler: train_run puts it back)
         signal.signal(signum, signal.SIG_IGN)
     raise Terminated(signum)
 
 
-def stop_line(signum: int) -> str:
-    """The CLI's one line for a run ended by a signal, before anything was saved."""
-    return {2: "error: interrupted", 1: "error: hung up"}.get(signum, "error: terminated")
+def stop_word(signum: int) -> str:
+    """What `error: ...` says of a run ended by a signal before anything was saved."""
+    return {signal.SIGINT: "interrupted", HANGUP: "hung up"}.get(signum, "terminated")
 
 
 # Interrupts that C code dropped: an exception raised in a signal handler while Python
@@ -95,12 +100,13 @@ def one_line(message: str) -> str:
     return _UNWRITABLE.sub(lambda m: f"\\u{ord(m.group()):04x}", message.translate(_CONTROLS))
 
 
-def terminated_by(e: BaseException) -> int | None:
-    """The signal of a Terminated the CLI caught (click wraps it in an Abort), else None."""
+def stopped_by(e: BaseException) -> int:
+    """The signal of an interrupt the CLI caught (click wraps it in an Abort): a
+    Terminated's, else SIGINT's."""
     for x in (e, e.__cause__):
         if isinstance(x, Terminated):
             return x.signum
-    return None
+    return signal.SIGINT
 
 
 def node_kind(mode) -> str:

@@ -74,8 +74,6 @@ JOBS = {
     "evaluation": ("forward", "backward"),
 }
 MAX_PROCESSES = 4  # the chains allow no more than about this many at once
-# the signals that end a parallel compile of the signal, its helpers stopped first
-TERMINATING = (signal.SIGTERM,) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
 # the folder that holds this hslm package: the helpers import it from there (and no other)
 PACKAGE_PARENT = str(Path(__file__).resolve().parents[1])
 
@@ -481,6 +479,7 @@ class ParallelCompile:
         if threading.current_thread() is threading.main_thread():
             # SIGTERM (or SIGHUP) while compiling: stop the helpers and remove the folder,
             # then end of the signal as before (the run installs its own handler later)
+            from .errors import TERMINATING
             for sig in TERMINATING:
                 previous = signal.getsignal(sig)
                 if previous is not signal.SIG_IGN:

@@ -25,8 +25,9 @@ from . import _the_hslm_command, distributed, precise
 from .config import PRESETS, Config
 from .data import (BUILTIN_SHA256, BUILTIN_SOURCE, Corpus, Tokenizer, check_apart_from_text,
                    check_cache_apart, same_file)
-from .errors import (HslmError, Terminated, open_regular, raise_dropped_interrupt,
-                     raise_terminated, read_bytes, refuse_unless_file, stop_line)
+from .errors import (HANGUP, TERMINATING, HslmError, Terminated, open_regular,
+                     raise_dropped_interrupt, raise_terminated, read_bytes, refuse_unless_file,
+                     stop_word)
 from .hyper import HYPER_NAMES, Hyper
 from .optim import adamw_step, adamw_tensors, bias_corrections, learning_rate
 from .params import ModelState, init_params, ternary_mask
@@ -786,7 +787,7 @@ def train_run(o: TrainOptions, echo=None):
     ignored = {s for s in STOP_SIGNALS if signal.getsignal(s) is signal.SIG_IGN}
     # SIGTERM and SIGHUP as Ctrl-C until below (a closed terminal had left the folder the
     # run made, with its lock, as a kill does)
-    originals = {s: signal.getsignal(s) for s in STOP_SIGNALS if s != signal.SIGINT}
+    originals = {s: signal.getsignal(s) for s in TERMINATING}
     for s in originals.keys() - ignored:
         signal.signal(s, raise_terminated)
     try:
@@ -834,7 +835,7 @@ def train_run(o: TrainOptions, echo=None):
             if distributed.current() is None:
                 raise KeyboardInterrupt() if e.signum == signal.SIGINT else Terminated(e.signum)
             if distributed.is_writer():  # MPI: an agreed stop, every rank here
-                echo(stop_line(e.signum), err=True)
+                echo(f"error: {stop_word(e.signum)}", err=True)
             sys.exit(128 + e.signum)
     finally:
         lock.release()
@@ -871,8 +872,7 @@ class StoppedBeforeTraining(Exception):
 # The signals that stop a run once its step is done, with a checkpoint. SIGHUP is a
 # closed terminal (an ssh session dropped): it had ended the run at once, unsaved. A
 # SIGHUP ignored at the start (nohup) stays ignored, as the others do.
-HANGUP = getattr(signal, "SIGHUP", None)
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM) + ((HANGUP,) if HANGUP else ())
+STOP_SIGNALS = (signal.SIGINT,) + TERMINATING
 
 
 class StopRequest:
@@ -1032,6 +1032,9 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
                       perplexity=ppl if math.isfinite(ppl) else None)
         return v
 
+    def say_valid(v):
+        progress.message(f"step {run.step}: valid {v:.4f} (perplexity {perplexity(v):.1f})")
+
     watching = contextlib.ExitStack()  # (second_signal_at_once, from step 1)
     saved_first = False  # a stop asked in the last step: saved before its evaluation
     try:
@@ -1066,31 +1069,23 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
                 stop_for_metrics(run.save(out)[1])
             if agreed is not None:
                 stop.signum = agreed
-            if agreed is not None and run.step >= o.steps:
-                saved_first = True
-                break  # the last step: its save and evaluation below, said as a stop
-            due = o.eval_every and run.step % o.eval_every == 0 and run.step < o.steps
-            if agreed is not None:
+                if run.step >= o.steps:
+                    saved_first = True
+                    break  # the last step: its save and evaluation below, said as a stop
                 # saved first (a scheduler's SIGKILL may follow its SIGTERM soon), then the
                 # evaluation this step is due: the resumed run starts past it, and its record
                 # had been lost for good
                 b, s = run.save(out)
-                if due:
-                    v = evaluate(saved=s)
-                    if distributed.any_rank(metrics_error is not None):
-                        stop_for_metrics(s)
-                    progress.message(f"step {run.step}: valid {v:.4f} (perplexity "
-                                     f"{perplexity(v):.1f})")
+            if o.eval_every and run.step % o.eval_every == 0 and run.step < o.steps:
+                v = evaluate(saved=s if agreed is not None else None)
+                if distributed.any_rank(metrics_error is not None):  # stop at this step
+                    stop_for_metrics(s if agreed is not None else run.save(out)[1])
+                say_valid(v)
+            if agreed is not None:
                 progress.message(f"{signal.Signals(agreed).name}: stopped after step "
                                  f"{run.step}; saved {b} and {s}")
                 progress.message(f"resume with: {o.resume_command(s)}")
                 sys.exit(128 + agreed)
-            if due:
-                v = evaluate()
-                if distributed.any_rank(metrics_error is not None):  # stop at this step
-                    stop_for_metrics(run.save(out)[1])
-                progress.message(f"step {run.step}: valid {v:.4f} (perplexity "
-                                 f"{perplexity(v):.1f})")
             if o.save_every and run.step % o.save_every == 0 and run.step < o.steps:
                 run.save(out)
         progress.close()
@@ -1101,8 +1096,7 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
         if saved_first:
             b, s = run.save(out)
             valid = evaluate(saved=s)
-            progress.message(f"step {run.step}: valid {valid:.4f} (perplexity "
-                             f"{perplexity(valid):.1f})")
+            say_valid(valid)
         else:
             valid = evaluate()
             b, s = run.save(out)

@@ -187,14 +187,14 @@ def check_report_apart(json_path, models, data):
 def check_bench_plan(named_cfgs, speeds, threads, batches, loss_positions):
     """hslm bench's runs judged before anything is compiled or timed: each model's and
     batch's hyper-parameters (bench_hyper), and the memory of its runs side by side."""
-    from .data import FIRST_MERGE
+    from .data import check_vocab
     combos = [(s, t) for t in threads for s in speeds]
     shown = ",".join(str(t) for t in sorted(set(threads)))
     for name, cfg in named_cfgs:
-        if cfg.vocab < FIRST_MERGE:  # (else found when its text is tokenized: after the
-            # models before it had been timed, minutes lost)
-            raise HslmError(f"--model {name}: vocabulary {cfg.vocab} is too small for the "
-                            f"byte-level tokenizer (needs at least {FIRST_MERGE})")
+        try:  # (else found when its text is tokenized: after the models before it had
+            check_vocab(cfg.vocab)  # been timed, minutes lost)
+        except HslmError as e:
+            raise HslmError(f"--model {name}: {e}") from None
         for batch in batches:
             bench_hyper(cfg, batch, loss_positions)
             check_fits(sum(memory_estimate(cfg, batch, t, s) for s, t in combos),
