@@ -5,7 +5,9 @@ from __future__ import annotations
 import codecs
 import errno
 import functools
+import io
 import os
+import select
 import sys
 from pathlib import Path
 
@@ -580,12 +582,54 @@ def open_closed_stream(name: str):
     return stream
 
 
+class WaitingWriter(io.RawIOBase):
+    """A standard stream's descriptor, written as a blocking one is even where another
+    program has made it non-blocking (O_NONBLOCK belongs to the open file, which a
+    terminal's or a pipe's programs share): a write the reader is not ready for waits for
+    it. CPython's own writer drops such text without an error (a run's last 36 lines, its
+    "saved" line among them, lost behind a slow reader, exit 0)."""
+
+    def __init__(self, fd: int):
+        super().__init__()
+        self._fd = fd
+
+    def fileno(self):
+        return self._fd
+
+    def writable(self):
+        return True
+
+    def isatty(self):
+        return os.isatty(self._fd)
+
+    def write(self, data):
+        while True:
+            try:
+                return os.write(self._fd, data)
+            except BlockingIOError:
+                select.select([], [self._fd], [])
+
+    def close(self):  # the descriptor stays open (as sys.stdout's own does)
+        super().close()
+
+
+def waiting_stream(stream):
+    """stream (a standard stream, flushed) again over a WaitingWriter of its descriptor,
+    with its encoding, errors and buffering."""
+    stream.flush()
+    return io.TextIOWrapper(io.BufferedWriter(WaitingWriter(stream.fileno())),
+                            encoding=stream.encoding, errors=stream.errors, newline="\n",
+                            line_buffering=stream.line_buffering,
+                            write_through=stream.write_through)
+
+
 def guard_streams():
     """Wrap the standard streams in ReaderGone where they are real files, and write a
     stream closed at the start to /dev/null (open_closed_stream). A character a
     stream cannot encode no longer raises: a path's bytes that are not UTF-8 are written
     as they are on a UTF-8 stream, and on another (PYTHONIOENCODING=latin-1, say) what it
-    cannot hold is written as a backslash escape."""
+    cannot hold is written as a backslash escape. A write waits for a slow reader even
+    where the descriptor is non-blocking (WaitingWriter)."""
     for name, note in (("stdout", "hslm: the standard output was closed; going on without it"),
                        ("stderr", None)):
         stream = getattr(sys, name)
@@ -603,6 +647,8 @@ def guard_streams():
             # a name of bytes that are not UTF-8 (Python holds them as lone surrogates)
             # goes out as those bytes on a UTF-8 stream, as an escape on another
             stream.reconfigure(errors="surrogateescape" if utf8 else "backslashreplace")
+        if isinstance(stream, io.TextIOWrapper):
+            stream = waiting_stream(stream)
         setattr(sys, name, ReaderGone(stream, note))
 
 

@@ -908,6 +908,46 @@ def test_eval_of_a_runs_checkpoint_gives_its_last_validation_loss_to_the_bit(tmp
     assert code == 0 and json.loads(out)["valid_loss"] != run["valid_loss"], out
 
 
+def _read_behind_a_slow_reader(argv, env):
+    """What argv writes to a standard output left non-blocking (O_NONBLOCK, as another
+    program sharing the pipe or terminal may leave it), read only once the pipe has filled
+    and the writer is left waiting or dropping: (exit status, bytes read)."""
+    import fcntl
+    import termios
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    p = subprocess.Popen(argv, stdout=w, stderr=subprocess.DEVNULL, env=env)
+    os.close(w)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and p.poll() is None:
+        queued = fcntl.ioctl(r, termios.FIONREAD, b"\0\0\0\0")
+        if int.from_bytes(queued, sys.byteorder) >= 60_000:  # full (64 KiB): let it wait
+            time.sleep(1.0)
+            break
+        time.sleep(0.05)
+    with os.fdopen(r, "rb") as f:
+        out = f.read()
+    return p.wait(timeout=240), out
+
+
+def test_a_slow_reader_of_a_non_blocking_output_loses_nothing(trained):
+    """A standard output another program left non-blocking, with a slow reader: CPython's
+    writer dropped every write the full pipe refused, with no error (a run's last lines,
+    its "saved" line among them, and `hslm sample`'s text past 64 KiB, lost with exit 0).
+    hslm's writes wait for the reader: `hslm sample`'s 100 KB come whole, the bytes a
+    blocking pipe gets. Control: a plain Python program's lines are lost there."""
+    d, _ = trained
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, str(ROOT / "cli.py"), "sample", str(d / "ckpt_12.bin"),
+            "--tokens", "80000", "--seed", "3"]
+    whole = subprocess.run(argv, capture_output=True, env=env, timeout=300)
+    assert whole.returncode == 0 and len(whole.stdout) > 80_000, whole.stderr
+    assert _read_behind_a_slow_reader(argv, env) == (0, whole.stdout)
+    lines = "import sys\nfor i in range(3000): print('x' * 55, flush=True)"  # 168,000 bytes
+    code, out = _read_behind_a_slow_reader([sys.executable, "-c", lines], env)
+    assert code == 0 and len(out) < 100_000  # (the control: text lost, no error)
+
+
 def test_an_io_error_on_a_file_is_an_error_and_on_a_terminal_the_terminal_gone(tmp_path):
     """The CLI's streams take EIO as a hung-up terminal (an ssh session dropped: output
     goes nowhere, the run saves); from a file (a failing disk) it had been taken so too,
