@@ -226,11 +226,16 @@ class Tokenizer:
                 raise Invalid(f"vocab must be an integer from {FIRST_MERGE} to {MAX_VOCAB}")
             if not isinstance(merges, list) or len(merges) > vocab - FIRST_MERGE:
                 raise Invalid(f"merges must be a list of at most {vocab - FIRST_MERGE} pairs")
+            first = {}  # pair -> its merge: learning never merges a pair twice (its two
+            # ids never meet again), and encoders that take either merge differ
             for m, pair in enumerate(merges):
                 if not (isinstance(pair, list) and len(pair) == 2
                         and all(is_int(x) and BYTE0 <= x < FIRST_MERGE + m for x in pair)):
                     raise Invalid(f"merge {m} is {str(pair)[:40]}, not a pair of ids from "
                                   f"{BYTE0} to {FIRST_MERGE + m - 1}")
+                m0 = first.setdefault(tuple(pair), m)
+                if m0 != m:
+                    raise Invalid(f"merge {m} repeats merge {m0}'s pair {pair}")
             # each merge's piece is as long as its two parts: 40 merges of a piece with
             # itself make one of 2^40 bytes (a file of 253 KB asked for terabytes)
             length = [0] * N_SPECIAL + [1] * 256
@@ -334,7 +339,10 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
     merges, n = run_interruptible(
         lambda: bpe.run(ids, vocab, None if learn else tokenizer.merges, ctl=ctl), ctl,
         lambda: ph.update(int(ctl[1])))
-    ph.close(f" ({src.size / 1e6:,.1f} MB -> {n:,} tokens)")
+    fewer = len(merges) < total  # (learning: the text repeats no pair after these)
+    ph.close(f" ({src.size / 1e6:,.1f} MB -> {n:,} tokens"
+             + (f"; no pair repeats after {len(merges):,} of the {total:,} merges asked" if fewer
+                else "") + ")", done=len(merges))
     if learn:
         tokenizer = Tokenizer(vocab, merges)
     if cache_dir is None or not distributed.is_writer():  # MPI: rank 0 alone writes the cache

@@ -247,11 +247,12 @@ class Phase:
                           f"{duration(left)} left   ")
         self.stream.flush()
 
-    def close(self, note=""):
+    def close(self, note="", done=None):
+        """The phase's last line: `done` units (all of them unless given) and note."""
         if not self.show:
             return
         el = time.perf_counter() - self.t0
-        line = f"{self.what}: {self._fmt(self.total)} in {el:.1f}s{note}"
+        line = f"{self.what}: {self._fmt(self.total if done is None else done)} in {el:.1f}s{note}"
         if self.tty:
             self.stream.write("\r" + line + " " * 20 + "\n")
         else:

@@ -345,13 +345,28 @@ def test_non_finite_checkpoint_is_named(files, tmp_path):
 
 
 @pytest.mark.parametrize("merges", [[[4, 999]], [[3, 5]], [[4, 5], [261, 4]], [[4]], "x",
-                                    [[4.0, 5]]])
+                                    [[4.0, 5]], [[101, 102], [5, 6], [101, 102]]])
 def test_tokenizer_json_with_bad_merges_is_refused(merges):
     with pytest.raises(HslmError, match="tokenizer is not valid"):
         Tokenizer.from_json(json.dumps({"format": "hslm-bpe", "version": 1, "vocab": 300,
                                         "merges": merges}))
     with pytest.raises(HslmError, match="tokenizer is not valid"):
         Tokenizer.from_json("[" * 100000)
+
+
+def test_a_tokenizer_that_merges_a_pair_twice_is_refused():
+    """Learning never merges a pair twice (its two ids never meet again), and the two
+    encoders took different merges of such a tokenizer (the kernel the first, a short
+    prompt's ranks the last: "abab" 260 260 or 261 261 by the vocabulary's size). Control:
+    the same pairs once each, and a pair with its reverse, are a tokenizer."""
+    def tokenizer(merges, vocab=300):
+        return Tokenizer.from_json(json.dumps({"format": "hslm-bpe", "version": 1,
+                                               "vocab": vocab, "merges": merges}))
+    for vocab in (300, 2000):
+        with pytest.raises(HslmError, match=r"merge 2 repeats merge 0's pair \[101, 102\]"):
+            tokenizer([[101, 102], [5, 6], [101, 102]], vocab)
+        ok = tokenizer([[101, 102], [102, 101]], vocab)
+        assert ok.encode("abab").tolist() == [260, 260]
 
 
 def test_the_bin_carries_its_tokenizer(files):
