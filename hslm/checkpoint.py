@@ -259,7 +259,7 @@ class Checkpoint:
     a uint8 array (None when read for its header alone: read(keep_data=False))."""
 
     def __init__(self, path, head: bytes, header: dict, data, data_len: int, config,
-                 hyper=None):
+                 hyper=None, tokenizer=None):
         self.path = Path(path)
         self.head = head
         self.data = data
@@ -270,6 +270,7 @@ class Checkpoint:
         self.step = int(self.meta["step"])
         self.config = config
         self.hyper = hyper  # .state: the training hyper-parameters (a hyper.Hyper)
+        self._tokenizer = tokenizer  # .bin: the run's tokenizer, as read()'s check made it
 
     def names(self):
         return sorted(self.header, key=lambda n: self.header[n]["data_offsets"][0])
@@ -307,9 +308,11 @@ class Checkpoint:
         return self.meta["data_sha256"]
 
     def tokenizer(self):
-        """The run's tokenizer, carried by a .bin (checked when the file was read)."""
-        from .data import Tokenizer
-        return Tokenizer.from_json(self.meta["tokenizer"])
+        """The run's tokenizer, carried by a .bin (made and checked when the file was read:
+        not made again, which took seconds for a crafted one's 800,000 merges)."""
+        if self._tokenizer is None:
+            raise ValueError(f"{self.path} carries no tokenizer (a '{self.kind}' file)")
+        return self._tokenizer
 
     def non_finite(self) -> str | None:
         """What the first tensor that holds a NaN or an infinity holds, else None."""
@@ -364,7 +367,7 @@ def read(path, expect_kind=None, keep_data=True, expect_config=None) -> Checkpoi
             header = _checked_header(head, n, data_len, path)
             # (the structure, from the header alone, before the data: a header-only read
             # of a file with an absurd data size is refused at once, not hashed for hours)
-            cfg, hyper = _checked_structure(path, header, data_len, expect_kind)
+            cfg, hyper, tok = _checked_structure(path, header, data_len, expect_kind)
             if expect_config is not None and cfg != expect_config:
                 raise OtherModel(f"{path} is of another model ({cfg.to_json()})")
             if keep_data:
@@ -389,7 +392,7 @@ def read(path, expect_kind=None, keep_data=True, expect_config=None) -> Checkpoi
             raise HslmError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
     if digest.hexdigest() != header["__metadata__"].get("data_sha256"):
         raise _damaged(path, "data checksum mismatch")
-    return Checkpoint(path, head, header, data, data_len, cfg, hyper)
+    return Checkpoint(path, head, header, data, data_len, cfg, hyper, tok)
 
 
 def parse(raw: bytes, path, expect_kind=None) -> Checkpoint:
@@ -397,10 +400,10 @@ def parse(raw: bytes, path, expect_kind=None) -> Checkpoint:
     n = _header_length(raw[:8], len(raw), path)
     header = _checked_header(raw[:8 + n], n, len(raw) - 8 - n, path)
     data = np.frombuffer(raw, np.uint8, offset=8 + n)
-    cfg, hyper = _checked_structure(path, header, len(data), expect_kind)
+    cfg, hyper, tok = _checked_structure(path, header, len(data), expect_kind)
     if hashlib.sha256(data).hexdigest() != header["__metadata__"].get("data_sha256"):
         raise _damaged(path, "data checksum mismatch")
-    return Checkpoint(path, raw[:8 + n], header, data, len(data), cfg, hyper)
+    return Checkpoint(path, raw[:8 + n], header, data, len(data), cfg, hyper, tok)
 
 
 def _header_length(first: bytes, size: int, path) -> int:
@@ -471,17 +474,17 @@ def _checked_header(head: bytes, n: int, data_len: int, path) -> dict:
 
 
 def _checked_structure(path, header, data_len, expect_kind):
-    """(config, hyper or None): the header is as written (its checksum holds); now its
+    """(config, hyper or None, tokenizer or None): the header is as written (its checksum holds); now its
     structure must be exactly what we write, judged from the header and the data's size
     alone, before the data's own checksum is taken."""
     try:
-        cfg, hyper = _check_meta(header["__metadata__"], header, data_len)
+        checked = _check_meta(header["__metadata__"], header, data_len)
     except Invalid as e:
         raise HslmError(f"{path} is not a valid hslm checkpoint: {e}") from None
     kind = header["__metadata__"]["kind"]
     if expect_kind and kind != expect_kind:
         raise HslmError(f"{path} is a '{kind}' file, expected '{expect_kind}'")
-    return cfg, hyper
+    return checked
 
 
 def _described_data_bytes(header):
@@ -520,7 +523,7 @@ def _check_meta(meta, header, data_len):
                                                  if kind == "state" else ()):
         if not is_hex64(meta[k]):
             raise Invalid(f"{k} is not a sha256 hex digest")
-    hyper = None
+    hyper = tok = None
     if kind == "params":
         from .data import Tokenizer
         try:
@@ -537,7 +540,7 @@ def _check_meta(meta, header, data_len):
         check_rng_state(meta["rng"])
         if len(meta["data_source"]) > 65536:
             raise Invalid("data_source is too long")
-    return cfg, hyper
+    return cfg, hyper, tok
 
 
 def _check_tensors(header, kind, cfg, data_len):

@@ -150,7 +150,8 @@ def train(ctx, **opts):
 @click.argument("b", type=PathArg(file=True))
 @click.pass_context
 def diff(ctx, a, b):
-    """Compare two checkpoints (.bin or .state): exit 0 if byte-identical, else 1."""
+    """Compare two checkpoints (.bin or .state): exit 0 if byte-identical, 1 if they
+    differ, 2 if they cannot be compared."""
     from .inspect import diff_checkpoints
     need_stdout("diff", required=False)
     same, lines = diff_checkpoints(a, b)

@@ -86,9 +86,13 @@ def raise_dropped_interrupt():
 
 
 # a message's control characters (a file name holding a newline, say) as escapes, so that
-# an error stays one line; other characters as they are (a name's bytes that are not UTF-8
-# included: cli.guard_streams). (distributed.collapsed_line is MPI's own rule.)
-_CONTROLS = {c: repr(chr(c))[1:-1] for c in [*range(32), 127] if c != 9}
+# an error stays one line: C0 and C1 (U+009B is a terminal's CSI, U+0085 a new line), the
+# line and paragraph separators, and the marks that turn text's direction (a name shown
+# reversed); other characters as they are (a name's bytes that are not UTF-8 included:
+# cli.guard_streams). (distributed.collapsed_line is MPI's own rule.)
+_CONTROLS = {c: repr(chr(c))[1:-1]
+             for c in [*range(32), *range(127, 160), 0x200E, 0x200F, 0x2028, 0x2029,
+                       *range(0x202A, 0x202F), *range(0x2066, 0x206A)] if c != 9}
 
 
 # lone surrogates that stand for no byte (a report's JSON "\ud800"): no stream can write

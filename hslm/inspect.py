@@ -15,7 +15,8 @@ def ternary_scale(W) -> float:
     element order from 0.0, over the count; 1.0 at or below 1e-6. np.add.accumulate adds
     in that order; .mean() sums pairwise, which can differ in the last bits (and then
     count an element at the threshold on the wrong side)."""
-    a = float(np.add.accumulate(np.abs(W.ravel()))[-1]) / W.size if W.size else 0.0
+    with np.errstate(over="ignore"):  # (finite values past 1e308 sum to inf, as the model's)
+        a = float(np.add.accumulate(np.abs(W.ravel()))[-1]) / W.size if W.size else 0.0
     return 1.0 if a <= 1e-6 else a
 
 
@@ -37,7 +38,8 @@ def _differences(x, y):
         if count == 0:
             first = c0 + int(np.argmax(neq))
         count += k
-        with np.errstate(invalid="ignore"):  # (inf - inf: NaN, ignored as NaNs are)
+        with np.errstate(invalid="ignore", over="ignore"):  # (inf - inf: NaN, ignored as
+            # NaNs are; 1e308 - -1e308: inf)
             mad = np.fmax(mad, np.fmax.reduce(np.abs(xs[neq] - ys[neq])))
     return count, first, float(mad)
 
@@ -86,7 +88,7 @@ def diff_checkpoints(a, b):
         first = np.unravel_index(at, x.shape)
         idx = ",".join(str(int(i)) for i in first)
         lines.append(f"  {name}: {count:,} of {x.size:,} elements differ, max |diff| {mad:.3e}, "
-                     f"first at [{idx}] ({float(x[first])!r} vs {float(y[first])!r})")
+                     f"first at [{idx}] ({_values(x[first], y[first])})")
     if len(lines) == 1:  # nothing named, yet the bytes differ: never leave it unsaid
         ha, hb = A.meta.get("header_sha256"), B.meta.get("header_sha256")
         if ha != hb:
@@ -103,6 +105,15 @@ def _json_dict(s):
     except (TypeError, ValueError, RecursionError):  # (a field nested past json's depth)
         return None
     return v if isinstance(v, dict) else None
+
+
+def _values(u, v) -> str:
+    """'u vs v', two elements whose bits differ: as numbers, or as their bits where the
+    numbers print alike (two NaNs of other payloads or signs)."""
+    su, sv = repr(float(u)), repr(float(v))
+    if su == sv:
+        su, sv = (f"{su} 0x{int(np.float64(w).view(np.uint64)):016x}" for w in (u, v))
+    return f"{su} vs {sv}"
 
 
 def _differing(a, b, n=60):

@@ -27,8 +27,12 @@ class Progress:
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.first, self.last = first_step, last_step
         self.quiet, self.log_every = quiet, max(1, log_every)
-        self.t0 = time.perf_counter()
+        self.start()
         self.bar_shown = False
+
+    def start(self):
+        """The steps start now: the time left is judged from the steps' own pace."""
+        self.t0 = time.perf_counter()
 
     def step(self, step, loss, lr, tok_s):
         if self.quiet:
@@ -50,13 +54,18 @@ class Progress:
                               f"{tok_s:8,.0f} tok/s\n")
             self.stream.flush()
 
-    def message(self, text):
-        """A line that must not be overwritten by the bar."""
+    def message(self, text, needed=False):
+        """A line that must not be overwritten by the bar. needed: one the user must see
+        (where a stopped run saved, the command that resumes it), which goes to stderr too
+        where the standard output's reader has gone (`| tee log`, ended by the same
+        Ctrl-C: cli.ReaderGone)."""
         if self.bar_shown:
             self.stream.write("\n")
             self.bar_shown = False
         self.stream.write(text + "\n")
         self.stream.flush()
+        if needed and getattr(self.stream, "gone", False):
+            print(text, file=sys.stderr, flush=True)
 
     def close(self):
         if self.bar_shown:

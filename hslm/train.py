@@ -1002,6 +1002,7 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
     warm_up(runner, run)
     if compiling:
         progress.message(f"compiled in {time.perf_counter() - t0:.0f} s")
+    progress.start()  # (the time left had counted the warm-up once for every step to come)
 
     metrics_error = None
 
@@ -1083,8 +1084,8 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
                 say_valid(v)
             if agreed is not None:
                 progress.message(f"{signal.Signals(agreed).name}: stopped after step "
-                                 f"{run.step}; saved {b} and {s}")
-                progress.message(f"resume with: {o.resume_command(s)}")
+                                 f"{run.step}; saved {b} and {s}", needed=True)
+                progress.message(f"resume with: {o.resume_command(s)}", needed=True)
                 sys.exit(128 + agreed)
             if o.save_every and run.step % o.save_every == 0 and run.step < o.steps:
                 run.save(out)
@@ -1108,7 +1109,7 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
         stopped = distributed.largest(stop.signum or 0)
         if stopped:
             progress.message(f"{signal.Signals(stopped).name}: stopped after step "
-                             f"{run.step}, the last; saved {b} and {s}")
+                             f"{run.step}, the last; saved {b} and {s}", needed=True)
         elif not o.quiet:
             echo(f"saved {b} and {s}")
         distributed.summary(echo)  # MPI: bytes sent per rank per step

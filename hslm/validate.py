@@ -142,6 +142,11 @@ def hyper_problems(cfg, h):
         out.append(("weight_decay", f"times --lr must be below 1 (each step scales the weights "
                                     f"by 1 - lr x weight decay), got {h.weight_decay!r} x "
                                     f"{h.lr!r}"))
+    # the cosine runs from the warm-up's end to decay_steps: at or before that end, the rate
+    # had fallen from the peak to 10% in the step after it
+    if not out and not h.decay_steps > h.warmup:
+        out.append(("decay_steps", f"must be past --warmup's {h.warmup} (the cosine decay runs "
+                                   f"from the warm-up's end to it), got {h.decay_steps}"))
     return out
 
 
@@ -241,6 +246,9 @@ def check_rng_state(text):
         raise Invalid("rng has_uint32 is not 0 or 1")
     if not (is_int(obj["uinteger"]) and 0 <= obj["uinteger"] < 2 ** 32):
         raise Invalid("rng uinteger is not a 32-bit unsigned integer")
+    from .config import canonical_json
+    if canonical_json(obj) != text:  # (as written: hslm diff names a field by its text)
+        raise Invalid("rng is not in canonical form")
     return obj
 
 

@@ -40,6 +40,10 @@ def base(tmp_path_factory):
     (["--weight-decay", "1000"], "--weight-decay times --lr must be below 1"),
     (["--weight-decay", "2", "--lr", "0.5"], "got 2.0 x 0.5"),
     (["--seed", "-1"], "--seed"), (["--warmup", "-1"], "--warmup"),
+    # the rate had fallen from the peak to 10% in the step after the warm-up
+    (["--warmup", "100", "--decay-steps", "100"], "--decay-steps must be past --warmup's 100"),
+    (["--warmup", "20000"], "--warmup's 20000 (the cosine decay runs from the warm-up's end "
+                            "to it), got 10000"),
     (["--batch", str(10 ** 12)], "memory"),
     (["--metrics", "."], "--metrics"), (["--metrics", "/nonexistent/m.jsonl"], "--metrics"),
     # a folder no one may write, root included (os.access had said yes to root: the run
@@ -1258,6 +1262,11 @@ def test_a_checkpoints_data_source_is_printed_on_one_line_as_escapes(base, tmp_p
     assert code == 0, err
     [line] = [x for x in out.splitlines() if x.startswith("data ")]
     assert "built-in x\\n\\x1b[31mRED\\x1b[0m\\nchecksum  ok (text sha256" in line, line
+    # C1's CSI and new line, the line separator and a right-to-left override as well
+    c1 = _forged_state(src, tmp_path / "c1.state", data_source="x\u009b2J\u0085y\u2028z\u202e!")
+    code, out, err = hslm("info", c1)
+    [line] = [x for x in out.splitlines() if x.startswith("data ")]
+    assert code == 0 and "x\\x9b2J\\x85y\\u2028z\\u202e! (text sha256" in line, line
     assert "\x1b" not in out and sum(x.startswith("checksum") for x in out.splitlines()) == 1
     code, out, err = hslm("diff", src, bad)
     assert code == 1 and "\x1b" not in out and "\\x1b[31mRED" in out, out
@@ -1294,6 +1303,78 @@ def test_info_says_a_checkpoint_holds_non_finite_values_and_huge_ones_are_short(
     assert code == 0 and line.split("alpha ")[1].endswith("e+298"), line
     code, out, err = hslm("eval", tmp_path / "huge" / "ckpt_2.bin")
     assert code == 0 and out.startswith("valid loss ") and "e+299, perplexity inf" in out, out
+
+
+def test_diff_and_info_of_huge_values_and_of_nans_that_differ_in_their_bits(base, tmp_path):
+    """A consistent .bin may hold finite values near 1e308: diff's differences and info's
+    alpha overflowed to inf, and numpy's RuntimeWarning and its source line went to stderr.
+    Two NaNs that differ in their bits (payload or sign) were shown as "nan vs nan": their
+    bits are shown where the numbers print alike. Control: 0.0 against -0.0 as numbers."""
+    import numpy as np
+    ck = ckpt.read(base / "ckpt_2.bin")
+
+    def forged(name, edit):
+        tensors = [(n, ck.tensor(n).copy()) for n in ck.names()]
+        edit(dict(tensors))
+        (tmp_path / name).mkdir()
+        path = tmp_path / name / "ckpt_2.bin"
+        path.write_bytes(ckpt.encode(tensors, dict(ck.meta)))
+        return path
+
+    def put(name, *values):
+        def edit(t):
+            t[name].reshape(-1)[:len(values)] = values
+        return edit
+
+    nan2 = np.uint64(0x7FF8000000000001).view(np.float64)
+    big, small = forged("big", put("bout", 1e308)), forged("small", put("bout", -1e308))
+    wq = forged("wq", put("blocks.0.Wq", 1e308, 1e308, 1e308))
+    nan_a, nan_b = forged("nan_a", put("bout", np.nan)), forged("nan_b", put("bout", nan2))
+    plus, minus = forged("plus", put("bout", 0.0)), forged("minus", put("bout", -0.0))
+    code, out, err = hslm("diff", big, small)
+    assert code == 1 and err == "" and "max |diff| inf, first at [0] (1e+308 vs -1e+308)" in out
+    code, out, err = hslm("info", wq)
+    assert code == 0 and err == "", err
+    code, out, err = hslm("diff", nan_a, nan_b)
+    assert code == 1 and err == "", err
+    assert ("first at [0] (nan 0x7ff8000000000000 vs nan 0x7ff8000000000001)" in out), out
+    code, out, err = hslm("diff", plus, minus)
+    assert code == 1 and "first at [0] (0.0 vs -0.0)" in out, out
+
+
+def test_a_state_whose_rng_is_not_written_as_hslm_writes_it_is_refused(base, tmp_path):
+    """The .state's rng was the one field read whatever its spacing and key order (config,
+    hyper and the tokenizer must be canonical): hslm diff then named no field ("the headers
+    differ"), or, with a tensor changed too, only the tensor. Control: as written, read."""
+    src = base / "ckpt_2.state"
+    ck = ckpt.read(src)
+    rng = ck.meta["rng"]
+    spaced = tmp_path / "spaced.state"
+    spaced.write_bytes(ckpt.encode([(n, ck.tensor(n)) for n in ck.names()],
+                                   dict(ck.meta, rng=json.dumps(json.loads(rng)))))
+    for cmd in (["info", spaced], ["diff", src, spaced], ["train", "--resume", spaced]):
+        line = one_line_error(*hslm(*cmd))
+        assert line.endswith("is not a valid hslm checkpoint: rng is not in canonical form"), line
+    same = _forged_state(src, tmp_path / "same.state", rng=rng)
+    code, out, err = hslm("diff", src, same)
+    assert code == 0 and out.startswith("identical: "), out + err
+
+
+def test_diff_and_info_read_a_bins_tokenizer_once(base, monkeypatch):
+    """The tokenizer a .bin carries was made when the file was read, and again by
+    Checkpoint.tokenizer() (a crafted one of 800,000 merges: 10 s for hslm info). Made
+    once now, and the same object. Control: a .state carries none to make."""
+    from hslm.data import Tokenizer
+    made = []
+    real = Tokenizer.from_json.__func__
+    monkeypatch.setattr(Tokenizer, "from_json",
+                        classmethod(lambda cls, s: made.append(1) or real(cls, s)))
+    ck = ckpt.read(base / "ckpt_2.bin")
+    assert len(made) == 1 and ck.tokenizer() is ck.tokenizer() and len(made) == 1
+    state = ckpt.read(base / "ckpt_2.state")
+    assert len(made) == 1
+    with pytest.raises(ValueError, match="carries no tokenizer"):
+        state.tokenizer()
 
 
 def test_a_named_state_that_is_not_there_is_an_error(base, tmp_path):

@@ -167,9 +167,29 @@ def test_signal_finishes_the_step_saves_and_says_how_to_resume(tmp_path, sig):
     line = [x for x in out.splitlines() if "stopped after step" in x][0]
     step = int(line.split("stopped after step ")[1].split(";")[0])
     assert f"resume with: hslm train --resume {tmp_path / f'ckpt_{step}.state'}" in out
+    assert "resume with" not in err  # (said once: the output's reader is there)
     ckpt.read(tmp_path / f"ckpt_{step}.bin", expect_kind="params")
     code, _, err = hslm("train", "--resume", tmp_path / f"ckpt_{step}.state", "--steps", step + 1)
     assert code == 0, err
+
+
+def test_a_stop_says_where_it_saved_on_stderr_when_the_output_is_gone(tmp_path):
+    """`hslm train | tee log` and Ctrl-C: the same Ctrl-C ends tee, and the lines that say
+    where the run saved and how to resume it went to the closed output (nowhere); the
+    terminal showed only the notice. They go to stderr too once the output's reader is
+    gone. Control (the test above): with a reader, on stdout alone."""
+    proc = start_training(tmp_path)
+    with running(proc, timeout=300):
+        wait_for_step(proc)
+        proc.stdout.close()  # (tee gone)
+        proc.send_signal(signal.SIGINT)
+        err = proc.stderr.read()
+        assert proc.wait(timeout=120) == 130
+    line = [x for x in err.splitlines() if "stopped after step" in x]
+    assert len(line) == 1 and line[0].startswith("SIGINT: stopped after step "), err
+    step = int(line[0].split("stopped after step ")[1].split(";")[0])
+    assert f"resume with: hslm train --resume {tmp_path / f'ckpt_{step}.state'}" in err
+    ckpt.read(tmp_path / f"ckpt_{step}.bin", expect_kind="params")
 
 
 def takeover_line():
@@ -391,6 +411,28 @@ def test_numba_imported_first_is_said_once_where_it_costs_the_wide_vectors():
     assert "numba was imported before hslm" not in stderr("import hslm, numba")
     assert "numba was imported before hslm" not in stderr("import numba, hslm",
                                                           HSLM_VECTOR_WIDTH="256")
+
+
+def test_the_time_left_counts_from_the_steps_not_the_kernels_warm_up(tmp_path, monkeypatch):
+    """The bar's time left is elapsed / done x steps to come, and elapsed had counted the
+    kernels' warm-up before step 1 (a 10,000-step run of 18 s said "35m27s left" at step
+    1). The clock starts after it. Control: the warm-up here takes a second."""
+    from hslm import step
+    from hslm.cli import main
+    real_warm_up, elapsed = step.warm_up, []
+
+    def slow_warm_up(*args):
+        time.sleep(1.0)
+        return real_warm_up(*args)
+
+    def first_step(self, *args):
+        if not elapsed:
+            elapsed.append(time.perf_counter() - self.t0)
+    monkeypatch.setattr(step, "warm_up", slow_warm_up)
+    monkeypatch.setattr(Progress, "step", first_step)
+    with pytest.raises(SystemExit) as end:
+        main(["train", *TINY, "--steps", "2", "--eval-windows", "2", "--out", str(tmp_path)])
+    assert end.value.code == 0 and 0 < elapsed[0] < 0.9, elapsed
 
 
 def test_signal_notice_ends_a_progress_bar_and_adds_no_blank_line_otherwise():
