@@ -474,9 +474,9 @@ def _checked_header(head: bytes, n: int, data_len: int, path) -> dict:
 
 
 def _checked_structure(path, header, data_len, expect_kind):
-    """(config, hyper or None, tokenizer or None): the header is as written (its checksum holds); now its
-    structure must be exactly what we write, judged from the header and the data's size
-    alone, before the data's own checksum is taken."""
+    """(config, hyper or None, tokenizer or None): the header is as written (its checksum
+    holds); now its structure must be exactly what we write, judged from the header and
+    the data's size alone, before the data's own checksum is taken."""
     try:
         checked = _check_meta(header["__metadata__"], header, data_len)
     except Invalid as e:
