@@ -207,7 +207,8 @@ def _file_kind(path):
         head = f.read(4096)
     if starts_as_checkpoint(head):
         return "checkpoint"
-    return "json" if head.lstrip()[:1] == b"{" else "other"
+    # (a byte order mark first: as --model reads it)
+    return "json" if head.removeprefix(codecs.BOM_UTF8).lstrip()[:1] == b"{" else "other"
 
 
 @cli.command(name="eval")
@@ -268,7 +269,8 @@ def eval_cmd(ckpt_path, data, cache_dir, eval_windows, loss_positions, threads, 
             "window": cfg.window, "loss_positions": k, "text_sha256": corpus.text_sha256}))
         return
     loss = f"{v:.4f}" if abs(v) < 1e6 else f"{v:.4e}"  # (a crafted model's 1e300)
-    click.echo(f"valid loss {loss}, perplexity {perplexity(v):.2f} ({len(w)} windows of "
+    click.echo(f"valid loss {loss}, perplexity {perplexity(v):.2f} ({len(w)} "
+               f"window{'s' if len(w) != 1 else ''} of "
                f"{cfg.window}, last {k} scored; uniform baseline {math.log(cfg.vocab):.4f})")
 
 
@@ -348,7 +350,7 @@ class ReaderLeft(Exception):
 def plot(metrics_file, output):
     """Training and validation loss against step, from a --metrics file."""
     from .plot import plot_metrics
-    plot_metrics(metrics_file, output, warn=lambda line: click.echo(line, err=True))
+    plot_metrics(metrics_file, output, warn=lambda line: click.echo(one_line(line), err=True))
     click.echo(f"wrote {output}")
 
 
@@ -502,9 +504,10 @@ class ReaderGone:
     standard output is noted on stderr, unless the command's only product is that output
     (keep_going False: `hslm sample` stops at its next token, as `head`'s writer would)."""
 
-    def __init__(self, stream, note=None):
+    def __init__(self, stream, note=None, name="the standard output"):
         self._stream = stream
         self._note = note
+        self._name = name
         self.gone = False
         self.keep_going = True
         self._terminal = _is_terminal(stream)
@@ -512,8 +515,14 @@ class ReaderGone:
     def _reader_gone(self, e: OSError) -> bool:
         """A pipe's reader gone (`| head`: EPIPE), or this terminal hung up (EIO: an ssh
         session dropped; the run then saves and stops, train.StopRequest). An EIO from a
-        file (a failing disk) is an error, as any other."""
-        return isinstance(e, BrokenPipeError) or (e.errno == errno.EIO and self._terminal)
+        file (a failing disk) is an error, as any other, said of this stream (its error
+        had read as the checkpoints' disk's: "error: No space left on device")."""
+        if isinstance(e, BrokenPipeError) or (e.errno == errno.EIO and self._terminal):
+            return True
+        if e.filename is None:
+            e.filename = self._name
+        self._to_null()  # (what stays buffered would fail again, as a traceback, at exit)
+        return False
 
     def write(self, text):
         try:
@@ -543,13 +552,16 @@ class ReaderGone:
                 raise
             self._drop()
 
+    def _to_null(self):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, self._stream.fileno())  # what is still buffered goes there too
+        os.close(null)
+
     def _drop(self):
         if self.gone:
             return
         self.gone = True
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, self._stream.fileno())  # what is still buffered goes there too
-        os.close(null)
+        self._to_null()
         if self._note and self.keep_going:
             print(self._note, file=sys.stderr, flush=True)  # (stderr may be gone as well)
 
@@ -633,6 +645,7 @@ def guard_streams():
     where the descriptor is non-blocking (WaitingWriter)."""
     for name, note in (("stdout", "hslm: the standard output was closed; going on without it"),
                        ("stderr", None)):
+        shown = "the standard output" if name == "stdout" else "the standard error"
         stream = getattr(sys, name)
         if stream is None:
             setattr(sys, name, open_closed_stream(name))
@@ -650,7 +663,7 @@ def guard_streams():
             stream.reconfigure(errors="surrogateescape" if utf8 else "backslashreplace")
         if isinstance(stream, io.TextIOWrapper):
             stream = waiting_stream(stream)
-        setattr(sys, name, ReaderGone(stream, note))
+        setattr(sys, name, ReaderGone(stream, note, shown))
 
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from . import bpe, distributed, token_cache
-from .errors import HslmError
+from .errors import HslmError, warn
 from .validate import check_fits
 from .textsource import SHOW_FROM, DataChanged, Phase, TextSource, run_interruptible
 
@@ -339,10 +339,9 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
     merges, n = run_interruptible(
         lambda: bpe.run(ids, vocab, None if learn else tokenizer.merges, ctl=ctl), ctl,
         lambda: ph.update(int(ctl[1])))
-    fewer = len(merges) < total  # (learning: the text repeats no pair after these)
-    ph.close(f" ({src.size / 1e6:,.1f} MB -> {n:,} tokens"
-             + (f"; no pair repeats after {len(merges):,} of the {total:,} merges asked" if fewer
-                else "") + ")", done=len(merges))
+    # (the merges made: learning makes fewer than asked where the text repeats no pair;
+    # Corpus's warning, or its error, says so)
+    ph.close(f" ({src.size / 1e6:,.1f} MB -> {n:,} tokens)", done=len(merges))
     if learn:
         tokenizer = Tokenizer(vocab, merges)
     if cache_dir is None or not distributed.is_writer():  # MPI: rank 0 alone writes the cache
@@ -354,8 +353,7 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
             token_cache.write_tokenizer(token_cache.tokenizer_path(cache_dir, sha, vocab), sha,
                                         tokenizer.to_json(), tokenizer.identity)
     except HslmError as e:  # the cache is an optimisation: a read-only folder must not stop us
-        import sys
-        print(f"warning: {e}; going on without the token cache", file=sys.stderr)
+        warn(f"{e}; going on without the token cache")
         return tokenizer, ids[:n].copy()
     ids = None  # free the id array before mapping the cache
     arr = token_cache.open_tokens(path, sha, tokenizer.identity, tokenizer.vocab)

@@ -104,6 +104,12 @@ def one_line(message: str) -> str:
     return _UNWRITABLE.sub(lambda m: f"\\u{ord(m.group()):04x}", message.translate(_CONTROLS))
 
 
+def warn(message: str):
+    """A warning: one line on stderr (a path's newlines and escapes as one_line's)."""
+    import sys
+    print(f"warning: {one_line(message)}", file=sys.stderr, flush=True)
+
+
 def stopped_by(e: BaseException) -> int:
     """The signal of an interrupt the CLI caught (click wraps it in an Abort): a
     Terminated's, else SIGINT's."""

@@ -120,8 +120,11 @@ def plot_metrics(path, output, warn=None):
     from pathlib import Path
 
     from .checkpoint import write_atomic
+    from .data import same_file
     train, valid = read_metrics(path, warn)
     check_output(output)
+    if same_file(path, output):  # (the image had replaced the records)
+        raise HslmError(f"-o {output} is the metrics file {path}; give the image another name")
     try:
         import matplotlib
     except ImportError:

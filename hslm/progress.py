@@ -98,6 +98,11 @@ def partial_record(path) -> int:
     if cut is None:
         raise HslmError(f"--metrics {path} does not end in a whole line, and is not a "
                         "metrics file cut short; give a metrics file or a new name")
+    lines = tail[:len(tail) - cut].split(b"\n")[1 if len(tail) < size else 0:]
+    last = next((x for x in reversed(lines) if x.strip()), None)  # (blank lines pass)
+    if last is not None and not _hslm_record(last):  # a config, notes: appended to, spoilt
+        raise HslmError(f"--metrics {path} is not a metrics file (its last line is no record "
+                        "of hslm's); give a metrics file or a new name")
     return cut
 
 
@@ -134,6 +139,15 @@ def _torn_record(line: bytes) -> bool:
     return isinstance(value, dict) and value.get("kind") in ("train", "eval")
 
 
+def _hslm_record(line: bytes) -> bool:
+    """A whole record of hslm's: a JSON object of kind train or eval."""
+    try:
+        value = json.loads(line)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(value, dict) and value.get("kind") in ("train", "eval")
+
+
 class Metrics:
     """Appends one JSON object per line to a file, each line written whole or not at
     all: a write that fails part way (a full disk) is cut back to the last whole line,
@@ -154,8 +168,9 @@ class Metrics:
                 self.close()
                 raise HslmError(f"cannot open --metrics {path}: {e.strerror}") from None
             if cut:
-                print(f"warning: --metrics {path} ended in a partial record (a run stopped "
-                      f"while writing it): its {cut} bytes removed", file=sys.stderr)
+                from .errors import warn
+                warn(f"--metrics {path} ended in a partial record (a run stopped while "
+                     f"writing it): its {cut} bytes removed")
 
     def write(self, **record):
         if self.fd is None:

@@ -61,8 +61,9 @@ def _files_of(p: Path):
         if folders:  # one level only, as the README says: say what is left out
             from . import distributed
             if distributed.is_writer():
-                print(f"warning: data folder {p}: {len(folders)} folder(s) in it are not read "
-                      f"({shown}); give any that holds text as --data too", file=sys.stderr)
+                from .errors import warn
+                warn(f"data folder {p}: {len(folders)} folder(s) in it are not read "
+                     f"({shown}); give any that holds text as --data too")
         return files
     return [p]
 

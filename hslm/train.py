@@ -21,11 +21,11 @@ import click
 import numpy as np
 
 from . import checkpoint as ckpt
-from . import _the_hslm_command, distributed, precise
+from . import _the_hslm_command, distributed, errors, precise
 from .config import PRESETS, Config
 from .data import (BUILTIN_SHA256, BUILTIN_SOURCE, Corpus, Tokenizer, check_apart_from_text,
                    check_cache_apart, same_file)
-from .errors import (HANGUP, TERMINATING, HslmError, Terminated, open_regular,
+from .errors import (HANGUP, TERMINATING, HslmError, Terminated, open_regular, warn,
                      raise_dropped_interrupt, raise_terminated, read_bytes, refuse_unless_file,
                      stop_word)
 from .hyper import HYPER_NAMES, Hyper
@@ -129,42 +129,63 @@ RUN_FILE_NAMES = re.compile(WRITTEN_NAMES + r"|\..*", re.DOTALL)
 TORN_WRITE = re.compile(r"\.(?:" + WRITTEN_NAMES + r")\.tmp(?P<pid>[0-9]{1,10})", re.DOTALL)
 
 
+def written_by_the_run(path: Path, folders) -> str | None:
+    """The folder, as "output folder DIR", in which the run writes a file of path's name
+    (RUN_FILE_NAMES), path's own or, for a link, its target's; else None. folders: [(DIR or
+    None, what)]."""
+    target = Path(os.path.realpath(path))
+    names = ((str(target.parent), target.name),  # (a link's target, and the link itself:
+             (os.path.realpath(path.parent), path.name))  # write_atomic replaces it)
+    for folder, what in folders:
+        if folder is not None and any(place == os.path.realpath(folder)
+                                      and RUN_FILE_NAMES.fullmatch(name)
+                                      for place, name in names):
+            return f"{what} {folder}"
+    return None
+
+
 def check_paths_apart(o: TrainOptions, out: Path):
-    """Judged before anything is created: --metrics can be written (check_metrics_path),
-    neither the output folder nor the token cache folder is a --data folder, and --metrics
+    """Judged before anything is created: neither the output folder nor the token cache
+    folder is a --data folder, no --data file or --model config has a name the run writes
+    in those folders (RUN_FILE_NAMES: the run replaced it, and its own checkpoint could not
+    be resumed with it), and --metrics
     names none of the run's own files: not its text (a --data file, or a file in a --data
     folder: appended to, the text changes, and no checkpoint of the run could be resumed
-    with it), not the checkpoint it resumes, and no name the run writes in its output or
-    token cache folder (RUN_FILE_NAMES)."""
+    with it), not the checkpoint it resumes, and no name the run writes; and it can be
+    written (check_metrics_path: a metrics file or a new name; a --model config is not
+    one)."""
     from .token_cache import cache_dir as token_cache_dir
 
-    check_metrics_path(o.metrics, out)
     check_apart_from_text(o.data, out, "output folder", "--out")
     cache = token_cache_dir(o.cache_dir, out)
     check_cache_apart(o.data, cache)
+    folders = ((out, "output folder"), (cache, "token cache folder"))
+    written = "(tokenizer.json, ckpt_N.bin and .state, token caches, hidden files)"
+    model = Path(o.model) if o.model not in PRESETS and Path(o.model).is_file() else None
+    inputs = [(f"--data {d}", Path(d)) for d in o.data if not Path(d).is_dir()]
+    for flag, path in inputs + ([(f"--model {model}", model)] if model else []):
+        where = written_by_the_run(path, folders)
+        if where is not None:
+            raise HslmError(f"{flag} has a name this run writes in its {where} {written}, "
+                            f"which would replace it; move it, or give another --out")
     if o.metrics is None:
         return
     m = Path(o.metrics)
-    # where the run's appends go: through a link, its target's name in its target's folder
     target = Path(os.path.realpath(m))
-    where = str(target.parent)
-    shown = f"{m} (a link to {target})" if os.path.islink(m) else str(m)
-    named = (os.path.realpath(m.parent), m.name)  # (the link itself is replaced too)
-    for folder, what in ((out, "output folder"), (cache, "token cache folder")):
-        if folder is not None and any(
-                place == os.path.realpath(folder) and RUN_FILE_NAMES.fullmatch(name)
-                for place, name in ((where, target.name), named)):
-            raise HslmError(f"--metrics {shown} is a name this run writes in its {what} "
-                            f"{folder} (tokenizer.json, ckpt_N.bin and .state, token caches, "
-                            "hidden files); give the metrics file another name")
-    for d in o.data:
-        if same_file(m, d) or (Path(d).is_dir() and where == os.path.realpath(d)):
+    where = written_by_the_run(m, folders)
+    if where is not None:
+        shown = f"{m} (a link to {target})" if os.path.islink(m) else str(m)
+        raise HslmError(f"--metrics {shown} is a name this run writes in its {where} "
+                        f"{written}; give the metrics file another name")
+    for d in o.data:  # (where the run's appends go: through a link, its target's folder)
+        if same_file(m, d) or (Path(d).is_dir() and str(target.parent) == os.path.realpath(d)):
             raise HslmError(f"--metrics {m} is in the training text (--data {d}), which "
                             "it would change; give a path outside it")
     if o.resume is not None and any(same_file(m, o.resume.with_suffix(ext))
                                     for ext in (".bin", ".state")):
         raise HslmError(f"--metrics {m} is the checkpoint this run resumes; give the metrics "
                         "file another name")
+    check_metrics_path(m, out)  # (after these: a run's own file is named as such)
 
 
 def check_steps(steps: int):
@@ -450,10 +471,8 @@ def load_for_inference(path, threads=1, warn=None, trained_on=None):
     beside it, when there and when it belongs to this .bin. A .state named by the user
     that is damaged or belongs to other parameters is an error (the file named would
     be the one ignored); one found beside a named .bin is set aside with a warning."""
-    import sys
     # (MPI: every rank reads the same files; rank 0 alone warns)
-    warn = warn or (lambda msg: distributed.is_writer() and print(f"warning: {msg}",
-                                                                   file=sys.stderr))
+    warn = warn or (lambda msg: distributed.is_writer() and errors.warn(msg))
     path = Path(path)
     named_state = path.suffix == ".state"
     if named_state:
@@ -745,19 +764,17 @@ def check_checkpoint_names(out: Path, step: int, steps: int, save_every: int):
 def warn_of_replaced_checkpoints(out: Path, step: int, steps: int, save_every: int):
     """One line on stderr when `out` holds checkpoints this run replaces (at the steps it
     saves, after its start): another run's, or an earlier branch of this one."""
-    import sys
     found = sorted(checkpoints_saved_over(out, step, steps, save_every))
     if found:
         shown = ", ".join(f"ckpt_{n}" for n in found[:3]) + (", ..." if len(found) > 3 else "")
-        print(f"warning: {out} already holds checkpoints at steps this run saves ({shown}); "
-              "they are replaced", file=sys.stderr)
+        warn(f"{out} already holds checkpoints at steps this run saves ({shown}); they are "
+             "replaced")
 
 
 def warn_of_another_runs_metrics(metrics, step: int):
     """One line on stderr when a new run (step 0) appends to a metrics file that already
     holds records: another run's, which hslm plot refuses to join to this one's where
     their values at a step differ."""
-    import sys
     if metrics is None or step != 0:
         return
     def whole_line(chunk):  # a record whole (its newline there), not a blank line's
@@ -770,9 +787,8 @@ def warn_of_another_runs_metrics(metrics, step: int):
     except OSError:
         held = False
     if held:
-        print(f"warning: --metrics {metrics} already holds records (another run's?); this "
-              "run's are added after them, and hslm plot refuses a file of two runs' records",
-              file=sys.stderr)
+        warn(f"--metrics {metrics} already holds records (another run's?); this run's are "
+             "added after them, and hslm plot refuses a file of two runs' records")
 
 
 def train_run(o: TrainOptions, echo=None):
@@ -814,19 +830,20 @@ def train_run(o: TrainOptions, echo=None):
             warn_of_replaced_checkpoints(out, run.step, o.steps, o.save_every)
             warn_of_another_runs_metrics(o.metrics, run.step)
             save_tokenizer(out, run.corpus.tokenizer, lock.dir_fd)
-        if not o.quiet:
-            need = memory_estimate(cfg, h.batch, o.threads, o.speed)
-            echo(f"model {cfg.n_params:,} parameters, about {need / 2 ** 20:,.0f} MiB for "
-                 f"parameters, optimiser, scratch and activations | data {run.corpus.source}: "
-                 f"{len(run.corpus.train):,} train / {len(run.corpus.valid):,} valid tokens | "
-                 f"speed {o.speed} ({SPEEDS[o.speed].name}) | threads {o.threads}"
-                 f"{threads_note(o.threads)} | batch {h.batch} x {cfg.window} | "
-                 f"k {h.loss_positions}")
         try:
+            if not o.quiet:
+                need = memory_estimate(cfg, h.batch, o.threads, o.speed)
+                echo(f"model {cfg.n_params:,} parameters, about {need / 2 ** 20:,.0f} MiB for "
+                     f"parameters, optimiser, scratch and activations | data "
+                     f"{run.corpus.source}: {len(run.corpus.train):,} train / "
+                     f"{len(run.corpus.valid):,} valid tokens | speed {o.speed} "
+                     f"({SPEEDS[o.speed].name}) | threads {o.threads}"
+                     f"{threads_note(o.threads)} | batch {h.batch} x {cfg.window} | "
+                     f"k {h.loss_positions}")
             # MPI: every rank is ready (else the first error is reported once), on one run
             distributed.start(run_identity(run, o))
-        except BaseException:  # another rank failed before the first step: as a failed text
-            held.remove_created()
+        except BaseException:  # the output failing (a full disk), or another rank before
+            held.remove_created()  # the first step: as a failed text
             raise
         try:
             return run_loop(run, out, o, stop, echo)

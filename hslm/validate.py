@@ -187,6 +187,13 @@ def check_report_apart(json_path, models, data):
     # (the name's own folder, a link's included: write_atomic replaces a link, it does not
     # write through it)
     check_apart_from_text(data, Path(json_path).parent, "report's folder", "--json")
+    if os.path.isfile(json_path) and os.path.getsize(json_path) > 0:
+        from .bench_report import load_report  # an earlier report is replaced; any other
+        try:  # file is not (a checkpoint, a run's lock: the report had replaced them)
+            load_report(json_path)
+        except HslmError:
+            raise HslmError(f"--json {json_path} is a file that is not a bench report; give "
+                            "another name (a report replaces only an earlier report)") from None
 
 
 def check_bench_plan(named_cfgs, speeds, threads, batches, loss_positions):
@@ -300,17 +307,82 @@ def memory_estimate(cfg, batch=0, threads=1, speed=3, training=True) -> int:
 
 
 def available_memory() -> int:
-    """Bytes of memory available now (MemAvailable), or the physical memory."""
+    """Bytes of memory available now: the machine's (MemAvailable, or the physical
+    memory), or less where this process is held to less: its control group's limit (a
+    container's; past it the kernel kills the process, with no line) or its address space
+    limit (`ulimit -v`: past it an allocation fails)."""
+    have = 1 << 62
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    have = int(line.split()[1]) * 1024
+                    break
     except (OSError, ValueError, IndexError):
-        pass
+        try:
+            have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            pass
+    return min(have, cgroup_headroom(), address_space_headroom())
+
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+CGROUP_OF_PROCESS = "/proc/self/cgroup"
+NO_LIMIT = 1 << 60  # a control group's "no limit" (v1 writes 2^63 less a page)
+
+
+def cgroup_headroom() -> int:
+    """Bytes this process's control groups (v2, or v1's memory controller) may still take:
+    the least, over its group and the groups above it, of the limit less what is used but
+    cannot be reclaimed (the page cache's inactive part can). A group's folder not seen
+    from here (a container sees its own group as the root) is passed over."""
+    least = 1 << 62
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
+        with open(CGROUP_OF_PROCESS) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return least
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2
+            base, limit, used, inactive = CGROUP_ROOT, "memory.max", "memory.current", \
+                "inactive_file"
+        elif "memory" in controllers.split(","):
+            base, limit, used, inactive = (os.path.join(CGROUP_ROOT, "memory"),
+                                           "memory.limit_in_bytes", "memory.usage_in_bytes",
+                                           "total_inactive_file")
+        else:
+            continue
+        parts = [x for x in path.split("/") if x]
+        for n in range(len(parts), -1, -1):
+            folder = os.path.join(base, *parts[:n])
+            try:
+                with open(os.path.join(folder, limit)) as f:
+                    cap = f.read().strip()
+                if cap == "max" or int(cap) >= NO_LIMIT:
+                    continue
+                with open(os.path.join(folder, used)) as f:
+                    taken = int(f.read())
+                with open(os.path.join(folder, "memory.stat")) as f:
+                    stat = dict(x.split()[:2] for x in f if len(x.split()) >= 2)
+                taken -= min(int(stat.get(inactive, 0)), taken)
+                least = min(least, max(int(cap) - taken, 0))
+            except (OSError, ValueError):
+                continue
+    return least
+
+
+def address_space_headroom() -> int:
+    """Bytes of address space left under RLIMIT_AS (`ulimit -v`), or 2^62 without one."""
+    try:
+        import resource
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft == resource.RLIM_INFINITY:
+            return 1 << 62
+        with open("/proc/self/status") as f:
+            size = next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmSize:"))
+        return max(soft - size, 0)
+    except (ImportError, OSError, ValueError, StopIteration):
         return 1 << 62
 
 

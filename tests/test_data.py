@@ -230,7 +230,7 @@ def test_a_tokenizer_whose_pieces_would_not_fit_is_refused(doubling):
 
 
 def test_a_tokenizer_is_read_without_making_its_pieces():
-    """Each piece under 4 GiB, but together 13 GiB: a tokenizer of 394 bytes (beside a
+    """Each piece under 4 GiB, but together 12.5 GiB: a tokenizer of 394 bytes (beside a
     checkpoint, or in one whose checksums were made again) had its pieces made when read,
     14 GB and 70 s for hslm info, eval or sample, which need its identity or a few of its
     pieces. Now a piece is made when decoding first asks for it."""
@@ -238,7 +238,7 @@ def test_a_tokenizer_is_read_without_making_its_pieces():
     import tracemalloc
     merges = [[4 + 97, 4 + 97]] + [[FIRST_MERGE + m, FIRST_MERGE + m] for m in range(30)]
     top = FIRST_MERGE + 30  # a piece of 2^31 bytes
-    merges += [[top, top - 1], [top, top - 1], [top, top - 1]]  # three of 3 GiB
+    merges += [[top, top - 1], [top - 1, top], [top, top - 2]]  # 3, 3 and 2.5 GiB
     s = json.dumps({"format": "hslm-bpe", "version": 1, "vocab": 729, "merges": merges})
     tracemalloc.start()
     t = time.perf_counter()

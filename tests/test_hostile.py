@@ -1466,6 +1466,157 @@ def test_plot_refuses_a_folder_fifo_or_device_before_drawing(tmp_path):
     assert os.listdir(tmp_path / "dir.png") == [] and os.path.exists("/dev/null")
 
 
+def test_a_runs_own_inputs_are_not_its_outputs(tmp_path):
+    """Found by a review helper, each had exit 0: --metrics appended to the run's --model
+    config (or any file of lines: it then read as neither; now a metrics file must end in
+    a record of hslm's), a --data file or --model
+    config in --out named as a file the run writes (tokenizer.json, ckpt_1.bin) was
+    replaced by it (and the run could not be resumed on its text), bench --json replaced
+    a checkpoint or a run's lock, and plot -o naming its metrics file replaced the records
+    with the image. Each refused before anything is written, the file intact. Controls: a
+    metrics file of records is appended to; bench --json replaces its earlier report."""
+    from hslm.config import PRESETS
+    text = tmp_path / "t.txt"
+    text.write_text((ROOT / "README.md").read_text(encoding="utf-8")[:40000])
+    cfg = tmp_path / "m.json"
+    cfg.write_text(PRESETS["hslm-tiny"].to_json() + "\n")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    inside = tmp_path / "inside"
+    inside.mkdir()
+    (inside / "tokenizer.json").write_bytes(text.read_bytes())
+    (inside / "ckpt_1.bin").write_bytes(cfg.read_bytes())
+    kept = {f: f.read_bytes() for f in (text, cfg, notes, *inside.iterdir())}
+    run = ["train", "--data", text, "--steps", 1, "--threads", 1, "--eval-windows", 2]
+    for args, expect in (
+            (["--model", cfg, "--metrics", cfg, "--out", tmp_path / "o"],
+             f"--metrics {cfg} is not a metrics file (its last line is no record"),
+            (["--model", cfg, "--metrics", notes, "--out", tmp_path / "o"],
+             f"--metrics {notes} is not a metrics file (its last line is no record"),
+            (["--model", "hslm-tiny", "--data", inside / "tokenizer.json", "--out", inside],
+             f"--data {inside / 'tokenizer.json'} has a name this run writes in its output "
+             f"folder {inside}"),
+            (["--model", inside / "ckpt_1.bin", "--out", inside],
+             f"--model {inside / 'ckpt_1.bin'} has a name this run writes")):
+        line = one_line_error(*hslm(*run, *args))
+        assert expect in line, line
+    assert {f: f.read_bytes() for f in kept} == kept and not (tmp_path / "o").exists()
+    code, out, err = hslm(*run, "--model", cfg, "--out", tmp_path / "o", "--metrics",
+                          tmp_path / "m.svg")
+    assert code == 0, err
+    line = one_line_error(*hslm("plot", tmp_path / "m.svg", "-o", tmp_path / "m.svg"))
+    assert f"-o {tmp_path / 'm.svg'} is the metrics file" in line
+    code, out, err = hslm(*run, "--model", cfg, "--out", tmp_path / "o2", "--metrics",
+                          tmp_path / "m.svg")
+    assert code == 0 and "already holds records" in err, err
+    bench = ["bench", "--model", "hslm-tiny", "--data", text, "--speed", "3", "--steps", 1,
+             "--no-torch", "--no-profile", "--json"]
+    ck = tmp_path / "o" / "ckpt_1.bin"
+    for target in (ck, tmp_path / "o" / ".hslm.lock"):
+        target.touch()
+        before = target.read_bytes()
+        line = one_line_error(*hslm(*bench, target))
+        assert f"--json {target} is a file that is not a bench report" in line, line
+        assert target.read_bytes() == before
+    report = tmp_path / "r.json"
+    for _ in range(2):
+        code, out, err = hslm(*bench, report)
+        assert code == 0 and json.loads(report.read_text())["models"], err
+
+
+def test_a_standard_output_that_fails_is_named_and_the_new_folder_removed(tmp_path):
+    """A standard output on a full disk (/dev/full) had read as the checkpoints' disk's
+    ("error: No space left on device"), and the run left the folder it made (its lock,
+    caches and tokenizer) with nothing trained. Control: with -q the run writes nothing
+    there until its last line, and its checkpoint is kept."""
+    text = tmp_path / "t.txt"
+    text.write_text((ROOT / "README.md").read_text(encoding="utf-8")[:40000])
+    run = [sys.executable, str(ROOT / "cli.py"), "train", *TINY, "--data", str(text),
+           "--steps", "1", "--eval-windows", "2", "--out"]
+    with open("/dev/full", "w") as full:
+        p = subprocess.run(run + [str(tmp_path / "o")], stdout=full, stderr=subprocess.PIPE,
+                           text=True, timeout=300)
+        assert p.returncode == 2 and p.stderr.splitlines()[-1] == (
+            "error: the standard output: No space left on device"), p.stderr
+        assert "Traceback" not in p.stderr and not (tmp_path / "o").exists()
+        p = subprocess.run(run + [str(tmp_path / "q"), "-q"], stdout=full,
+                           stderr=subprocess.PIPE, text=True, timeout=300)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    ckpt.read(tmp_path / "q" / "ckpt_1.bin")
+
+
+def test_memory_is_judged_against_the_control_groups_limit(tmp_path, monkeypatch):
+    """The memory check read MemAvailable alone: in a container held to less (a control
+    group's limit), a run it let start was killed by the kernel, with no line. The least
+    headroom over the process's group and those above it counts, its inactive page cache
+    as free; a group folder not seen (a container's own group is its root) is passed
+    over. Control: groups without a limit leave the machine's figure."""
+    from hslm import validate
+    root = tmp_path / "cg"
+    mib = 1 << 20
+
+    def group(folder, limit, used, inactive, v2=True):
+        folder.mkdir(parents=True, exist_ok=True)
+        names = (("memory.max", "memory.current", "inactive_file") if v2 else
+                 ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
+        (folder / names[0]).write_text(f"{limit}\n")
+        (folder / names[1]).write_text(f"{used}\n")
+        (folder / "memory.stat").write_text(f"anon 5\n{names[2]} {inactive}\nfile 9\n")
+
+    own = tmp_path / "cgroup"
+    monkeypatch.setattr(validate, "CGROUP_ROOT", str(root))
+    monkeypatch.setattr(validate, "CGROUP_OF_PROCESS", str(own))
+    own.write_text("0::/a/b\n")
+    group(root / "a", 1024 * mib, 600 * mib, 100 * mib)  # 524 MiB left
+    group(root / "a" / "b", "max", 600 * mib, 0)
+    assert validate.cgroup_headroom() == 524 * mib
+    assert validate.available_memory() == 524 * mib
+    group(root / "a" / "b", 2048 * mib, 2000 * mib, 1000 * mib)  # 1048 left: a's is less
+    assert validate.cgroup_headroom() == 524 * mib
+    own.write_text("4:memory:/host/path/not/seen\n1:cpu:/\n")  # v1, its folder the root
+    group(root / "memory", 8192 * mib, 4096 * mib, 0, v2=False)
+    assert validate.cgroup_headroom() == 4096 * mib
+    with pytest.raises(HslmError, match="needs about 5.0 GiB of memory, but only 4.0 GiB"):
+        validate.check_fits(5 << 30, "a run")
+    group(root / "memory", 2 ** 63 - 4096, 4096 * mib, 0, v2=False)  # v1's "no limit"
+    (root / "a" / "memory.max").write_text("max\n")
+    own.write_text("0::/a/b\n4:memory:/\n")
+    (root / "a" / "b" / "memory.max").write_text("max\n")
+    assert validate.cgroup_headroom() == 1 << 62
+
+
+def test_memory_is_judged_against_the_address_space_limit(tmp_path):
+    """Under `ulimit -v` a run the memory check let start failed after its text was read
+    ("out of memory"), its new folder left. It is refused first, in one line. Control:
+    the same run with the limit, at a batch that fits it, trains."""
+    import resource
+    limit = 3 << 30  # (the need below: 3.2 GiB)
+    run = [sys.executable, str(ROOT / "cli.py"), "train", *TINY, "--steps", "1",
+           "--eval-windows", "2", "--out", str(tmp_path / "o")]
+
+    def with_limit():
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    p = subprocess.run(run + ["--batch", "20000"], capture_output=True, text=True,
+                       timeout=300, preexec_fn=with_limit)
+    line = one_line_error(p.returncode, p.stdout, p.stderr)
+    assert "with --batch 20000 on 1 thread(s) needs about" in line, line
+    assert float(line.split("but only ")[1].split(" GiB")[0]) < 3.0
+    assert not (tmp_path / "o").exists()
+    p = subprocess.run(run, capture_output=True, text=True, timeout=300, preexec_fn=with_limit)
+    assert p.returncode == 0, p.stderr
+
+
+def test_a_warning_names_a_path_on_one_line(tmp_path):
+    """Errors printed a path's newlines and escapes as escapes (one_line), warnings as they
+    were: a --metrics name with a newline forged a line of its own. Control: an error."""
+    metrics = tmp_path / "m\nwarning: forged.jsonl"
+    metrics.write_text(json.dumps({"kind": "train", "step": 1}) + "\n")
+    code, out, err = hslm("train", *TINY, "--steps", 1, "--eval-windows", 2, "--out",
+                          tmp_path / "o", "--metrics", metrics)
+    assert code == 0 and err.count("\n") == 1, err
+    assert err.startswith(f"warning: --metrics {tmp_path}/m\\nwarning: forged.jsonl already "), err
+
+
 def test_bench_json_that_is_not_a_regular_file_is_refused_before_benchmarking(tmp_path):
     """bench --json a FIFO (or /dev/null) reported "wrote" and put a file in the node's
     place: now refused up front, as plot -o and --metrics are."""
