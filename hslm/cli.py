@@ -219,13 +219,15 @@ def _file_kind(path):
 @click.option("--cache-dir", type=PathArg(), default=None,
               help="Folder for the token cache [default: $HSLM_CACHE_DIR, else CKPT's folder].")
 @click.option("--eval-windows", type=click.IntRange(1), default=None,
-              help="Validation windows to score [default: the run's, or 64].")
+              help="Validation windows to score, at most as many as the validation split "
+                   "holds [default: the run's, or 64].")
 @click.option("--loss-positions", "-k", type=int, default=None,
               help="Scored positions [default: the run's, or the window].")
 @threads_option
 @click.option("--json", "as_json", is_flag=True,
-              help="Print one JSON object, the loss with all 17 digits (as the metrics file "
-                   "keeps it), instead of the line.")
+              help="Print one JSON object, the loss exactly (the shortest decimal that reads "
+                   "back as the same double, as the metrics file keeps it), instead of the "
+                   "line.")
 def eval_cmd(ckpt_path, data, cache_dir, eval_windows, loss_positions, threads, as_json):
     """Validation loss and perplexity of a checkpoint (.bin, or a .state beside its .bin).
 
@@ -249,10 +251,13 @@ def eval_cmd(ckpt_path, data, cache_dir, eval_windows, loss_positions, threads, 
                         f"got {k}")
     corpus = Corpus.load(data, cfg.vocab, cfg.window, tokenizer=tok,  # the run's tokenizer
                          cache_dir=token_cache_dir(cache_dir, ckpt_path.parent))
-    if not data and trained_on.get("sha256") not in (None, corpus.text_sha256):
+    if trained_on.get("sha256") not in (None, corpus.text_sha256):
         if distributed.is_writer():  # (MPI: every rank scores alike; rank 0 says so)
-            click.echo(f"note: scoring the built-in text; {ckpt_path} was trained on another "
-                       "(pass its --data to score that)", err=True)
+            click.echo(one_line(
+                f"note: scoring the built-in text; {ckpt_path} was trained on another (pass "
+                "its --data to score that)" if not data else
+                f"note: scoring another text than {ckpt_path} was trained on (its .state "
+                "records the text's sha256)"), err=True)
     runner = StepRunner(cfg, DEFAULT_SPEED, threads)
     try:
         w = corpus.validation_windows(eval_windows, cfg.window)

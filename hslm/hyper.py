@@ -40,7 +40,9 @@ HYPER_PARAMS = (
                "Decoupled weight decay of the ternary latent matrices (times --lr, below 1)."),
     HyperParam("seed", int, 0, 0, False,
                "Seed of the parameters' initialisation and of the training windows."),
-    HyperParam("eval_windows", int, 64, 1, False, "Validation windows for the validation loss."),
+    HyperParam("eval_windows", int, 64, 1, False,
+               "Validation windows for the validation loss (at most as many as the validation "
+               "split holds)."),
 )
 HYPER_NAMES = tuple(p.name for p in HYPER_PARAMS)
 

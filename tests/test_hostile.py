@@ -1194,6 +1194,12 @@ def test_eval_says_when_it_scores_another_text_than_the_runs(base, tmp_path):
     assert code == 0 and "note:" not in err and "warning" not in err
     code, out, err = hslm("eval", base / "ckpt_2.bin")  # trained on the built-in text
     assert code == 0 and "note:" not in err
+    # --data of another text (a folder whose files changed, say) had been scored unsaid
+    other = tmp_path / "other.txt"
+    other.write_text(TEXT * 2 + "and a line more\n")
+    code, out, err = hslm("eval", d / "ckpt_1.bin", "--data", other)
+    assert code == 0 and err == f"note: scoring another text than {d / 'ckpt_1.bin'} was " \
+        "trained on (its .state records the text's sha256)\n", err
 
 
 def test_a_bench_report_nested_too_deeply_is_one_line(tmp_path):
