@@ -596,6 +596,7 @@ def open_closed_stream(name: str):
             os.close(null)
         null = fd
     stream = open(null, "w", closefd=null != fd)
+    stream.gone = True  # (as ReaderGone's: a line the user must see goes to stderr too)
     CLOSED_AT_START.append(stream)
     return stream
 
@@ -621,11 +622,15 @@ class WaitingWriter(io.RawIOBase):
         return os.isatty(self._fd)
 
     def write(self, data):
-        while True:
+        """All of data (a raw writer may write part, but the text layer over it without a
+        buffer, as `python -u` has, would drop the rest)."""
+        view, done = memoryview(data), 0
+        while done < len(view):
             try:
-                return os.write(self._fd, data)
+                done += os.write(self._fd, view[done:])
             except BlockingIOError:
                 select.select([], [self._fd], [])
+        return done
 
     def close(self):  # the descriptor stays open (as sys.stdout's own does)
         super().close()
@@ -633,9 +638,12 @@ class WaitingWriter(io.RawIOBase):
 
 def waiting_stream(stream):
     """stream (a standard stream, flushed) again over a WaitingWriter of its descriptor,
-    with its encoding, errors and buffering."""
+    with its encoding, errors and buffering: none where it had none (`python -u`,
+    PYTHONUNBUFFERED: a warning printed unflushed had waited for the run's end)."""
     stream.flush()
-    return io.TextIOWrapper(io.BufferedWriter(WaitingWriter(stream.fileno())),
+    raw = WaitingWriter(stream.fileno())
+    buffered = not isinstance(stream.buffer, io.RawIOBase)
+    return io.TextIOWrapper(io.BufferedWriter(raw) if buffered else raw,
                             encoding=stream.encoding, errors=stream.errors, newline="\n",
                             line_buffering=stream.line_buffering,
                             write_through=stream.write_through)

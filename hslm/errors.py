@@ -91,7 +91,7 @@ def raise_dropped_interrupt():
 # reversed); other characters as they are (a name's bytes that are not UTF-8 included:
 # cli.guard_streams). (distributed.collapsed_line is MPI's own rule.)
 _CONTROLS = {c: repr(chr(c))[1:-1]
-             for c in [*range(32), *range(127, 160), 0x200E, 0x200F, 0x2028, 0x2029,
+             for c in [*range(32), *range(127, 160), 0x061C, 0x200E, 0x200F, 0x2028, 0x2029,
                        *range(0x202A, 0x202F), *range(0x2066, 0x206A)] if c != 9}
 
 

@@ -100,9 +100,9 @@ def partial_record(path) -> int:
                         "metrics file cut short; give a metrics file or a new name")
     lines = tail[:len(tail) - cut].split(b"\n")[1 if len(tail) < size else 0:]
     last = next((x for x in reversed(lines) if x.strip()), None)  # (blank lines pass)
-    if last is not None and not _hslm_record(last):  # a config, notes: appended to, spoilt
-        raise HslmError(f"--metrics {path} is not a metrics file (its last line is no record "
-                        "of hslm's); give a metrics file or a new name")
+    if last is not None and not _kind_of_record(last):  # a config: appended to, spoilt
+        raise HslmError(f"--metrics {path} is not a metrics file (its last line is no record, "
+                        "a JSON object with a kind); give a metrics file or a new name")
     return cut
 
 
@@ -139,13 +139,14 @@ def _torn_record(line: bytes) -> bool:
     return isinstance(value, dict) and value.get("kind") in ("train", "eval")
 
 
-def _hslm_record(line: bytes) -> bool:
-    """A whole record of hslm's: a JSON object of kind train or eval."""
+def _kind_of_record(line: bytes) -> bool:
+    """A whole record: a JSON object with a kind (hslm's are train and eval; hslm plot
+    passes over others, a user's notes, say). A config file's last line has none."""
     try:
         value = json.loads(line)
     except (ValueError, RecursionError):
         return False
-    return isinstance(value, dict) and value.get("kind") in ("train", "eval")
+    return isinstance(value, dict) and "kind" in value
 
 
 class Metrics:

@@ -142,21 +142,22 @@ def hyper_problems(cfg, h):
         out.append(("weight_decay", f"times --lr must be below 1 (each step scales the weights "
                                     f"by 1 - lr x weight decay), got {h.weight_decay!r} x "
                                     f"{h.lr!r}"))
-    # the cosine runs from the warm-up's end to decay_steps: at or before that end, the rate
-    # had fallen from the peak to 10% in the step after it
-    if not out and not h.decay_steps > h.warmup:
-        out.append(("decay_steps", f"must be past --warmup's {h.warmup} (the cosine decay runs "
-                                   f"from the warm-up's end to it), got {h.decay_steps}"))
     return out
 
 
 def check_hyper(cfg, h):
     """Hyper-parameters given as flags: the first problem (hyper_problems) as one error
-    naming its flag. A .state's are judged by the same rules in hyper_from_json."""
+    naming its flag. A .state's are judged by the same rules in hyper_from_json, but for
+    the last: a new run's --decay-steps must be past its --warmup (the cosine runs from the
+    warm-up's end to it; at or before that end the rate fell from the peak to 10% in the
+    step after it), which runs begun before the rule keep (the formula is defined)."""
     problems = hyper_problems(cfg, h)
     if problems:
         f, msg = problems[0]
         raise HslmError(f"--{f.replace('_', '-')} {msg}")
+    if not h.decay_steps > h.warmup:
+        raise HslmError(f"--decay-steps must be past --warmup's {h.warmup} (the cosine decay "
+                        f"runs from the warm-up's end to it), got {h.decay_steps}")
 
 
 
@@ -334,7 +335,7 @@ NO_LIMIT = 1 << 60  # a control group's "no limit" (v1 writes 2^63 less a page)
 def cgroup_headroom() -> int:
     """Bytes this process's control groups (v2, or v1's memory controller) may still take:
     the least, over its group and the groups above it, of the limit less what is used but
-    cannot be reclaimed (the page cache's inactive part can). A group's folder not seen
+    cannot be taken back (the page cache can). A group's folder not seen
     from here (a container sees its own group as the root) is passed over."""
     least = 1 << 62
     try:
@@ -343,14 +344,16 @@ def cgroup_headroom() -> int:
     except OSError:
         return least
     for line in lines:
+        if line.count(":") < 2:
+            continue
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # v2
-            base, limit, used, inactive = CGROUP_ROOT, "memory.max", "memory.current", \
-                "inactive_file"
+            base, limit, used, cache = (CGROUP_ROOT, "memory.max", "memory.current",
+                                        ("active_file", "inactive_file"))
         elif "memory" in controllers.split(","):
-            base, limit, used, inactive = (os.path.join(CGROUP_ROOT, "memory"),
-                                           "memory.limit_in_bytes", "memory.usage_in_bytes",
-                                           "total_inactive_file")
+            base, limit, used, cache = (os.path.join(CGROUP_ROOT, "memory"),
+                                        "memory.limit_in_bytes", "memory.usage_in_bytes",
+                                        ("total_active_file", "total_inactive_file"))
         else:
             continue
         parts = [x for x in path.split("/") if x]
@@ -363,12 +366,15 @@ def cgroup_headroom() -> int:
                     continue
                 with open(os.path.join(folder, used)) as f:
                     taken = int(f.read())
-                with open(os.path.join(folder, "memory.stat")) as f:
-                    stat = dict(x.split()[:2] for x in f if len(x.split()) >= 2)
-                taken -= min(int(stat.get(inactive, 0)), taken)
-                least = min(least, max(int(cap) - taken, 0))
             except (OSError, ValueError):
                 continue
+            try:  # (the page cache is taken back before the kernel kills, as MemAvailable
+                with open(os.path.join(folder, "memory.stat")) as f:  # counts it)
+                    stat = dict(x.split()[:2] for x in f if len(x.split()) >= 2)
+                taken -= min(sum(int(stat.get(k, 0)) for k in cache), taken)
+            except (OSError, ValueError):
+                pass
+            least = min(least, max(int(cap) - taken, 0))
     return least
 
 

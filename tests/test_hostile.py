@@ -1269,10 +1269,11 @@ def test_a_checkpoints_data_source_is_printed_on_one_line_as_escapes(base, tmp_p
     [line] = [x for x in out.splitlines() if x.startswith("data ")]
     assert "built-in x\\n\\x1b[31mRED\\x1b[0m\\nchecksum  ok (text sha256" in line, line
     # C1's CSI and new line, the line separator and a right-to-left override as well
-    c1 = _forged_state(src, tmp_path / "c1.state", data_source="x\u009b2J\u0085y\u2028z\u202e!")
+    c1 = _forged_state(src, tmp_path / "c1.state",
+                       data_source="x\u009b2J\u0085y\u2028z\u202e!\u061c")
     code, out, err = hslm("info", c1)
     [line] = [x for x in out.splitlines() if x.startswith("data ")]
-    assert code == 0 and "x\\x9b2J\\x85y\\u2028z\\u202e! (text sha256" in line, line
+    assert code == 0 and "x\\x9b2J\\x85y\\u2028z\\u202e!\\u061c (text sha256" in line, line
     assert "\x1b" not in out and sum(x.startswith("checksum") for x in out.splitlines()) == 1
     code, out, err = hslm("diff", src, bad)
     assert code == 1 and "\x1b" not in out and "\\x1b[31mRED" in out, out
@@ -1346,6 +1347,26 @@ def test_diff_and_info_of_huge_values_and_of_nans_that_differ_in_their_bits(base
     assert ("first at [0] (nan 0x7ff8000000000000 vs nan 0x7ff8000000000001)" in out), out
     code, out, err = hslm("diff", plus, minus)
     assert code == 1 and "first at [0] (0.0 vs -0.0)" in out, out
+
+
+def test_a_run_begun_before_the_decay_rule_is_still_read_and_resumed(base, tmp_path):
+    """--decay-steps must be past --warmup for a new run; a .state of a run begun before
+    the rule (warm-up 100, decay 50) had been refused whole by info, diff and --resume.
+    Control: the same flags for a new run are refused."""
+    src = base / "ckpt_2.state"
+    hyper = json.loads(ckpt.read(src).meta["hyper"])
+    old = tmp_path / "old" / "ckpt_2.state"
+    old.parent.mkdir()
+    (old.parent / "ckpt_2.bin").write_bytes((base / "ckpt_2.bin").read_bytes())
+    _forged_state(src, old, hyper=json.dumps(dict(hyper, warmup=100, decay_steps=50),
+                                             sort_keys=True, separators=(",", ":")))
+    code, out, err = hslm("info", old)
+    assert code == 0 and '"decay_steps":50' in out.replace(" ", ""), out + err
+    code, out, err = hslm("train", "--resume", old, "--steps", 3, "--threads", 1)
+    assert code == 0, err
+    line = one_line_error(*hslm("train", *TINY, "--warmup", 100, "--decay-steps", 50,
+                                "--out", tmp_path / "new"))
+    assert "--decay-steps must be past --warmup's 100" in line
 
 
 def test_a_state_whose_rng_is_not_written_as_hslm_writes_it_is_refused(base, tmp_path):
@@ -1512,6 +1533,8 @@ def test_a_runs_own_inputs_are_not_its_outputs(tmp_path):
     assert code == 0, err
     line = one_line_error(*hslm("plot", tmp_path / "m.svg", "-o", tmp_path / "m.svg"))
     assert f"-o {tmp_path / 'm.svg'} is the metrics file" in line
+    with open(tmp_path / "m.svg", "a") as f:  # a user's note: a record of another kind
+        f.write('{"kind": "note", "text": "lr changed"}\n\n')
     code, out, err = hslm(*run, "--model", cfg, "--out", tmp_path / "o2", "--metrics",
                           tmp_path / "m.svg")
     assert code == 0 and "already holds records" in err, err
@@ -1555,19 +1578,22 @@ def test_memory_is_judged_against_the_control_groups_limit(tmp_path, monkeypatch
     """The memory check read MemAvailable alone: in a container held to less (a control
     group's limit), a run it let start was killed by the kernel, with no line. The least
     headroom over the process's group and those above it counts, its inactive page cache
-    as free; a group folder not seen (a container's own group is its root) is passed
-    over. Control: groups without a limit leave the machine's figure."""
+    as free (a group whose memory.stat is not read, without it); a group folder not seen
+    (a container's own group is its root) is passed over. Control: groups without a limit
+    leave the machine's figure."""
     from hslm import validate
     root = tmp_path / "cg"
     mib = 1 << 20
 
-    def group(folder, limit, used, inactive, v2=True):
+    def group(folder, limit, used, cache, v2=True):
         folder.mkdir(parents=True, exist_ok=True)
-        names = (("memory.max", "memory.current", "inactive_file") if v2 else
-                 ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
+        names = (("memory.max", "memory.current", "") if v2 else
+                 ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_"))
         (folder / names[0]).write_text(f"{limit}\n")
         (folder / names[1]).write_text(f"{used}\n")
-        (folder / "memory.stat").write_text(f"anon 5\n{names[2]} {inactive}\nfile 9\n")
+        (folder / "memory.stat").write_text(  # the page cache, half of it active
+            f"anon 5\n{names[2]}active_file {cache // 2}\n{names[2]}inactive_file "
+            f"{cache - cache // 2}\nfile 9\n")
 
     own = tmp_path / "cgroup"
     monkeypatch.setattr(validate, "CGROUP_ROOT", str(root))
@@ -1577,6 +1603,9 @@ def test_memory_is_judged_against_the_control_groups_limit(tmp_path, monkeypatch
     group(root / "a" / "b", "max", 600 * mib, 0)
     assert validate.cgroup_headroom() == 524 * mib
     assert validate.available_memory() == 524 * mib
+    (root / "a" / "memory.stat").unlink()
+    assert validate.cgroup_headroom() == 424 * mib  # (the limit still holds)
+    group(root / "a", 1024 * mib, 600 * mib, 100 * mib)
     group(root / "a" / "b", 2048 * mib, 2000 * mib, 1000 * mib)  # 1048 left: a's is less
     assert validate.cgroup_headroom() == 524 * mib
     own.write_text("4:memory:/host/path/not/seen\n1:cpu:/\n")  # v1, its folder the root
@@ -1586,7 +1615,7 @@ def test_memory_is_judged_against_the_control_groups_limit(tmp_path, monkeypatch
         validate.check_fits(5 << 30, "a run")
     group(root / "memory", 2 ** 63 - 4096, 4096 * mib, 0, v2=False)  # v1's "no limit"
     (root / "a" / "memory.max").write_text("max\n")
-    own.write_text("0::/a/b\n4:memory:/\n")
+    own.write_text("0::/a/b\n4:memory:/\nnot a line of cgroup's\n")
     (root / "a" / "b" / "memory.max").write_text("max\n")
     assert validate.cgroup_headroom() == 1 << 62
 

@@ -413,6 +413,39 @@ def test_numba_imported_first_is_said_once_where_it_costs_the_wide_vectors():
                                                           HSLM_VECTOR_WIDTH="256")
 
 
+def test_unbuffered_streams_stay_unbuffered():
+    """Under `python -u` (PYTHONUNBUFFERED) the streams the CLI rewraps (WaitingWriter) had
+    gained a buffer: a warning printed unflushed waited for the run's end, and a second
+    Ctrl-C's exit waited on a reader. Text written unflushed comes before what is written
+    to the descriptor after it. Control: without -u, stdout to a pipe is buffered (after)."""
+    code = ("import os, sys\nfrom hslm.cli import guard_streams\nguard_streams()\n"
+            "sys.stdout.write('a'); os.write(1, b'b')\n"
+            "sys.stderr.write('c'); os.write(2, b'd')\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env["PYTHONPATH"] = str(ROOT)
+    for flags, out, err in ((["-u"], "ab", "cd"), ([], "ba", "dc")):
+        p = subprocess.run([sys.executable, *flags, "-c", code], capture_output=True,
+                           text=True, env=env, timeout=60)
+        assert (p.returncode, p.stdout, p.stderr) == (0, out, err), (flags, p)
+
+
+def test_a_stop_says_where_it_saved_when_the_output_was_closed_at_the_start(tmp_path):
+    """`hslm train >&-` and Ctrl-C: the lines that say where the run saved and how to
+    resume it went to the closed output's /dev/null. They go to stderr too."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "train", *TINY, "--steps",
+                             "1000000", "--save-every", "5", "--out", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: os.close(1))
+    with running(proc, timeout=300):
+        while not list(tmp_path.glob("ckpt_*.state")):
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        err = proc.stderr.read()
+        assert proc.wait(timeout=120) == 130
+    assert "SIGINT: stopped after step " in err and "resume with: hslm train --resume " in err
+
+
 def test_the_time_left_counts_from_the_steps_not_the_kernels_warm_up(tmp_path, monkeypatch):
     """The bar's time left is elapsed / done x steps to come, and elapsed had counted the
     kernels' warm-up before step 1 (a 10,000-step run of 18 s said "35m27s left" at step
