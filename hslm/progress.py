@@ -100,7 +100,9 @@ def partial_record(path) -> int:
                         "metrics file cut short; give a metrics file or a new name")
     lines = tail[:len(tail) - cut].split(b"\n")[1 if len(tail) < size else 0:]
     last = next((x for x in reversed(lines) if x.strip()), None)  # (blank lines pass)
-    if last is not None and not _kind_of_record(last):  # a config: appended to, spoilt
+    # a record has a kind (hslm's train and eval; hslm plot passes over others, a user's
+    # notes, say); a config's last line has none: appended to, it would be spoilt
+    if last is not None and "kind" not in (_record(last) or {}):
         raise HslmError(f"--metrics {path} is not a metrics file (its last line is no record, "
                         "a JSON object with a kind); give a metrics file or a new name")
     return cut
@@ -113,15 +115,17 @@ def partial_tail(tail: bytes, whole: bool):
     if not tail or tail.endswith(b"\n"):
         return 0
     lines = tail.split(b"\n")
-    before_ok = whole if len(lines) == 1 else _is_record(lines[-2])
+    before_ok = whole if len(lines) == 1 else _record(lines[-2]) is not None
     return len(lines[-1]) if _torn_record(lines[-1]) and before_ok else None
 
 
-def _is_record(line: bytes) -> bool:
+def _record(line: bytes):
+    """line's JSON object, or None (not JSON, another value, or nested thousands deep)."""
     try:
-        return isinstance(json.loads(line), dict)
-    except (ValueError, RecursionError):  # (a line nested thousands deep is no record)
-        return False
+        value = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _torn_record(line: bytes) -> bool:
@@ -137,16 +141,6 @@ def _torn_record(line: bytes) -> bool:
     except ValueError:
         return True
     return isinstance(value, dict) and value.get("kind") in ("train", "eval")
-
-
-def _kind_of_record(line: bytes) -> bool:
-    """A whole record: a JSON object with a kind (hslm's are train and eval; hslm plot
-    passes over others, a user's notes, say). A config file's last line has none."""
-    try:
-        value = json.loads(line)
-    except (ValueError, RecursionError):
-        return False
-    return isinstance(value, dict) and "kind" in value
 
 
 class Metrics:

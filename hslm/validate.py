@@ -312,21 +312,24 @@ def available_memory() -> int:
     memory), or less where this process is held to less: its control group's limit (a
     container's; past it the kernel kills the process, with no line) or its address space
     limit (`ulimit -v`: past it an allocation fails)."""
-    have = 1 << 62
+    have = None
     try:
-        with open("/proc/meminfo") as f:
+        with open(MEMINFO) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     have = int(line.split()[1]) * 1024
                     break
     except (OSError, ValueError, IndexError):
+        pass
+    if have is None:  # (no /proc, or a kernel before 3.14: no MemAvailable)
         try:
             have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         except (ValueError, OSError, AttributeError):
-            pass
+            have = 1 << 62
     return min(have, cgroup_headroom(), address_space_headroom())
 
 
+MEMINFO = "/proc/meminfo"
 CGROUP_ROOT = "/sys/fs/cgroup"
 CGROUP_OF_PROCESS = "/proc/self/cgroup"
 NO_LIMIT = 1 << 60  # a control group's "no limit" (v1 writes 2^63 less a page)

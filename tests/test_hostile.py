@@ -1613,11 +1613,18 @@ def test_memory_is_judged_against_the_control_groups_limit(tmp_path, monkeypatch
     assert validate.cgroup_headroom() == 4096 * mib
     with pytest.raises(HslmError, match="needs about 5.0 GiB of memory, but only 4.0 GiB"):
         validate.check_fits(5 << 30, "a run")
+    # a kernel before 3.14 has no MemAvailable: the physical memory (it had become 2^62)
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       1000 kB\nMemFree:        500 kB\n")
+    monkeypatch.setattr(validate, "MEMINFO", str(meminfo))
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert validate.available_memory() == min(physical, 4096 * mib)
     group(root / "memory", 2 ** 63 - 4096, 4096 * mib, 0, v2=False)  # v1's "no limit"
     (root / "a" / "memory.max").write_text("max\n")
     own.write_text("0::/a/b\n4:memory:/\nnot a line of cgroup's\n")
     (root / "a" / "b" / "memory.max").write_text("max\n")
     assert validate.cgroup_headroom() == 1 << 62
+    assert validate.available_memory() == physical
 
 
 def test_memory_is_judged_against_the_address_space_limit(tmp_path):
