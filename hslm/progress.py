@@ -100,6 +100,9 @@ def partial_record(path) -> int:
                         "metrics file cut short; give a metrics file or a new name")
     lines = tail[:len(tail) - cut].split(b"\n")[1 if len(tail) < size else 0:]
     last = next((x for x in reversed(lines) if x.strip()), None)  # (blank lines pass)
+    if last is None and len(tail) < size:  # a last line longer than the tail: no record's
+        raise HslmError(f"--metrics {path} is not a metrics file (its last line is over "
+                        f"{TAIL_CHECKED // 1024} KB); give a metrics file or a new name")
     # a record has a kind (hslm's train and eval; hslm plot passes over others, a user's
     # notes, say); a config's last line has none: appended to, it would be spoilt
     if last is not None and "kind" not in (_record(last) or {}):
@@ -115,7 +118,8 @@ def partial_tail(tail: bytes, whole: bool):
     if not tail or tail.endswith(b"\n"):
         return 0
     lines = tail.split(b"\n")
-    before_ok = whole if len(lines) == 1 else _record(lines[-2]) is not None
+    prior = [x for x in lines[:-1] if x.strip()]  # (blank lines pass, as at the end)
+    before_ok = _record(prior[-1]) is not None if prior else whole
     return len(lines[-1]) if _torn_record(lines[-1]) and before_ok else None
 
 

@@ -177,8 +177,11 @@ def check_paths_apart(o: TrainOptions, out: Path):
         shown = f"{m} (a link to {target})" if os.path.islink(m) else str(m)
         raise HslmError(f"--metrics {shown} is a name this run writes in its {where} "
                         f"{written}; give the metrics file another name")
-    for d in o.data:  # (where the run's appends go: through a link, its target's folder)
-        if same_file(m, d) or (Path(d).is_dir() and str(target.parent) == os.path.realpath(d)):
+    for d in o.data:  # (where the run's appends go: through a link, its target's folder;
+        # a hard link to a file of a --data folder is that file)
+        if same_file(m, d) or (Path(d).is_dir() and (
+                str(target.parent) == os.path.realpath(d)
+                or any(same_file(m, Path(d) / n) for n in os.listdir(d)))):
             raise HslmError(f"--metrics {m} is in the training text (--data {d}), which "
                             "it would change; give a path outside it")
     if o.resume is not None and any(same_file(m, o.resume.with_suffix(ext))

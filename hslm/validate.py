@@ -338,7 +338,8 @@ NO_LIMIT = 1 << 60  # a control group's "no limit" (v1 writes 2^63 less a page)
 def cgroup_headroom() -> int:
     """Bytes this process's control groups (v2, or v1's memory controller) may still take:
     the least, over its group and the groups above it, of the limit less what is used but
-    cannot be taken back (the page cache can). A group's folder not seen
+    cannot be taken back (the page cache can, and v2's reclaimable slab). A group's
+    folder not seen
     from here (a container sees its own group as the root) is passed over."""
     least = 1 << 62
     try:
@@ -352,7 +353,7 @@ def cgroup_headroom() -> int:
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # v2
             base, limit, used, cache = (CGROUP_ROOT, "memory.max", "memory.current",
-                                        ("active_file", "inactive_file"))
+                                        ("active_file", "inactive_file", "slab_reclaimable"))
         elif "memory" in controllers.split(","):
             base, limit, used, cache = (os.path.join(CGROUP_ROOT, "memory"),
                                         "memory.limit_in_bytes", "memory.usage_in_bytes",

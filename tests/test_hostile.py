@@ -78,7 +78,8 @@ def test_a_metrics_link_to_a_missing_folder_is_refused_before_anything(tmp_path)
 
 
 @pytest.mark.parametrize("case", ["tokenizer.json", "checkpoint", "lock", "data file",
-                                  "data folder", "token cache", "a link to tokenizer.json"])
+                                  "data folder", "token cache", "a link to tokenizer.json",
+                                  "a hard link to a file of the data folder"])
 def test_metrics_naming_one_of_the_runs_own_files_is_refused_before_anything(tmp_path, case,
                                                                               monkeypatch):
     """--metrics may not name a file the run writes (cut short or replaced by it, the
@@ -105,7 +106,12 @@ def test_metrics_naming_one_of_the_runs_own_files_is_refused_before_anything(tmp
         # (judged by where the link leads: the run had cut its tokenizer.json short)
         "a link to tokenizer.json": (tmp_path / "ml", "a name this run writes in its output",
                                      tmp_path / "mc"),
+        # (the file itself, under another name: it had been appended to)
+        "a hard link to a file of the data folder": (tmp_path / "hl", "is in the training text",
+                                                     tmp_path / "hc"),
     }[case]
+    if case.startswith("a hard link"):
+        os.link(text / "a.txt", metrics)
     if case.startswith("a link"):
         os.symlink(out / "tokenizer.json", metrics)
         os.symlink(out / "metrics.jsonl", control)
@@ -543,6 +549,15 @@ def test_a_metrics_file_ending_in_a_partial_line_is_cut_back_to_its_last_whole_l
     line = one_line_error(*hslm("train", *TINY, "--steps", 1, "--metrics", m,
                                 "--out", tmp_path / "o"))
     assert "is not a metrics file cut short" in line and not (tmp_path / "o").exists()
+    # a torn record after a blank line is cut as after a record (a record after a blank
+    # line, a user's note's, had been no record: the file and the resume command refused)
+    m.write_text(whole + "\n" + '{"kind": "train", "st')
+    Metrics(m).close()
+    assert m.read_text() == whole + "\n" and "partial record" in capsys.readouterr().err
+    # a last line longer than the tail read back is no record (had passed unread)
+    m.write_text("notes\n" + "x" * 70000 + "\n")
+    with pytest.raises(HslmError, match="its last line is over 64 KB"):
+        Metrics(m)
 
 
 def test_plot_refuses_what_it_cannot_do(tmp_path):
@@ -1613,6 +1628,13 @@ def test_memory_is_judged_against_the_control_groups_limit(tmp_path, monkeypatch
     assert validate.cgroup_headroom() == 4096 * mib
     with pytest.raises(HslmError, match="needs about 5.0 GiB of memory, but only 4.0 GiB"):
         validate.check_fits(5 << 30, "a run")
+    # v2's reclaimable slab (dentries, inodes) is taken back too, as MemAvailable counts it
+    group(root / "a", 1024 * mib, 600 * mib, 100 * mib)
+    with open(root / "a" / "memory.stat", "a") as f:
+        f.write(f"slab_reclaimable {200 * mib}\n")
+    own.write_text("0::/a/b\n")
+    assert validate.cgroup_headroom() == 724 * mib
+    own.write_text("4:memory:/host/path/not/seen\n1:cpu:/\n")
     # a kernel before 3.14 has no MemAvailable: the physical memory (it had become 2^62)
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       1000 kB\nMemFree:        500 kB\n")
