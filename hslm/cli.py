@@ -517,11 +517,12 @@ class ReaderGone:
         self.keep_going = True
         self._terminal = _is_terminal(stream)
 
-    def _reader_gone(self, e: OSError) -> bool:
-        """A pipe's reader gone (`| head`: EPIPE), or this terminal hung up (EIO: an ssh
-        session dropped; the run then saves and stops, train.StopRequest). An EIO from a
-        file (a failing disk) is an error, as any other, said of this stream (its error
-        had read as the checkpoints' disk's: "error: No space left on device")."""
+    def _gone_else_failed(self, e: OSError) -> bool:
+        """True for a pipe's reader gone (`| head`: EPIPE), or this terminal hung up (EIO:
+        an ssh session dropped; the run then saves and stops, train.StopRequest). Else the
+        write failed (an EIO from a file, a failing disk, as any other error): e, for the
+        caller to raise, is named for this stream (it had read as the checkpoints' disk's:
+        "error: No space left on device"), and the stream goes to /dev/null."""
         if isinstance(e, BrokenPipeError) or (e.errno == errno.EIO and self._terminal):
             return True
         if e.filename is None:
@@ -533,7 +534,7 @@ class ReaderGone:
         try:
             return self._stream.write(text)
         except OSError as e:
-            if not self._reader_gone(e):
+            if not self._gone_else_failed(e):
                 raise
             self._drop()
             return len(text)
@@ -545,7 +546,7 @@ class ReaderGone:
             self._stream.buffer.write(data)
             self._stream.buffer.flush()
         except OSError as e:
-            if not self._reader_gone(e):
+            if not self._gone_else_failed(e):
                 raise
             self._drop()
 
@@ -553,7 +554,7 @@ class ReaderGone:
         try:
             self._stream.flush()
         except OSError as e:
-            if not self._reader_gone(e):
+            if not self._gone_else_failed(e):
                 raise
             self._drop()
 
@@ -631,9 +632,6 @@ class WaitingWriter(io.RawIOBase):
             except BlockingIOError:
                 select.select([], [self._fd], [])
         return done
-
-    def close(self):  # the descriptor stays open (as sys.stdout's own does)
-        super().close()
 
 
 def waiting_stream(stream):

@@ -148,12 +148,11 @@ def check_paths_apart(o: TrainOptions, out: Path):
     """Judged before anything is created: neither the output folder nor the token cache
     folder is a --data folder, no --data file or --model config has a name the run writes
     in those folders (RUN_FILE_NAMES: the run replaced it, and its own checkpoint could not
-    be resumed with it), and --metrics
-    names none of the run's own files: not its text (a --data file, or a file in a --data
-    folder: appended to, the text changes, and no checkpoint of the run could be resumed
-    with it), not the checkpoint it resumes, and no name the run writes; and it can be
-    written (check_metrics_path: a metrics file or a new name; a --model config is not
-    one)."""
+    be resumed with it), and --metrics names none of the run's own files: not its text (a
+    --data file, or a file in a --data folder: appended to, the text changes, and no
+    checkpoint of the run could be resumed with it), not the checkpoint it resumes, and no
+    name the run writes; and it can be written (check_metrics_path: a metrics file or a
+    new name; a --model config is not one)."""
     from .token_cache import cache_dir as token_cache_dir
 
     check_apart_from_text(o.data, out, "output folder", "--out")
