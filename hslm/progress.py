@@ -98,11 +98,13 @@ def partial_record(path) -> int:
     if cut is None:
         raise HslmError(f"--metrics {path} does not end in a whole line, and is not a "
                         "metrics file cut short; give a metrics file or a new name")
-    lines = tail[:len(tail) - cut].split(b"\n")[1 if len(tail) < size else 0:]
-    last = next((x for x in reversed(lines) if x.strip()), None)  # (blank lines pass)
-    if last is None and len(tail) < size:  # a last line longer than the tail: no record's
+    body = tail[:len(tail) - cut].rstrip()  # (blank lines at the end pass)
+    # its last line began before the tail read back: no record is that long
+    if len(tail) < size and body and b"\n" not in body:
         raise HslmError(f"--metrics {path} is not a metrics file (its last line is over "
                         f"{TAIL_CHECKED // 1024} KB); give a metrics file or a new name")
+    lines = body.split(b"\n")[1 if len(tail) < size else 0:]
+    last = lines[-1] if lines and lines[-1].strip() else None
     # a record has a kind (hslm's train and eval; hslm plot passes over others, a user's
     # notes, say); a config's last line has none: appended to, it would be spoilt
     if last is not None and "kind" not in (_record(last) or {}):

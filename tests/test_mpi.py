@@ -632,10 +632,11 @@ def test_metrics_failure_saves_on_every_rank_and_stops(tmp_path):
     # file made (sparse) to 100 bytes short of it, so its first record fails
     limit = 1 << 30
     m = tmp_path / "m.jsonl"
-    with open(m, "wb") as f:  # (ending in a newline: a file that ends in anything else is
-        f.truncate(limit - 101)  # not a metrics file, and is refused up front)
-        f.seek(limit - 101)
-        f.write(b"\n")
+    with open(m, "wb") as f:  # (ending in blank lines: a file that ends in anything else
+        blank = 1 << 17  # but a record is not a metrics file, and is refused up front)
+        f.truncate(limit - 100 - blank)
+        f.seek(limit - 100 - blank)
+        f.write(b"\n" * blank)
     code, _, err = hslm("train", *TINY, "--batch", 4, "--steps", 3, "--metrics", m,
                         "--out", tmp_path / "m", ranks=2, timeout=60, file_size_limit=limit)
     errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
