@@ -132,7 +132,9 @@ class Tokenizer:
         return bytes(out)
 
     def _length(self, i: int) -> int:
-        """The length of token i's piece, from the merges alone (all made at first use)."""
+        """The length of token i's piece, from the merges alone (all made at first use; as
+        from_json makes them, which stops at the first too long: a crafted chain of merges
+        doubles for ever)."""
         if self._lengths is None:
             length = [0] * N_SPECIAL + [1] * 256
             for a, b in self.merges.tolist():

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import HslmError, open_regular
+from .errors import HslmError, open_regular, warn
 from .progress import duration
 
 CHUNK = 16 << 20
@@ -61,7 +61,6 @@ def _files_of(p: Path):
         if folders:  # one level only, as the README says: say what is left out
             from . import distributed
             if distributed.is_writer():
-                from .errors import warn
                 warn(f"data folder {p}: {len(folders)} folder(s) in it are not read "
                      f"({shown}); give any that holds text as --data too")
         return files
