@@ -51,12 +51,16 @@ def format_report(report):
         for r in rows:
             same = [x for x in rows if x["batch"] == r["batch"]]
             slowest = min(x["tok_s"] for x in same)
-            # parallel efficiency against the same speed's run on the fewest threads
-            base = min((x for x in same if x["speed"] == r["speed"]), key=lambda x: x["threads"])
-            eff = r["tok_s"] / (r["threads"] / base["threads"] * base["tok_s"])
+            # parallel efficiency: against the same speed's run on one thread, where the
+            # bench had one ("-" where not: against its fewest threads, two threads' own row
+            # read 100% whatever they scaled)
+            base = next((x for x in same if x["speed"] == r["speed"] and x["threads"] == 1),
+                        None)
+            eff = (f"{100 * r['tok_s'] / (r['threads'] * base['tok_s']):>8.1f}%" if base
+                   else f"{'-':>9}")
             out.append(f"{r['batch']:>5} {r['speed']:>5} {SPEED_NAMES[r['speed']]:>10} "
                        f"{r['threads']:>7} {r['tok_s']:>10.1f} {r['tok_s'] / slowest:>9.2f} "
-                       f"{r['gflops']:>8.2f} {100 * r['peak_share']:>6.1f}% {100 * eff:>8.1f}% "
+                       f"{r['gflops']:>8.2f} {100 * r['peak_share']:>6.1f}% {eff} "
                        f"{r['memory_bytes'] / 2 ** 20:>7.0f} {r['checkpoint_bytes'] / 1e6:>8.1f}")
         out += _rounds_apart(rows)
         for g in e["groups"]:

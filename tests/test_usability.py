@@ -659,6 +659,30 @@ def test_the_profile_says_what_a_step_would_take_at_the_ceilings():
     assert not any("at the ceilings" in x for x in format_report(report))
 
 
+def test_parallel_efficiency_is_against_one_thread_or_not_given():
+    """The table's parallel efficiency is a row's tok/s against its threads times the
+    same speed's one-thread row: 2 threads at 1.8x one thread read 90.0%. A bench run
+    without a one-thread row (--threads 2,4) gives "-" there: it had read 100.0% for two
+    threads, against themselves, whatever they scaled."""
+    from hslm.bench_report import format_report
+
+    def row(threads, tok_s):
+        return {"speed": 3, "threads": threads, "batch": 8, "tok_s": tok_s, "gflops": 1.0,
+                "peak_share": 0.01, "memory_bytes": 1, "checkpoint_bytes": 1}
+
+    def table(rows):
+        entry = {"model": "m", "params": 1, "k": 9, "window": 9, "flops_per_token": 1.0,
+                 "rows": rows, "groups": []}
+        report = {"peak_gflops_per_core": 100.0, "steps": 1, "seed": 1, "python": "3",
+                  "numpy": "2", "numba": "0", "machine": "m", "models": [entry]}
+        lines = format_report(report)
+        head = next(i for i, x in enumerate(lines) if "par. eff." in x)
+        return [x.split()[8] for x in lines[head + 1:head + 1 + len(rows)]]
+
+    assert table([row(1, 100.0), row(2, 180.0)]) == ["100.0%", "90.0%"]
+    assert table([row(2, 180.0), row(4, 300.0)]) == ["-", "-"]
+
+
 def test_bench_times_its_runs_in_interleaved_rounds(tmp_path):
     """With --steps 5, the runs of a batch take turns in 3 rounds (2, 1 and 2 timed
     steps), each share after an untimed step: every run trains 1 + 3 + 5 steps, the
