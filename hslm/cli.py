@@ -85,8 +85,15 @@ def hyper_options(f):
     from .hyper import HYPER_PARAMS
     for p in reversed(HYPER_PARAMS):
         f = click.option(p.flag, *(["-k"] if p.name == "loss_positions" else []), type=p.type,
-                         default=p.default, show_default=p.default is not None, help=p.help)(f)
+                         default=p.default, show_default=p.default is not None, help=p.help,
+                         callback=_plain_zero if p.type is float else None)(f)
     return f
+
+
+def _plain_zero(ctx, param, value):
+    """A float flag's -0.0 as 0.0: the same run, so the same .state (--weight-decay -0
+    had stored -0.0, and its .state differed from --weight-decay 0's)."""
+    return value + 0.0 if value is not None else value
 
 
 def data_options(f, cache_default="the output or checkpoint folder"):

@@ -1456,6 +1456,21 @@ def test_diff_names_a_field_that_differs_only_as_minus_zero(base, tmp_path):
     assert len(out.splitlines()) == 3 and out.splitlines()[-1] == "0 tensor(s) differ", out
 
 
+def test_a_weight_decay_of_minus_zero_is_stored_as_zero(tmp_path):
+    """--weight-decay -0 trains the run --weight-decay 0 does, so its .state is the same:
+    the flag's -0.0 had been stored as it was, and the two runs' .state files differed
+    (diff: "weight_decay 0.0 != -0.0"). Control: the flag 0 stores 0.0."""
+    states = []
+    for name, value in (("minus", "-0"), ("plus", "0")):
+        code, out, err = hslm("train", *TINY, "--steps", 1, "--seed", 1, "--weight-decay",
+                              value, "--out", tmp_path / name)
+        assert code == 0, err
+        state = tmp_path / name / "ckpt_1.state"
+        assert '"weight_decay":0.0' in ckpt.read(state).meta["hyper"]
+        states.append(state.read_bytes())
+    assert states[0] == states[1]
+
+
 def test_diff_names_params_sha256_and_not_the_header_checksum(base, tmp_path, monkeypatch):
     """Two .state files differing only in params_sha256 printed only
     `metadata header_sha256: ...` (derived from the rest: noise) and 0 tensors."""
