@@ -454,8 +454,10 @@ class ParallelCompile:
     a warm machine, only needless: see needed()."""
 
     def __init__(self, speeds, vocab: int, echo=None, jobs=None, processes=None,
-                 reason="first run on this machine", lock: CompileLock | None = None):
+                 reason="first run on this machine", lock: CompileLock | None = None,
+                 on_stop=None):
         self.jobs = jobs_for(speeds) if jobs is None else jobs
+        self.on_stop = on_stop  # tidies the caller's work up when a signal ends the process
         self.reason = reason
         self.n = processes or processes_to_use(len(self.jobs))
         self.vocab, self.echo = int(vocab), echo
@@ -537,7 +539,15 @@ class ParallelCompile:
             self.echo(f"compiled in {time.perf_counter() - self.t0:.0f} s")
 
     def _terminated(self, signum, frame):
+        """SIGTERM or SIGHUP while compiling: stop the helpers, tidy up (on_stop: a run
+        removes the folder it made, which had been left with its lock) and say so, then
+        end of the signal."""
         self.__exit__(None, None, None)
+        if self.on_stop is not None:
+            self.on_stop()
+        from .errors import stop_word
+        with contextlib.suppress(OSError):  # (a hung-up terminal's stderr may be gone)
+            os.write(2, f"error: {stop_word(signum)}\n".encode())
         if callable(signal.getsignal(signum)):
             # a Python handler would raise here, inside whatever this process was compiling
             # (Numba may hold its cache's lock): end of the signal instead, as before
@@ -612,9 +622,10 @@ class _AfterAnother(_Nothing):
     its jobs (the text is read meanwhile), then compiles in parallel what is still
     missing (the other run's speeds may not have been these), as session() would."""
 
-    def __init__(self, lock, speeds, vocab, echo, tokenizing_here, teams, reason):
+    def __init__(self, lock, speeds, vocab, echo, tokenizing_here, teams, reason, on_stop):
         self.lock, self.speeds, self.vocab, self.echo = lock, speeds, vocab, echo
         self.tokenizing_here, self.teams, self.reason = tokenizing_here, teams, reason
+        self.on_stop = on_stop
 
     def finish(self):
         t0 = time.perf_counter()
@@ -628,18 +639,21 @@ class _AfterAnother(_Nothing):
             if needed(self.speeds, self.teams):  # (not an upgrade: what the other left)
                 with _parallel_compile(self.lock, "kernels the other process did not compile",
                                        self.speeds, self.vocab, self.echo,
-                                       self.tokenizing_here, self.teams) as compiling:
+                                       self.tokenizing_here, self.teams,
+                                       self.on_stop) as compiling:
                     compiling.finish()
         finally:
             self.lock.release()  # (after a ParallelCompile, released there already)
 
 
-def session(speeds, vocab: int, echo=None, tokenizing_here=False, teams=False):
+def session(speeds, vocab: int, echo=None, tokenizing_here=False, teams=False, on_stop=None):
     """The one decision for every command: a ParallelCompile when a run at these
     speeds would compile (needed()), else a context that does nothing. With
     tokenizing_here the caller tokenizes meanwhile (which compiles the tokenizer in
     this process), so the tokenizer is not a job and one more process helps. Under
-    MPI each rank compiles as it goes, as before; on a first run rank 0 says so."""
+    MPI each rank compiles as it goes, as before; on a first run rank 0 says so.
+    on_stop: what to tidy up if SIGTERM or SIGHUP ends the process while compiling
+    (ParallelCompile._terminated)."""
     from . import distributed
     from .micro import ternary_panel_matmul
     if distributed.launched_by_mpi():
@@ -652,19 +666,19 @@ def session(speeds, vocab: int, echo=None, tokenizing_here=False, teams=False):
         return _Nothing()
     if not lock.take():
         return _AfterAnother(lock, speeds, vocab, echo, tokenizing_here, teams,
-                             lock.noted() or reason)
+                             lock.noted() or reason, on_stop)
     if lock.no_flock:  # (the saves' lock cannot be held there either: compiled as the run goes)
         return _Nothing()
-    return _parallel_compile(lock, reason, speeds, vocab, echo, tokenizing_here, teams)
+    return _parallel_compile(lock, reason, speeds, vocab, echo, tokenizing_here, teams, on_stop)
 
 
-def _parallel_compile(lock, reason, speeds, vocab, echo, tokenizing_here, teams):
+def _parallel_compile(lock, reason, speeds, vocab, echo, tokenizing_here, teams, on_stop=None):
     """session()'s ParallelCompile, the lock held (a compile of this cache's that was
     interrupted gives its reason)."""
     jobs = [j for j in jobs_for(speeds, teams) if not (tokenizing_here and j == "tokenizer")]
     return ParallelCompile(speeds, vocab, echo, jobs,
                            processes_to_use(len(jobs) + tokenizing_here),
-                           lock.noted() or reason, lock)
+                           lock.noted() or reason, lock, on_stop)
 
 
 def compile_first(speeds, vocab: int, echo=None, teams=False) -> None:

@@ -442,16 +442,18 @@ def load_corpus(data, cfg: Config, expect_sha256=None, tokenizer=None, cache_dir
     return Corpus.load(data, cfg.vocab, cfg.window, expect_sha256, tokenizer, cache_dir)
 
 
-def load_corpus_compiling(o: TrainOptions, cfg: Config, load, batch: int):
+def load_corpus_compiling(o: TrainOptions, cfg: Config, load, batch: int, held):
     """load() (the run's corpus), while on a machine's first run (or after an upgrade)
     helper processes compile the step's kernels (hslm/precompile.py); then say so, and
     compile what is left here and in the helpers. The tokenizer's kernels compile here
     as the text is tokenized. A bad text's error comes alone: the helpers are stopped
-    silently. With more threads than the batch has windows, the teams' kernel too."""
+    silently. With more threads than the batch has windows, the teams' kernel too.
+    A SIGTERM or SIGHUP while compiling ends the process by the signal: the folders
+    held (HeldFolder) are given up first, as for an error."""
     from . import precompile
     echo = None if o.quiet or not distributed.is_writer() else (lambda m: click.echo(m, err=True))
     with precompile.session([o.speed], cfg.vocab, echo, tokenizing_here=True,
-                            teams=o.threads > batch) as compiling:
+                            teams=o.threads > batch, on_stop=lambda: give_up(held)) as compiling:
         corpus = load()
         compiling.finish()
     return corpus
@@ -629,7 +631,7 @@ def open_run(o: TrainOptions):
             tidy_cache_dir(token_cache_dir(o.cache_dir, out), out)
             return load_corpus_compiling(o, cfg, lambda: load_corpus(
                 o.data, cfg, text_sha256, tokenizer, token_cache_dir(o.cache_dir, out)),
-                hyper.batch)
+                hyper.batch, held)
 
         held = []
         with releasing_on_error(held):
@@ -654,7 +656,7 @@ def open_run(o: TrainOptions):
     with releasing_on_error(held):
         tidy_cache_dir(token_cache_dir(o.cache_dir, out), out)
         corpus = load_corpus_compiling(o, cfg, lambda: load_corpus(
-            o.data, cfg, cache_dir=token_cache_dir(o.cache_dir, out)), hyper.batch)
+            o.data, cfg, cache_dir=token_cache_dir(o.cache_dir, out)), hyper.batch, held)
         run = Run.fresh(cfg, hyper, corpus, plain=SPEEDS[o.speed].plain_layouts)
     return run, out, held[0]
 
@@ -728,10 +730,16 @@ def releasing_on_error(held):
         yield
         raise_dropped_interrupt()
     except BaseException:
-        for h in held:  # removed while still held: another run may take it once released
-            h.remove_created()
-            h.release()
+        give_up(held)
         raise
+
+
+def give_up(held):
+    """Remove the folders a run that failed before it started made, and release them
+    (removed while still held: another run may take them once released)."""
+    for h in held:
+        h.remove_created()
+        h.release()
 
 
 def checkpoints_saved_over(out: Path, step: int, steps: int, save_every: int):

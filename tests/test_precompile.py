@@ -392,7 +392,9 @@ def test_the_helpers_import_this_hslm_whatever_folder_the_run_was_started_in(tmp
 @pytest.mark.slow
 def test_sigterm_while_compiling_leaves_no_helper_and_no_folder(tmp_path):
     """SIGTERM during a first run's compile: the run ends of the signal as before, its
-    helpers are stopped and its folder removed."""
+    helpers are stopped and its compile folder removed. It says so, and removes the
+    --out folder it had made (left, with its lock and nothing else, and no line, before;
+    a warm run's SIGTERM already did both)."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NUMBA_CACHE_DIR": str(tmp_path / "cache"),
@@ -404,10 +406,13 @@ def test_sigterm_while_compiling_leaves_no_helper_and_no_folder(tmp_path):
         line = p.stderr.readline()  # the notice: the helpers are at work
         assert line.startswith("compiling kernels in "), line
         time.sleep(1)
+        assert (tmp_path / "out").is_dir()  # (the control: made before the compile)
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=120) == -signal.SIGTERM
+        assert p.stderr.read() == "error: terminated\n"
     time.sleep(0.5)
     assert not list(tmp.glob("hslm-compile-*"))  # (the cache-save lock file stays, by design)
+    assert not (tmp_path / "out").exists()
 
     def mentions_tmp(pid):
         try:
