@@ -301,10 +301,13 @@ def check_apart_from_text(data, folder, what: str, flag: str):
                             f"there): give another {flag}")
 
 
-def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_dir=None):
+def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_dir=None,
+                  check=None):
     """(tokenizer, token stream) for a scanned text: from the token cache when it holds
     them, else learned (tokenizer None) or encoded, and then cached. The stream is
-    memory-mapped when a cache folder is given."""
+    memory-mapped when a cache folder is given. check(n, tokenizer), where given, judges
+    the tokens made before they are cached (Corpus: a text too short is refused before
+    its cache folder is made)."""
     # the run's cache, then the built-in corpus's default tokens shipped with hslm (read
     # only), so that a machine's first default run has no tokenizer to compile
     folders = [f for f in (cache_dir, BUILTIN_TOKENS) if f is not None]
@@ -346,6 +349,8 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
     ph.close(f" ({src.size / 1e6:,.1f} MB -> {n:,} tokens)", done=len(merges))
     if learn:
         tokenizer = Tokenizer(vocab, merges)
+    if check is not None:
+        check(n, tokenizer)
     if cache_dir is None or not distributed.is_writer():  # MPI: rank 0 alone writes the cache
         return tokenizer, ids[:n].copy()
     path = token_cache.tokens_path(cache_dir, sha, tokenizer.identity)
@@ -390,6 +395,24 @@ def hash_text(src: TextSource, cache_dir=None, rehash=False):
     return sha, False, key if settled else None
 
 
+def check_split(n: int, window: int, size: int, source: str, tokenizer) -> None:
+    """Refuse n tokens (of size bytes, by tokenizer) too few for Corpus's split: the last
+    10% for validation, each part at least a window and its targets."""
+    n_valid = int(n * VALID_SHARE)
+    need_train, need_valid = window + 2, window + 1
+    if n - n_valid < need_train or n_valid < need_valid:
+        raise HslmError(
+            f"the corpus is too short: {n:,} token{'s' if n != 1 else ''} from "
+            f"{size:,} byte{'s' if size != 1 else ''} ({source}), "
+            f"{n - n_valid:,} for training and "
+            f"{n_valid:,} for validation; a window of {window} needs at least "
+            f"{need_train} and {need_valid} (about {need_valid * 10} tokens in all)"
+            + (f"; its bytes would do, but the tokenizer's {len(tokenizer.merges):,} "
+               f"merges took this text to few tokens: a model with a smaller vocabulary "
+               f"(at least {FIRST_MERGE}) merges less"
+               if size >= need_valid * 10 and len(tokenizer.merges) else ""))
+
+
 class Corpus:
     """A text's tokens, split: the last 10% of the token stream is validation."""
 
@@ -401,6 +424,9 @@ class Corpus:
             raise HslmError(f"the corpus is empty ({source})")
         _check_size(src)  # (before the text is read to be hashed: hours at 1 TB)
         self.source = source
+
+        def check(n, tok):  # (before the tokens are cached, and again for cached ones)
+            check_split(n, window, src.size, source, tok)
         for rehash in (False, True):
             self.text_sha256, recalled, memo = hash_text(src, cache_dir, rehash)
             try:
@@ -413,7 +439,7 @@ class Corpus:
                                         if expect_sha256 == BUILTIN_SHA256 else
                                         "pass the same --data"))
                 self.tokenizer, self.tokens = corpus_tokens(src, self.text_sha256, vocab,
-                                                            tokenizer, cache_dir)
+                                                            tokenizer, cache_dir, check)
                 if memo is not None:  # (a text refused, or one that failed its checks, is
                     # not remembered: a run that failed on it leaves no cache folder made)
                     token_cache.remember_text_sha256(cache_dir, memo, self.text_sha256)
@@ -425,21 +451,10 @@ class Corpus:
                 # rewritten with its key kept): forgotten, and the text hashed in full
                 token_cache.forget_text_sha256(cache_dir, src.stat_key())
         n = len(self.tokens)
+        check(n, self.tokenizer)
         n_valid = int(n * VALID_SHARE)
         self.train = self.tokens[: n - n_valid]
         self.valid = self.tokens[n - n_valid:]
-        need_train, need_valid = window + 2, window + 1
-        if len(self.train) < need_train or len(self.valid) < need_valid:
-            raise HslmError(
-                f"the corpus is too short: {n:,} token{'s' if n != 1 else ''} from "
-                f"{src.size:,} byte{'s' if src.size != 1 else ''} ({source}), "
-                f"{len(self.train):,} for training and "
-                f"{len(self.valid):,} for validation; a window of {window} needs at least "
-                f"{need_train} and {need_valid} (about {need_valid * 10} tokens in all)"
-                + (f"; its bytes would do, but the tokenizer's {len(self.tokenizer.merges):,} "
-                   f"merges took this text to few tokens: a model with a smaller vocabulary "
-                   f"(at least {FIRST_MERGE}) merges less"
-                   if src.size >= need_valid * 10 and len(self.tokenizer.merges) else ""))
         learned, room = len(self.tokenizer.merges), vocab - FIRST_MERGE
         # (only for a tokenizer made from this text: a run's own, given, may come from another)
         if tokenizer is None and learned < room and distributed.is_writer():

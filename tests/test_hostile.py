@@ -714,15 +714,25 @@ def test_devices_and_fifos_are_refused_without_reading(base, tmp_path):
 
 
 def test_a_run_that_fails_on_its_text_leaves_no_new_folder(base, tmp_path):
+    """Nor a --cache-dir it made: a text too short had been refused after its tokens were
+    cached, in a cache folder made for them (train and eval). Control: a text that fits
+    makes the cache folder."""
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"cats and owls \xff\xfe")
     short = tmp_path / "short.txt"
     short.write_text("hello world")
+    cache = tmp_path / "cache" / "x"
     for data, expect in ((bad, "UTF-8"), (short, "too short")):
         out = tmp_path / "new" / "run"
         assert expect in one_line_error(*hslm("train", *TINY, "--steps", 1, "--data", data,
-                                              "--out", out))
+                                              "--out", out, "--cache-dir", cache))
         assert not (tmp_path / "new").exists()  # the folders it made are gone again
+        assert not (tmp_path / "cache").exists()
+        assert expect in one_line_error(*hslm("eval", base / "ckpt_2.bin", "--data", data,
+                                              "--cache-dir", cache))
+        assert not (tmp_path / "cache").exists()
+    code, out, err = hslm("eval", base / "ckpt_2.bin", "--cache-dir", cache)
+    assert code == 0 and any(cache.glob("tokens-*.tok")), err
     out = tmp_path / "resumed"
     line = one_line_error(*hslm("train", "--resume", base / "ckpt_2.state", "--steps", 2,
                                 "--out", out))
