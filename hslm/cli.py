@@ -243,7 +243,7 @@ def eval_cmd(ckpt_path, data, cache_dir, eval_windows, loss_positions, threads, 
 
     from .data import Corpus
     from .step import StepRunner
-    from .train import load_for_inference, perplexity
+    from .train import load_for_inference, perplexity, tidy_cache_dir
 
     need_stdout("eval")
     threads = threads or default_threads()
@@ -256,8 +256,10 @@ def eval_cmd(ckpt_path, data, cache_dir, eval_windows, loss_positions, threads, 
     if not 1 <= k <= cfg.window:
         raise HslmError(f"--loss-positions must be between 1 and the window ({cfg.window}), "
                         f"got {k}")
+    cache = token_cache_dir(cache_dir, ckpt_path.parent)
+    tidy_cache_dir(cache)  # (a torn cache write's file, as big as the tokens, as train does)
     corpus = Corpus.load(data, cfg.vocab, cfg.window, tokenizer=tok,  # the run's tokenizer
-                         cache_dir=token_cache_dir(cache_dir, ckpt_path.parent))
+                         cache_dir=cache)
     if trained_on.get("sha256") not in (None, corpus.text_sha256):
         if distributed.is_writer():  # (MPI: every rank scores alike; rank 0 says so)
             click.echo(one_line(
@@ -423,13 +425,15 @@ def bench(model, data, cache_dir, speed, threads, batch, steps, loss_positions, 
         check_report_apart(json_path, models, data)
     from .precompile import compile_first
     from .token_cache import cache_dir as token_cache_dir
-    from .train import resolve_config
+    from .train import resolve_config, tidy_cache_dir
     cfgs = [resolve_config(m) for m in models]  # a bad --model: its error before compiling
     from .validate import check_bench_plan  # -k, the batches, the memory: before compiling
     check_bench_plan(list(zip(models, cfgs)), speeds, thread_counts, batches, loss_positions)
     for p in data:  # and that the text's paths are there (read after compiling)
         if not os.path.exists(p):
             raise HslmError(f"data file not found: {p}")
+    cache = token_cache_dir(cache_dir, None)
+    tidy_cache_dir(cache)  # (a torn cache write's file, as big as the tokens, as train does)
     compile_first(sorted(set(speeds) | {DEFAULT_SPEED}), cfgs[0].vocab,
                   echo=lambda m: click.echo(m, err=True),
                   teams=max(thread_counts) > min(batches))
@@ -437,7 +441,7 @@ def bench(model, data, cache_dir, speed, threads, batch, steps, loss_positions, 
     from .bench_report import all_identical, format_report
     report = run_bench(models, speeds, thread_counts, batches, steps, loss_positions, data,
                        with_torch, profile, progress=lambda m: click.echo(f"  {m}", err=True),
-                       cache_dir=token_cache_dir(cache_dir, None))
+                       cache_dir=cache)
     if json_path is not None:  # first: a standard output that fails (a full disk) had lost it
         from .checkpoint import write_atomic
         write_atomic(json_path, (json.dumps(report, indent=1) + "\n").encode(), what="report")

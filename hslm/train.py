@@ -210,17 +210,18 @@ def prepare_out_dir(out: Path):
     return lock
 
 
-def tidy_cache_dir(cache, out: Path):
+def tidy_cache_dir(cache, out: Path | None = None):
     """remove_torn_writes in a token cache folder apart from the output folder (--cache-dir,
-    $HSLM_CACHE_DIR): a run killed while caching a large text's tokens leaves its
-    temporary file there, as big as the cache it was writing."""
+    $HSLM_CACHE_DIR; for eval, out None, the checkpoint's folder too): a run killed while
+    caching a large text's tokens leaves its temporary file there, as big as the cache it
+    was writing."""
     if cache is None or not distributed.is_writer():
         return
     try:
         there = Path(cache).is_dir()
     except OSError:  # a name too long, say: the cache is then a warning (corpus_tokens)
         return
-    if there and os.path.abspath(cache) != os.path.abspath(out):
+    if there and (out is None or os.path.abspath(cache) != os.path.abspath(out)):
         remove_torn_writes(Path(cache))
 
 

@@ -1193,19 +1193,24 @@ def test_ctrl_c_during_the_final_evaluation_ends_as_a_stop(tmp_path):
     ckpt.read(d / "ckpt_1.state")
 
 
-def test_a_killed_runs_temporary_file_in_the_cache_folder_is_removed(tmp_path):
+def test_a_killed_runs_temporary_file_in_the_cache_folder_is_removed(base, tmp_path):
+    """By train, and by eval and bench, whose --cache-dir (eval's default: the checkpoint's
+    folder) may be used by nothing else: they had left it, as big as the text's tokens."""
     cache = tmp_path / "cache"
     cache.mkdir()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # a PID no process holds now
     torn = cache / f".tokens-0123456789abcdef-0123456789abcdef.tok.tmp{dead.pid}"
-    torn.write_bytes(b"\0" * 4096)
     mine = cache / f".tokens-0123456789abcdef-0123456789abcdef.tok.tmp{os.getpid()}"
     mine.write_bytes(b"")  # a live writer's: left alone
-    code, out, err = hslm("train", *TINY, "--steps", 1, "--out", tmp_path / "o",
-                          "--cache-dir", cache)
-    assert code == 0, err
-    assert not torn.exists() and mine.exists()
+    for cmd in (("train", *TINY, "--steps", 1, "--out", tmp_path / "o"),
+                ("eval", base / "ckpt_2.bin"),
+                ("bench", "--model", "hslm-tiny", "--speed", 3, "--threads", 1, "--batch", 2,
+                 "--steps", 1, "--no-torch", "--no-profile")):
+        torn.write_bytes(b"\0" * 4096)
+        code, out, err = hslm(*cmd, "--cache-dir", cache)
+        assert code == 0, err
+        assert not torn.exists() and mine.exists(), cmd
 
 
 def test_eval_says_when_it_scores_another_text_than_the_runs(base, tmp_path):
