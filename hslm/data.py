@@ -362,10 +362,10 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
     except HslmError as e:  # the cache is an optimisation: a read-only folder must not stop us
         warn(f"{e}; going on without the token cache")
         return tokenizer, ids[:n].copy()
-    ids = None  # free the id array before mapping the cache
     arr = token_cache.open_tokens(path, sha, tokenizer.identity, tokenizer.vocab)
-    if arr is None:
-        raise HslmError(f"the token cache {path} cannot be read back")
+    if arr is None:  # (a folder whose files cannot be memory-mapped, say)
+        warn(f"the token cache {path} cannot be read back; going on without it")
+        return tokenizer, ids[:n].copy()
     return tokenizer, arr
 
 

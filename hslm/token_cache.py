@@ -153,8 +153,9 @@ def write_tokens(path: Path, tokens: np.ndarray, text_sha256: str, identity: str
 
 
 def open_tokens(path: Path, text_sha256: str, identity: str, vocab: int):
-    """The memory-mapped tokens, or None when the file is missing or not the one
-    asked for (wrong header, truncated, or its checksum does not match), or holds an id
+    """The memory-mapped tokens, or None when the file is missing, cannot be mapped, or
+    is not the one asked for (wrong header, truncated, or its checksum does not match),
+    or holds an id
     of `vocab` or more: the checksum catches damage, not a forged file, and the kernels
     index the embedding by these ids (a forged file's had crashed hslm eval)."""
     path = Path(path)
@@ -174,8 +175,11 @@ def open_tokens(path: Path, text_sha256: str, identity: str, vocab: int):
         return None
     if n == 0:
         return np.zeros(0, "<u2" if item == 2 else "<u4")
-    arr = np.memmap(path, dtype="<u2" if item == 2 else "<u4", mode="r", offset=HEADER,
-                    shape=(n,))
+    try:  # (a folder whose files cannot be mapped, as some FUSE mounts: a miss)
+        arr = np.memmap(path, dtype="<u2" if item == 2 else "<u4", mode="r", offset=HEADER,
+                        shape=(n,))
+    except OSError:
+        return None
     largest = [0]
     digest = checksum(arr, lambda part: largest.append(int(part.max())))
     if digest != h[88:120] or max(largest) >= vocab:

@@ -469,3 +469,28 @@ def test_a_fifo_or_a_device_under_a_cache_files_name_is_a_miss(tmp_path):
     assert results == [([], None, None)] * 2
     token_cache.remember_text_sha256(tmp_path, [["a", 1]], sha)  # the control
     assert token_cache.recall_text_sha256(tmp_path, [["a", 1]]) == sha
+
+
+def test_a_cache_folder_whose_files_cannot_be_mapped_is_a_warning(tmp_path, monkeypatch,
+                                                                   capsys):
+    """A --cache-dir on a file system that refuses to memory-map (some FUSE mounts:
+    ENODEV) had failed every run with `error: No such device`, naming no file, its
+    tokens cached and then not read back. It is now a warning, and the run goes on with
+    the tokens it made, the same ones. Control: mapped, they are a memmap."""
+    import errno
+    (tmp_path / "t.txt").write_text(varied_text())
+    mapped = Corpus.load(tmp_path / "t.txt", 300, 9, cache_dir=tmp_path / "ok")
+    memmap = np.memmap  # (numpy's own, patched below: token_cache.np is numpy)
+    assert isinstance(mapped.tokens, memmap)
+
+    def refused(*args, **kwargs):
+        raise OSError(errno.ENODEV, os.strerror(errno.ENODEV))
+    monkeypatch.setattr(token_cache.np, "memmap", refused)
+    capsys.readouterr()
+    for _ in range(2):  # (and again, with its cache file there)
+        c = Corpus.load(tmp_path / "t.txt", 300, 9, cache_dir=tmp_path / "fuse")
+        assert not isinstance(c.tokens, memmap)
+        assert np.array_equal(c.tokens, mapped.tokens)
+        err = capsys.readouterr().err
+        assert "warning: the token cache " in err and "cannot be read back; going on without it" \
+            in err, err
