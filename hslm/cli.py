@@ -171,10 +171,16 @@ def diff(ctx, a, b):
 @click.argument("file", required=False, callback=not_empty)
 def info(file):
     """Describe a checkpoint (config, step, checksum, ternary shares), a model config
-    (a preset name or a JSON file), or, with no argument, list the presets."""
+    (a preset name or a JSON file), a run's tokenizer.json or token cache file, or, with
+    no argument, list the presets."""
     need_stdout("info")
     from .config import PRESETS
     kind = _file_kind(file) if file is not None and file not in PRESETS else None
+    if kind in ("tokenizer", "tokens"):
+        from .inspect import describe_tokenizer, describe_tokens
+        for line in (describe_tokenizer if kind == "tokenizer" else describe_tokens)(file):
+            click.echo(line)
+        return
     if file is None or file in PRESETS or kind == "json" or (kind != "checkpoint"
                                                              and file.endswith(".json")):
         from .train import resolve_config
@@ -201,11 +207,14 @@ def info(file):
 def _file_kind(path):
     """What `hslm info FILE` is given, by its first bytes whatever its name: "checkpoint"
     (`info ck.json` had been read as a model config, and refused as train's --model),
-    "json" (a model config: `{` first, whatever its name, as --model takes it), else
-    "other", or None where it cannot be opened as a regular file (left to the checks of
-    what its name says, and their message)."""
+    "tokens" (a token cache's file), "tokenizer" (JSON that names hslm's BPE format: a
+    run's tokenizer.json, or a cache's bpe-*.json; both had been refused as model
+    configs), "json" (a model config: `{` first, whatever its name, as --model takes it),
+    else "other", or None where it cannot be opened as a regular file (left to the
+    checks of what its name says, and their message)."""
     from .checkpoint import starts_as_checkpoint
     from .errors import open_regular
+    from .token_cache import MAGIC
     try:
         f, _ = open_regular(Path(path), "file")
     except HslmError:
@@ -214,8 +223,12 @@ def _file_kind(path):
         head = f.read(4096)
     if starts_as_checkpoint(head):
         return "checkpoint"
+    if head.startswith(MAGIC):
+        return "tokens"
     # (a byte order mark first: as --model reads it)
-    return "json" if head.removeprefix(codecs.BOM_UTF8).lstrip()[:1] == b"{" else "other"
+    if head.removeprefix(codecs.BOM_UTF8).lstrip()[:1] != b"{":
+        return "other"
+    return "tokenizer" if b'"hslm-bpe' in head[:200] else "json"
 
 
 @cli.command(name="eval")

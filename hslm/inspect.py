@@ -133,6 +133,59 @@ def _differing(a, b, n=60):
     return f"{cut(sa)} != {cut(sb)} (first difference at character {i})"
 
 
+def describe_tokenizer(path):
+    """`hslm info` of a tokenizer a run wrote: tokenizer.json beside its checkpoints, or a
+    token cache folder's bpe-*.json (the same, with the text it was learned from)."""
+    from .data import Tokenizer
+    from .errors import read_bytes
+    from .token_cache import TOKENIZER_CACHE_VERSION
+    from .validate import MAX_JSON
+    raw = read_bytes(path, "tokenizer", MAX_JSON + 4096)
+    try:
+        obj = json.loads(raw.decode("utf-8-sig"))
+    except (ValueError, RecursionError):
+        obj = None
+    cached = isinstance(obj, dict) and obj.get("version") == TOKENIZER_CACHE_VERSION
+    try:
+        tok = Tokenizer.from_json(json.dumps(obj["tokenizer"]) if cached
+                                  else raw.decode("utf-8-sig", errors="replace"))
+    except (HslmError, KeyError, TypeError) as e:
+        raise HslmError(f"tokenizer {path}: {e}") from None
+    lines = [f"file      {path}",
+             "kind      tokenizer (byte-level BPE, hslm-bpe v1)" + (
+                 ", cached with the text it was learned from" if cached else
+                 ": a copy for other tools; hslm reads the one each .bin carries"),
+             f"vocab     {tok.vocab:,}",
+             f"tokenizer {tok.identity[:16]}... ({len(tok.merges)} merges)"]
+    if cached:
+        lines.append(f"data      text sha256 {one_line(str(obj.get('text_sha256')))[:16]}...")
+    return lines
+
+
+def describe_tokens(path):
+    """`hslm info` of a token cache's tokens-*.tok: its header, and whether its tokens
+    still match the checksum there (a damaged cache is tokenized again by a run)."""
+    from .errors import open_regular
+    from .token_cache import HEADER, MAGIC, checksum
+    f, size = open_regular(path, "token file")
+    with f:
+        h = f.read(HEADER)
+    item, n = int.from_bytes(h[8:16], "little"), int.from_bytes(h[16:24], "little")
+    if len(h) != HEADER or h[:8] != MAGIC or item not in (2, 4) or size != HEADER + n * item:
+        raise HslmError(f"token cache {path}: its header does not describe it (torn or "
+                        "damaged); a run tokenizes its text again")
+    tokens = np.memmap(path, dtype=f"<u{item}", mode="r", offset=HEADER, shape=(n,)) if n \
+        else np.zeros(0, f"<u{item}")
+    whole = checksum(tokens) == h[88:120]
+    return [f"file      {path}",
+            "kind      token cache (HSLMTOK2): a text's tokens, as a run cached them",
+            f"tokens    {n:,} of {item} bytes",
+            f"data      text sha256 {h[24:56].hex()[:16]}...",
+            f"tokenizer {h[56:88].hex()[:16]}...",
+            "checksum  " + ("ok" if whole else "MISMATCH: damaged; a run tokenizes its text "
+                                               "again")]
+
+
 def describe(path):
     ck = ckpt.read(path)
     cfg = ck.config

@@ -621,6 +621,40 @@ def test_info_describes_a_checkpoint_whatever_its_name(base, tmp_path):
         assert code == 0 and out.splitlines()[0].startswith("model"), err
 
 
+def test_info_describes_a_runs_tokenizer_and_token_cache(tmp_path):
+    """`hslm info` of the tokenizer.json a run writes, of its token cache's bpe-*.json and
+    tokens-*.tok: the first two had been refused as model configs ("missing width, ..."),
+    the last as "not an hslm checkpoint". They are described, with the identity `info`
+    of a .bin names; a damaged cache says so (exit 0: a run tokenizes its text again), a
+    tokenizer that is not one is one line (exit 2). Control: a model config as before."""
+    data = tmp_path / "t.txt"
+    data.write_text(TEXT)
+    d = tmp_path / "run"
+    assert hslm("train", *TINY, "--steps", 1, "--data", data, "--out", d)[0] == 0
+    code, out, err = hslm("info", d / "ckpt_1.bin")
+    identity = next(x for x in out.splitlines() if x.startswith("tokenizer ")).split()[1]
+    [cached] = d.glob("bpe-*.json")
+    [tokens] = d.glob("tokens-*.tok")
+    for f, kind in ((d / "tokenizer.json", "kind      tokenizer (byte-level BPE"),
+                    (cached, "cached with the text it was learned from"),
+                    (tokens, "kind      token cache (HSLMTOK2)")):
+        code, out, err = hslm("info", f)
+        assert code == 0 and kind in out and f"tokenizer {identity}" in out, (f, out, err)
+    assert "checksum  ok" in out and "data      text sha256 " in out
+    raw = bytearray(tokens.read_bytes())
+    raw[-1] ^= 1
+    tokens.write_bytes(bytes(raw))
+    code, out, err = hslm("info", tokens)
+    assert code == 0 and "checksum  MISMATCH: damaged" in out, out
+    tokens.write_bytes(bytes(raw[:-2]))
+    assert "its header does not describe it" in one_line_error(*hslm("info", tokens))
+    forged = tmp_path / "forged.json"
+    forged.write_text('{"format":"hslm-bpe","version":1,"vocab":300,"merges":[[1,999]]}')
+    assert "tokenizer " in one_line_error(*hslm("info", forged))
+    code, out, err = hslm("info", "hslm-tiny")
+    assert code == 0 and out.splitlines()[0].startswith("model"), err
+
+
 def test_damaged_and_foreign_files_through_the_cli(base, tmp_path):
     raw = (base / "ckpt_2.state").read_bytes()
     i = raw.index(b'\\"lr\\":0.001') + len(b'\\"lr\\":0.00')
