@@ -13,9 +13,9 @@ from pathlib import Path
 
 import click
 
-from . import _the_hslm_command, distributed, end_of_start_up, missing_package_line
-from .errors import (HslmError, keeping_dropped_interrupts, one_line, quiet_after_interrupt,
-                     raise_dropped_interrupt, stop_word, stopped_by)
+from . import _the_hslm_command, distributed, end_of_start_up
+from .errors import (HslmError, keeping_dropped_interrupts, machine_error_line, one_line,
+                     quiet_after_interrupt, raise_dropped_interrupt, stop_word, stopped_by)
 from .speeds import DEFAULT_SPEED, SPEEDS, speed_help
 
 
@@ -376,8 +376,9 @@ class ReaderLeft(Exception):
               show_default=True, help="Image file to write (.png, .pdf, .svg, ...).")
 def plot(metrics_file, output):
     """Training and validation loss against step, from a --metrics file."""
+    from .errors import warn
     from .plot import plot_metrics
-    plot_metrics(metrics_file, output, warn=lambda line: click.echo(one_line(line), err=True))
+    plot_metrics(metrics_file, output, warn=warn)
     click.echo(f"wrote {output}")
 
 
@@ -422,6 +423,9 @@ def bench(model, data, cache_dir, speed, threads, batch, steps, loss_positions, 
     """Train the same seeded steps at each speed side by side; report tok/s and ratios."""
     import json
 
+    if distributed.current() is not None:  # (every rank refuses: one line)
+        raise HslmError("hslm bench times one process: run it without mpiexec (its ranks "
+                        "would time each other on the same cores, and each write --json)")
     models = _split(model, str, "--model")
     speeds = _split(speed, int, "--speed")
     if any(s not in SPEEDS for s in speeds):
@@ -741,20 +745,11 @@ def run_command(argv):
     except HslmError as e:
         click.echo(f"error: {one_line(str(e))}", err=True)
         sys.exit(2)
-    except OSError as e:  # a safety net: a path the checks did not foresee (a name too
-        # long, a folder that may not be searched) is still one line
-        where = f"{e.filename}: " if e.filename is not None else ""
-        click.echo(f"error: {one_line(f'{where}{e.strerror or e}')}", err=True)
-        sys.exit(2)
-    except ModuleNotFoundError as e:  # numba, imported by the command, not installed
-        line = missing_package_line(e)
-        if line is None:  # a module of hslm's own, say: a bug, shown whole
+    except (OSError, ModuleNotFoundError, MemoryError) as e:  # safety nets: the machine's
+        line = machine_error_line(e)
+        if line is None:  # a module of hslm's own missing, say: a bug, shown whole
             raise
-        click.echo(line, err=True)
-        sys.exit(2)
-    except MemoryError:  # a safety net: sizes are judged before allocating, but estimates err
-        click.echo("error: out of memory (try a smaller --batch, model or corpus, or fewer "
-                   "--threads)", err=True)
+        click.echo(f"error: {one_line(line)}", err=True)
         sys.exit(2)
     sys.exit(rv if isinstance(rv, int) else 0)
 

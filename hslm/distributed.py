@@ -90,7 +90,7 @@ import numpy as np
 
 from . import (MPI_LAUNCH_VARIABLES, MPI_RANK_VARIABLES, MPI_SIZE_VARIABLES, launch_value,
                launched_by_mpi)
-from .errors import HslmError, stop_word, stopped_by
+from .errors import HslmError, machine_error_line, stop_word, stopped_by
 
 # Environment variables that MPI launchers set (MPICH/Hydra and Intel MPI, Open MPI,
 # PMIx under Slurm, MVAPICH). HSLM_MPI=1 forces MPI, HSLM_MPI=0 ignores it.
@@ -1035,6 +1035,10 @@ def run_main(cli, argv):
         w.fail(_Shared(collapsed_line(e)), 2)
     except HslmError as e:
         w.fail(collapsed_line(e), 2)
+    except (OSError, ModuleNotFoundError, MemoryError) as e:  # as one process reports them
+        line = machine_error_line(e)
+        w.fail(f"{type(e).__name__}: {collapsed_line(e)}" if line is None
+               else collapsed_line(line), 1 if line is None else 2)
     except Exception as e:  # noqa: BLE001 - one rank's bug must not leave the others waiting
         w.fail(f"{type(e).__name__}: {collapsed_line(e)}", 1)
     if not w.started and not w.settled:  # a command that does not train: agreed all the same

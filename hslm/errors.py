@@ -105,9 +105,31 @@ def one_line(message: str) -> str:
 
 
 def warn(message: str):
-    """A warning: one line on stderr (a path's newlines and escapes as one_line's)."""
+    """A warning: one line on stderr (a path's newlines and escapes as one_line's); under
+    MPI, rank 0's alone (the ranks run the same command on the same files)."""
     import sys
-    print(f"warning: {one_line(message)}", file=sys.stderr, flush=True)
+
+    from . import distributed
+    if distributed.is_writer():
+        print(f"warning: {one_line(message)}", file=sys.stderr, flush=True)
+
+
+def machine_error_line(e: BaseException) -> str | None:
+    """The one line (without "error: ") of an error of the machine's, not hslm's: a path
+    the checks did not foresee (a name too long, a folder that may not be searched), a
+    run-time package not installed, memory that ran out though sizes are judged first;
+    None for any other (a bug, shown as one). One process and MPI's ranks report them
+    alike, exit status 2 (under MPI they had read "OSError: [Errno 36] ...", status 1)."""
+    if isinstance(e, OSError):
+        where = f"{e.filename}: " if e.filename is not None else ""
+        return f"{where}{e.strerror or e}"
+    if isinstance(e, MemoryError):
+        return "out of memory (try a smaller --batch, model or corpus, or fewer --threads)"
+    if isinstance(e, ModuleNotFoundError):  # numba, imported by the command
+        from . import missing_package_line
+        line = missing_package_line(e)
+        return None if line is None else line.removeprefix("error: ")
+    return None
 
 
 def stopped_by(e: BaseException) -> int:

@@ -14,7 +14,8 @@ MAX_STEP = 2 ** 63 - 1  # (hslm train's --steps at most)
 def read_metrics(path, warn=None):
     """(train, valid): the [(step, loss)] of a metrics file, one point a step. A partial
     last record (a run killed while writing it: progress.partial_record) is left out, with
-    a warning (warn, a callable taking the line), as the next run appending would cut it."""
+    a warning (warn, a callable taking its text: errors.warn), as the next run appending
+    would cut it."""
     from .progress import TAIL_CHECKED, partial_tail
     train, valid = [], []
     raw = read_bytes(path, "metrics file", limit=1 << 30)
@@ -26,7 +27,7 @@ def read_metrics(path, warn=None):
         raise HslmError(f"metrics file {path} is not UTF-8 text (offset {e.start})") from None
     del raw
     if cut and warn is not None:
-        warn(f"warning: {path} ends in a partial record (a run stopped while writing it): "
+        warn(f"{path} ends in a partial record (a run stopped while writing it): "
              f"its {cut} bytes left out")
     for n, line in enumerate(_lines(text), 1):
         if not line.strip():

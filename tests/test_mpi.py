@@ -693,3 +693,28 @@ def test_sharing_the_model_again_copies_it_before_freeing_its_old_block(tmp_path
                        text=True, timeout=120, env=env(), cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["same values"] * 2
+
+
+@needs_mpi
+def test_other_commands_under_mpiexec_report_as_one_process(tmp_path):
+    """Another command than train runs whole on every rank, rank 0 alone printing. Three
+    ways it had not: `hslm plot`'s warning came once per rank; a name too long (an
+    OSError the checks did not foresee) read "error: OSError: [Errno 36] ..." with exit
+    1, where one process says "error: NAME: File name too long", exit 2; and `hslm bench`
+    timed every rank at once on the same cores, each writing --json (the report then
+    held another rank's figures than the table printed): it is refused, in one line.
+    Controls: one process's plot warning and long-name line, the same."""
+    m = tmp_path / "m.jsonl"
+    m.write_text('{"kind":"train","step":1,"loss":5.0}\n{"kind":"train","st')
+    long = tmp_path / ("a" * 300)
+    for ranks in (None, 2):
+        code, out, err = hslm("plot", m, "-o", tmp_path / "p.png", ranks=ranks)
+        assert code == 0 and err.count("warning: ") == 1 and "partial record" in err, err
+        code, out, err = hslm("train", *TINY, "--steps", 1, "--out", long, ranks=ranks)
+        assert code == 2 and err.strip() == f"error: {long}: File name too long", err
+    code, out, err = hslm("bench", "--model", "hslm-tiny", "--speed", 3, "--steps", 1,
+                          "--no-torch", "--no-profile", "--json", tmp_path / "b.json", ranks=2)
+    assert code == 2 and err.strip() == ("error: hslm bench times one process: run it without "
+                                         "mpiexec (its ranks would time each other on the same "
+                                         "cores, and each write --json)"), err
+    assert not (tmp_path / "b.json").exists()
