@@ -40,6 +40,16 @@ LIMITS = {"vocab": 1 << 20, "width": 1 << 14, "mlp": 1 << 16, "blocks": 1 << 10,
 Dims = namedtuple("Dims", "vocab width heads head_width mlp blocks window")
 
 
+def _as_json(v) -> str:
+    """A config field's value as its JSON file has it (true, null, "8"), where it can be
+    written as JSON (a Config made in Python may hold anything): Python's repr had said
+    True, None, '8'."""
+    try:
+        return json.dumps(v)
+    except (TypeError, ValueError):
+        return repr(v)
+
+
 @dataclass(frozen=True)
 class Config:
     """Model dimensions. Written into every checkpoint."""
@@ -77,7 +87,8 @@ class Config:
         for f in fields(self):
             v = getattr(self, f.name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"config {f.name} must be a positive integer, got {v!r}")
+                raise ValueError(f"config {f.name} must be a positive integer, got "
+                                 f"{_as_json(v)}")
         if self.heads * self.head_width != self.width:
             raise ValueError(f"config: heads * head_width must equal width ({self.heads} * "
                              f"{self.head_width} = {self.heads * self.head_width}, width "

@@ -420,6 +420,10 @@ def test_whole_runs_from_a_json_model_agree_at_every_speed_and_thread_count(tmp_
     ({"window": 82}, "window must be at most 81"),
     ({"blocks": 0}, "blocks must be a positive integer, got 0"),
     ({"mlp": 2.5}, "mlp must be a positive integer, got 2.5"),
+    # (as the file has them: Python's repr had said True, None and '8')
+    ({"vocab": True}, "vocab must be a positive integer, got true"),
+    ({"mlp": None}, "mlp must be a positive integer, got null"),
+    ({"heads": "8"}, 'heads must be a positive integer, got "8"'),
     ({"vocab": 10**9}, "vocab must be at most 1,048,576"),
     ({"depth": 3}, "unknown depth"),
 ])
