@@ -66,7 +66,10 @@ def diff_checkpoints(a, b):
         if ja is not None and jb is not None:  # config, hyper: name the fields that differ
             for f in sorted(set(ja) | set(jb)):  # by their JSON (0.0 == -0.0 in Python)
                 if canonical_json(ja.get(f)) != canonical_json(jb.get(f)):
-                    lines.append(f"  metadata {key}: {f} {_differing(ja.get(f), jb.get(f))}")
+                    # (a nested value as JSON: rng's state had been shown as Python's dict)
+                    fa, fb = (v if isinstance(v, str) else canonical_json(v)
+                              for v in (ja.get(f), jb.get(f)))
+                    lines.append(f"  metadata {key}: {f} {_differing(fa, fb)}")
         else:
             lines.append(f"  metadata {key}: {_differing(va, vb)}")
     names = A.names() + [n for n in B.names() if n not in A.header]

@@ -1503,6 +1503,11 @@ def test_diff_names_a_field_that_differs_only_as_minus_zero(base, tmp_path):
     code, out, err = hslm("diff", a, b)
     assert code == 1 and "  metadata hyper: weight_decay 0.0 != -0.0" in out, out
     assert len(out.splitlines()) == 3 and out.splitlines()[-1] == "0 tensor(s) differ", out
+    # a nested field's value is shown as JSON, as the file holds it (the rng's state had
+    # been shown as a Python dict: "...tate': 2954...")
+    code, out, err = hslm("diff", base / "ckpt_1.state", src)
+    rng = next(x for x in out.splitlines() if x.startswith("  metadata rng: state "))
+    assert 'state":' in rng and "'" not in rng, rng
 
 
 def test_a_weight_decay_of_minus_zero_is_stored_as_zero(tmp_path):
