@@ -411,10 +411,11 @@ def _header_length(first: bytes, size: int, path) -> int:
     if len(first) < 8:
         raise _damaged(path, f"truncated to {len(first)} bytes")
     (n,) = struct.unpack("<Q", first)
-    if not 2 <= n <= size - 8 and _is_text(first):  # (a real length's high bytes are 0)
-        raise HslmError(f"{path} is not an hslm checkpoint: it begins with text "
-                        f"({first.decode('ascii')!r}), where a checkpoint begins with the "
-                        "length of its header")
+    # (a real length's high bytes are 0: never text)
+    text = None if 2 <= n <= size - 8 else _as_text(first)
+    if text is not None:
+        raise HslmError(f"{path} is not an hslm checkpoint: it begins with text ({text!r}), "
+                        "where a checkpoint begins with the length of its header")
     if n < 2:
         raise _damaged(path, f"its header length is {n}: no header")
     if n > size - 8:
@@ -425,9 +426,17 @@ def _header_length(first: bytes, size: int, path) -> int:
     return n
 
 
-def _is_text(raw: bytes) -> bool:
-    """Whether these bytes are printable ASCII, tabs and line ends."""
-    return all(32 <= b < 127 or b in (9, 10, 13) for b in raw)
+def _as_text(raw: bytes) -> str | None:
+    """These bytes as text, where they are UTF-8 (the last character may be cut off) of
+    printable characters, tabs and line ends; else None. (Printable ASCII alone had called
+    a UTF-8 text that begins with "é" or a CJK character damaged, its header length 1e19.)"""
+    import codecs
+    try:
+        text = codecs.getincrementaldecoder("utf-8")().decode(raw, final=False)
+    except UnicodeDecodeError:
+        return None
+    ok = text and all(c.isprintable() or c in "\t\n\r" for c in text)
+    return text if ok else None
 
 
 def starts_as_checkpoint(head: bytes) -> bool:

@@ -2050,6 +2050,12 @@ def test_a_text_file_given_as_a_checkpoint_is_called_text(base, tmp_path):
     line = one_line_error(*hslm("info", text))
     assert line == (f"error: {text} is not an hslm checkpoint: it begins with text "
                     "('hello wo'), where a checkpoint begins with the length of its header")
+    # a UTF-8 text that does not begin with ASCII (it had been called damaged, a header
+    # length of 1e19), its 8 bytes cutting a character: the whole ones shown
+    for words, shown in (("été: les notes", "été: l"), ("中文文本", "中文")):
+        text.write_text(words, encoding="utf-8")
+        line = one_line_error(*hslm("info", text))
+        assert f"is not an hslm checkpoint: it begins with text ('{shown}')" in line, line
     cut = tmp_path / "cut.bin"
     cut.write_bytes((base / "ckpt_2.bin").read_bytes()[:100])
     line = one_line_error(*hslm("info", cut))
