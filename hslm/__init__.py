@@ -60,21 +60,23 @@ def _the_hslm_command() -> bool:
 
 
 def _early_signal(signum, frame):
-    """Ctrl-C or SIGTERM while the command is still starting (Python importing numpy,
-    Numba and hslm, about half a second): nothing is open or written yet, so stop at
-    once with the CLI's one line and exit status, not a traceback from inside an import."""
+    """Ctrl-C, SIGTERM or SIGHUP while the command is still starting (Python importing
+    numpy, Numba and hslm, about half a second): nothing is open or written yet, so stop
+    at once with the CLI's one line and exit status, not a traceback from inside an
+    import."""
     import signal
-    interrupted = signum == signal.SIGINT
+    word = {signal.SIGINT: b"interrupted", getattr(signal, "SIGHUP", None): b"hung up"}.get(
+        signum, b"terminated")
     rank = launch_value(MPI_RANK_VARIABLES, "0")
     if rank == "0":  # under MPI (mpiexec forwards a signal to every rank) rank 0 says it
-        _os.write(2, b"error: interrupted\n" if interrupted else b"error: terminated\n")
+        _os.write(2, b"error: " + word + b"\n")
     if launched_by_mpi():
         # die by the signal itself: an MPI launcher ends the other ranks when one is killed
         # by a signal, but not when one exits with a status before joining MPI (then they
         # waited forever in MPI's start for a rank that was gone)
         signal.signal(signum, signal.SIG_DFL)
         _os.kill(_os.getpid(), signum)
-    _os._exit(130 if interrupted else 128 + 15)
+    _os._exit(128 + signum)  # 130, 143, 129
 
 
 def launched_by_mpi(env=None) -> bool:
@@ -90,7 +92,7 @@ def launched_by_mpi(env=None) -> bool:
 
 def _stop_quietly_while_starting():
     """For the hslm command only (a program importing hslm keeps its own handlers): the
-    two signals end the start-up with one line (_early_signal) until hslm.cli.main()
+    three signals end the start-up with one line (_early_signal) until hslm.cli.main()
     puts Python's handlers back and handles them itself. First of all, so that Numba's
     import is covered."""
     if not _the_hslm_command():
@@ -99,19 +101,29 @@ def _stop_quietly_while_starting():
     import threading
     if threading.current_thread() is not threading.main_thread():
         return
-    for s in (signal.SIGINT, signal.SIGTERM):
+    for s in _start_up_signals(signal):
         if signal.getsignal(s) in (signal.default_int_handler, signal.SIG_DFL):
             signal.signal(s, _early_signal)
 
 
+def _start_up_signals(signal):
+    """The signals the start-up takes: Ctrl-C, SIGTERM and SIGHUP (a closed terminal)."""
+    return (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP")
+                                              else ())
+
+
 def end_of_start_up():
-    """hslm.cli.main(): the command's own handling of Ctrl-C and SIGTERM takes over
-    (KeyboardInterrupt, SIGTERM's default) from _early_signal."""
+    """hslm.cli.main(): the command's own handling takes over from _early_signal: Ctrl-C
+    raises KeyboardInterrupt, SIGTERM and SIGHUP errors.Terminated (one line, 143 or 129,
+    as Ctrl-C: their default end had killed a command, `hslm sample` drawing or `hslm
+    train` importing its modules, with no line and its folder left)."""
     import signal
-    if signal.getsignal(signal.SIGINT) is _early_signal:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    if signal.getsignal(signal.SIGTERM) is _early_signal:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    from .errors import raise_terminated
+    for s in _start_up_signals(signal):
+        if signal.getsignal(s) is _early_signal:
+            signal.signal(s, signal.default_int_handler if s == signal.SIGINT
+                          else raise_terminated)
 
 
 def _writable_kernel_cache():

@@ -15,7 +15,8 @@ import click
 
 from . import _the_hslm_command, distributed, end_of_start_up
 from .errors import (HslmError, keeping_dropped_interrupts, machine_error_line, one_line,
-                     quiet_after_interrupt, raise_dropped_interrupt, stop_word, stopped_by)
+                     quiet_after_interrupt, raise_dropped_interrupt, stop_word, stopped_by,
+                     take_dropped_interrupt)
 from .speeds import DEFAULT_SPEED, SPEEDS, speed_help
 
 
@@ -713,6 +714,16 @@ def main(argv=None):
         run_command(argv)
 
 
+def stopped(e):
+    """The end of a command stopped by a signal (e: the KeyboardInterrupt, Terminated or
+    click's Abort of one): its one line and 128 + the signal."""
+    if _the_hslm_command():  # (not a program calling main())
+        quiet_after_interrupt()
+    signum = stopped_by(e)
+    click.echo(f"error: {stop_word(signum)}", err=True)
+    sys.exit(128 + signum)
+
+
 def run_command(argv):
     """The command itself, each way it can end: one line on stderr and an exit status."""
     try:
@@ -737,11 +748,7 @@ def run_command(argv):
         click.echo(f"error: {one_line(e.format_message())}", err=True)
         sys.exit(e.exit_code)
     except (click.Abort, KeyboardInterrupt) as e:  # click makes an Abort of either
-        if _the_hslm_command():  # (not a program calling main())
-            quiet_after_interrupt()
-        signum = stopped_by(e)
-        click.echo(f"error: {stop_word(signum)}", err=True)
-        sys.exit(128 + signum)
+        stopped(e)
     except HslmError as e:
         click.echo(f"error: {one_line(str(e))}", err=True)
         sys.exit(2)
@@ -751,6 +758,11 @@ def run_command(argv):
             raise
         click.echo(f"error: {one_line(line)}", err=True)
         sys.exit(2)
+    except Exception:  # a bug, shown whole; or what an interrupt inside a compile left
+        dropped = take_dropped_interrupt()
+        if dropped is None:
+            raise
+        stopped(dropped)
     sys.exit(rv if isinstance(rv, int) else 0)
 
 

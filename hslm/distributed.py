@@ -90,7 +90,8 @@ import numpy as np
 
 from . import (MPI_LAUNCH_VARIABLES, MPI_RANK_VARIABLES, MPI_SIZE_VARIABLES, launch_value,
                launched_by_mpi)
-from .errors import HslmError, machine_error_line, stop_word, stopped_by
+from .errors import (HslmError, machine_error_line, stop_word, stopped_by,
+                     take_dropped_interrupt)
 
 # Environment variables that MPI launchers set (MPICH/Hydra and Intel MPI, Open MPI,
 # PMIx under Slurm, MVAPICH). HSLM_MPI=1 forces MPI, HSLM_MPI=0 ignores it.
@@ -1040,6 +1041,9 @@ def run_main(cli, argv):
         w.fail(f"{type(e).__name__}: {collapsed_line(e)}" if line is None
                else collapsed_line(line), 1 if line is None else 2)
     except Exception as e:  # noqa: BLE001 - one rank's bug must not leave the others waiting
+        dropped = take_dropped_interrupt()  # (or what an interrupt inside a compile left)
+        if dropped is not None:
+            w.fail(stop_word(stopped_by(dropped)), 128 + stopped_by(dropped))
         w.fail(f"{type(e).__name__}: {collapsed_line(e)}", 1)
     if not w.started and not w.settled:  # a command that does not train: agreed all the same
         w._agree(ENDED, 0)

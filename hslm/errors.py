@@ -77,12 +77,22 @@ def quiet_after_interrupt():
     sys.unraisablehook = lambda unraisable: None
 
 
+def take_dropped_interrupt():
+    """The first interrupt a C callback dropped since the last call, or None. (Where one
+    landed inside Numba's compile, Numba then fails on what it left half-built: a
+    RuntimeError "no compiled object yet", which the CLI reports as the interrupt.)"""
+    if not _dropped:
+        return None
+    e = _dropped[0]
+    _dropped.clear()
+    return e.with_traceback(None)
+
+
 def raise_dropped_interrupt():
     """Raise the first interrupt a C callback dropped since the last call, if any."""
-    if _dropped:
-        e = _dropped[0]
-        _dropped.clear()
-        raise e.with_traceback(None)
+    e = take_dropped_interrupt()
+    if e is not None:
+        raise e
 
 
 # a message's control characters (a file name holding a newline, say) as escapes, so that
