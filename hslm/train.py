@@ -1064,6 +1064,22 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
     def say_valid(v):
         progress.message(f"step {run.step}: valid {v:.4f} (perplexity {perplexity(v):.1f})")
 
+    def stop_after_step(signum, saved=None, evaluated=False):
+        """A stop after a step before the last: saved first (a scheduler's SIGKILL may
+        follow its SIGTERM soon) and said (a second signal during the evaluation must
+        not hide that it was), then the evaluation this step is due (the resumed run
+        starts past it: its record had been lost for good)."""
+        b, s = saved or run.save(out)
+        progress.message(f"{signal.Signals(signum).name}: stopped after step {run.step}; "
+                         f"saved {b} and {s}", needed=True)
+        progress.message(f"resume with: {o.resume_command(s)}", needed=True)
+        if not evaluated and o.eval_every and run.step % o.eval_every == 0:
+            v = evaluate(saved=s)
+            if distributed.any_rank(metrics_error is not None):
+                stop_for_metrics(s)
+            say_valid(v)
+        sys.exit(128 + signum)
+
     watching = contextlib.ExitStack()  # (second_signal_at_once, from step 1)
     saved_first = False  # a stop asked in the last step: saved before its evaluation
     try:
@@ -1101,22 +1117,20 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
                 if run.step >= o.steps:
                     saved_first = True
                     break  # the last step: its save and evaluation below, said as a stop
-                # saved first (a scheduler's SIGKILL may follow its SIGTERM soon), then the
-                # evaluation this step is due: the resumed run starts past it, and its record
-                # had been lost for good
-                b, s = run.save(out)
+                stop_after_step(agreed)
+            saved = None
             if o.eval_every and run.step % o.eval_every == 0 and run.step < o.steps:
-                v = evaluate(saved=s if agreed is not None else None)
+                v = evaluate()
                 if distributed.any_rank(metrics_error is not None):  # stop at this step
-                    stop_for_metrics(s if agreed is not None else run.save(out)[1])
+                    stop_for_metrics(run.save(out)[1])
                 say_valid(v)
-            if agreed is not None:
-                progress.message(f"{signal.Signals(agreed).name}: stopped after step "
-                                 f"{run.step}; saved {b} and {s}", needed=True)
-                progress.message(f"resume with: {o.resume_command(s)}", needed=True)
-                sys.exit(128 + agreed)
             if o.save_every and run.step % o.save_every == 0 and run.step < o.steps:
-                run.save(out)
+                saved = run.save(out)
+            # one process: a stop asked during this step's evaluation or save stops here,
+            # the step done (it had trained one more step, and saved again). MPI: the
+            # ranks agree on a stop after a step alone
+            if stop.signum and distributed.current() is None and run.step < o.steps:
+                stop_after_step(stop.signum, saved, evaluated=True)
         progress.close()
         # evaluate before saving: a model whose validation loss is not finite is not saved;
         # but a stop asked in the last step saves first, as a stop in the steps does (a
@@ -1135,6 +1149,8 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
         # resume), but said as a stop is, and ended as one (a caller's `&&` must not go on).
         # MPI: agreed, as in the steps (one rank's stop had ended the run unsaid)
         stopped = distributed.largest(stop.signum or 0)
+        if stopped and not saved_first:  # (asked during the last evaluation: its loss is
+            say_valid(valid)              # said, as the summary line it skips would)
         if stopped:
             progress.message(f"{signal.Signals(stopped).name}: stopped after step "
                              f"{run.step}, the last; saved {b} and {s}", needed=True)

@@ -494,6 +494,36 @@ def test_a_stop_says_where_it_saved_when_the_output_was_closed_at_the_start(tmp_
     assert "SIGINT: stopped after step " in err and "resume with: hslm train --resume " in err
 
 
+@pytest.mark.parametrize("at", ["a periodic evaluation", "the last evaluation"])
+def test_a_stop_during_an_evaluation_stops_at_its_step_and_says_its_loss(tmp_path, monkeypatch,
+                                                                         capsys, at):
+    """SIGTERM while step 2's evaluation runs (the process signals itself there). At a
+    periodic evaluation the run had trained step 3 and saved it (a stop was looked for
+    after the steps alone): it stops at step 2, saved once. At the last step's, the
+    validation loss computed was never said (the summary line that gives it is skipped
+    on a stop): it is. Both the line of the loss and the stop's, in that order."""
+    from hslm import train
+    from hslm.cli import main
+    real = train.Run.validation_loss
+
+    def signalled(self, runner):
+        if self.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, runner)
+    monkeypatch.setattr(train.Run, "validation_loss", signalled)
+    steps = "10" if at == "a periodic evaluation" else "2"
+    with pytest.raises(SystemExit) as end:
+        main(["train", *TINY, "--steps", steps, "--eval-every", "2", "--eval-windows", "2",
+              "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert end.value.code == 143, out
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*")) == ["ckpt_2.bin", "ckpt_2.state"]
+    stop = ("SIGTERM: stopped after step 2; saved " if steps == "10" else
+            "SIGTERM: stopped after step 2, the last; saved ")
+    assert "step 2: valid " in out and stop in out, out
+    assert out.index("step 2: valid ") < out.index(stop)
+
+
 def test_the_time_left_counts_from_the_steps_not_the_kernels_warm_up(tmp_path, monkeypatch):
     """The bar's time left is elapsed / done x steps to come, and elapsed had counted the
     kernels' warm-up before step 1 (a 10,000-step run of 18 s said "35m27s left" at step
