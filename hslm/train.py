@@ -550,8 +550,13 @@ def resolve_config(model: str) -> Config:
                         "a JSON file of config fields); to go on training from it: --resume "
                         f"{path.with_suffix('.state')}")
     raw = read_bytes(path, "model config", limit=65536)  # (a config is a small JSON object)
-    try:
-        return Config.from_dict(json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys))
+    if not raw.strip():
+        raise HslmError(f"model config {path} is empty")
+    try:  # (a byte order mark first, as some editors save JSON: read past, as info does)
+        return Config.from_dict(json.loads(raw.decode("utf-8-sig"),
+                                           object_pairs_hook=unique_keys))
+    except json.JSONDecodeError as e:
+        raise HslmError(f"model config {path} is not JSON: {e}") from None
     except (ValueError, TypeError, RecursionError, UnicodeDecodeError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         # (Python's advice on a number of thousands of digits is not the user's to follow)

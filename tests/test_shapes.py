@@ -438,6 +438,29 @@ def test_a_bad_model_file_is_one_line_that_says_what_to_fix(tmp_path, capsys, fi
     assert not (tmp_path / "o").exists()
 
 
+def test_a_model_file_with_a_byte_order_mark_is_read_and_an_empty_one_is_called_so(tmp_path,
+                                                                                    capsys):
+    """A config saved with a UTF-8 byte order mark (some editors do) had been refused with
+    Python's advice "decode using utf-8-sig"; an empty one was "Expecting value: line 1
+    column 1 (char 0)". The first is read, the second called empty, text that is not
+    JSON called so. Control: the config without the mark, the same."""
+    cfg = b'{"vocab": 300, "width": 12, "heads": 2, "head_width": 6, "mlp": 24, "blocks": 1, ' \
+          b'"window": 9, "vsa_dim": 64}'
+    outs = []
+    for name, raw in (("plain", cfg), ("bom", b"\xef\xbb\xbf" + cfg)):
+        (tmp_path / f"{name}.json").write_bytes(raw)
+        code, out, err = run(capsys, "info", tmp_path / f"{name}.json")
+        assert code == 0, err
+        outs.append(out.splitlines()[1].split(None, 1)[1])
+    assert outs[0] == outs[1]
+    for raw, message in ((b"", "is empty"), (b"  \n", "is empty"),
+                         (b"vocab: 300", "is not JSON: Expecting value")):
+        (tmp_path / "m.json").write_bytes(raw)
+        code, out, err = run(capsys, "train", "--model", tmp_path / "m.json", "--out",
+                             tmp_path / "o")
+        assert code == 2 and f"model config {tmp_path / 'm.json'} {message}" in err, err
+
+
 def test_info_lists_the_presets_with_their_parameter_counts(capsys):
     code, out, _ = run(capsys, "info")
     assert code == 0
