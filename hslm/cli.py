@@ -252,6 +252,9 @@ def _file_kind(path):
 def eval_cmd(ckpt_path, data, cache_dir, eval_windows, loss_positions, threads, as_json):
     """Validation loss and perplexity of a checkpoint (.bin, or a .state beside its .bin).
 
+    The loss is the training objective (cross-entropy with label smoothing 0.1) and the
+    perplexity its exp: above the plain cross-entropy's, which hslm does not report.
+
     The text is encoded with the run's own tokenizer, which the .bin carries."""
     import math
 
