@@ -157,6 +157,11 @@ def compile_micro(name: str) -> None:
     """Compile a register-tiled kernel (with cache=True a cached build loads instead).
     Other signatures are then refused, so a wrong-typed call fails loudly instead of
     building a slow copy."""
+    from numba import config
+
+    from .errors import HslmError
+    if config.DISABLE_JIT:  # (the tiles are LLVM IR, never Python: a traceback had followed)
+        raise HslmError("hslm's kernels need Numba's compiler: unset NUMBA_DISABLE_JIT")
     for kernel, signature in MICRO_KERNELS[name]:
         if not kernel._can_compile:  # done already in this process
             continue

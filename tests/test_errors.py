@@ -281,3 +281,17 @@ def test_a_module_of_hslms_own_that_fails_to_import_is_shown_whole(tmp_path):
     # the control for the test above: not a missing dependency but a bug
     code, _, err = run_without("hslm.train", "train", *TINY, "--out", tmp_path / "p")
     assert code != 0 and "Traceback" in err and "hslm.train" in err
+
+
+def test_numbas_jit_switched_off_is_one_line(good):
+    """NUMBA_DISABLE_JIT=1 (Numba's debugging switch) gave a 40-line traceback from every
+    command that loads the kernels (the register tiles are LLVM IR, never Python). It is
+    one line. Control: info, which loads no kernel, still works."""
+    env = {**os.environ, "NUMBA_DISABLE_JIT": "1", "PYTHONPATH": str(ROOT)}
+    ck = next(good.glob("ckpt_*.bin"))
+    for cmd, code in ((["sample", ck, "--tokens", "2"], 2), (["info", ck], 0)):
+        p = subprocess.run([sys.executable, str(ROOT / "cli.py"), *map(str, cmd)],
+                           capture_output=True, text=True, timeout=300, env=env)
+        assert p.returncode == code, p.stderr
+        assert (p.stderr == "error: hslm's kernels need Numba's compiler: unset "
+                "NUMBA_DISABLE_JIT\n") == (code == 2), p.stderr
