@@ -950,7 +950,7 @@ class StopRequest:
 
 @contextmanager
 def second_signal_at_once(stop: StopRequest):
-    """While the steps run (one process): a second SIGINT or SIGTERM stops the run at once
+    """From the warm-up before step 1 on (one process): a second SIGINT or SIGTERM stops at once
     even while a kernel holds the main thread. Python runs a handler only between two of
     the main thread's bytecodes, and keeps one pending flag a signal: two Ctrl-C during
     one kernel call ran the handler once (the second was lost, and the run went on to
@@ -1026,17 +1026,6 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
     runner = StepRunner(cfg, o.speed, o.threads, world=distributed.current())
     distributed.share_state(run.state, h.batch, progress.message)  # MPI: a copy per node
     first = last = None
-    # compile (first run only) or load the kernels before step 1, so its figure is the step's
-    compiling = not kernels_cached(o.speed, teams=o.threads > h.batch)
-    if compiling:
-        progress.message("compiling the step's kernels (first run only) ...")
-        stop.training = False
-    t0 = time.perf_counter()
-    warm_up(runner, run)
-    if compiling:
-        progress.message(f"compiled in {time.perf_counter() - t0:.0f} s")
-    progress.start()  # (the time left had counted the warm-up once for every step to come)
-
     metrics_error = None
 
     def write_metrics(**record):
@@ -1085,9 +1074,23 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
             say_valid(v)
         sys.exit(128 + signum)
 
-    watching = contextlib.ExitStack()  # (second_signal_at_once, from step 1)
+    watching = contextlib.ExitStack()  # (second_signal_at_once)
     saved_first = False  # a stop asked in the last step: saved before its evaluation
     try:
+        # from the warm-up on: two signals during one long kernel call there (a compile)
+        # had run the handler once, and the run went on to train step 1 and save
+        watching.enter_context(second_signal_at_once(stop))
+        # compile (first run only) or load the kernels before step 1, so its figure is the
+        # step's
+        compiling = not kernels_cached(o.speed, teams=o.threads > h.batch)
+        if compiling:
+            progress.message("compiling the step's kernels (first run only) ...")
+            stop.training = False
+        t0 = time.perf_counter()
+        warm_up(runner, run)
+        if compiling:
+            progress.message(f"compiled in {time.perf_counter() - t0:.0f} s")
+        progress.start()  # (the time left had counted the warm-up once a step to come)
         # a stop asked while the kernels compiled (under MPI a first run compiles them
         # here, for half a minute): nothing trained, as before the text was read; the ranks
         # agree on it (a signal may reach one; a rank may have had them cached). One asked
@@ -1096,7 +1099,6 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
         if signum:
             raise StoppedBeforeTraining(signum)
         stop.training = True
-        watching.enter_context(second_signal_at_once(stop))
         while run.step < o.steps:
             t0 = time.perf_counter()
             loss = run.train_step(runner)

@@ -1780,6 +1780,44 @@ def test_a_second_ctrl_c_stops_at_once_while_a_kernel_holds_the_main_thread(tmp_
     assert not list((tmp_path / "o").glob("ckpt_2.*"))  # stopped, not saved
 
 
+A_KERNEL_IN_THE_WARM_UP = LONG_KERNEL + """
+from hslm import step
+from hslm.cli import main
+warm_up = step.warm_up
+def long_warm_up(runner, run):
+    print("warming up", flush=True)
+    chain(int(8 * rate))  # 8 s, as a first run's compile holds the main thread
+    return warm_up(runner, run)
+step.warm_up = long_warm_up
+sys.argv = ["hslm", "train", "--model", "hslm-tiny", "--batch", "2", "--threads", "1",
+            "--steps", "3", "--out", sys.argv[1]]
+main()
+"""
+
+
+def test_two_signals_in_the_kernels_warm_up_stop_at_once(tmp_path):
+    """Two SIGTERMs during one long kernel call of the warm-up before step 1 (a first
+    run's compile) ran the handler once: the run trained step 1, saved it and exited 143,
+    the second signal lost. The second now stops at once there too (130, nothing saved)."""
+    p = subprocess.Popen([sys.executable, "-c", A_KERNEL_IN_THE_WARM_UP, str(tmp_path / "o")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    with running(p, 300):
+        for line in p.stdout:
+            if line.startswith("warming up"):
+                break
+        time.sleep(0.5)
+        p.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+        took = time.monotonic() - t0
+    assert p.returncode == 130 and err.splitlines()[-1] == "error: interrupted", err
+    assert took < 4, took  # (1 s of grace; the kernel had 7 s left)
+    assert not list((tmp_path / "o").glob("ckpt_*"))
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP])
 @pytest.mark.parametrize("ignored", [True, False])
 def test_a_signal_ignored_when_the_run_started_stays_ignored_in_training(tmp_path, ignored,
