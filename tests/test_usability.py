@@ -1764,20 +1764,27 @@ def test_a_second_ctrl_c_stops_at_once_while_a_kernel_holds_the_main_thread(tmp_
     p = subprocess.Popen([sys.executable, "-c", A_KERNEL_THAT_HOLDS_THE_MAIN_THREAD,
                           str(tmp_path / "o")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    stopped_at_once(p, "step     1", first, signal.SIGINT)  # (inside step 2's kernel)
+    assert not list((tmp_path / "o").glob("ckpt_2.*"))  # stopped, not saved
+
+
+def stopped_at_once(p, ready, first, second):
+    """Once p prints a line that starts with `ready` (its 8 s kernel then begins): half a
+    second later `first`, 0.3 s after it `second`; p must end at once (its 1 s of grace,
+    not the kernel's 7 s left) with `error: interrupted` and 130."""
     with running(p, 300):
         for line in p.stdout:
-            if line.startswith("step     1"):
+            if line.startswith(ready):
                 break
-        time.sleep(0.5)  # inside step 2's kernel, 8 s long
+        time.sleep(0.5)
         p.send_signal(first)
         time.sleep(0.3)
         t0 = time.monotonic()
-        p.send_signal(signal.SIGINT)
+        p.send_signal(second)
         _, err = p.communicate(timeout=60)
         took = time.monotonic() - t0
     assert p.returncode == 130 and err.splitlines()[-1] == "error: interrupted", err
-    assert took < 4, took  # (1 s of grace; the kernel had 7 s left)
-    assert not list((tmp_path / "o").glob("ckpt_2.*"))  # stopped, not saved
+    assert took < 4, took
 
 
 A_KERNEL_IN_THE_WARM_UP = LONG_KERNEL + """
@@ -1802,19 +1809,7 @@ def test_two_signals_in_the_kernels_warm_up_stop_at_once(tmp_path):
     p = subprocess.Popen([sys.executable, "-c", A_KERNEL_IN_THE_WARM_UP, str(tmp_path / "o")],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-    with running(p, 300):
-        for line in p.stdout:
-            if line.startswith("warming up"):
-                break
-        time.sleep(0.5)
-        p.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
-        t0 = time.monotonic()
-        p.send_signal(signal.SIGTERM)
-        _, err = p.communicate(timeout=60)
-        took = time.monotonic() - t0
-    assert p.returncode == 130 and err.splitlines()[-1] == "error: interrupted", err
-    assert took < 4, took  # (1 s of grace; the kernel had 7 s left)
+    stopped_at_once(p, "warming up", signal.SIGTERM, signal.SIGTERM)
     assert not list((tmp_path / "o").glob("ckpt_*"))
 
 
