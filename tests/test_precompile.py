@@ -152,7 +152,7 @@ def _sessions(tmp_path, monkeypatch, reasons):
     monkeypatch.setattr(precompile, "needed", lambda speeds, teams=False: next(answers))
 
     class Recorded(precompile._Nothing):
-        def __init__(self, speeds, vocab, echo, jobs, processes, reason, lock):
+        def __init__(self, speeds, vocab, echo, jobs, processes, reason, lock, on_stop=None):
             made.append(reason)
             self.lock = lock
 
