@@ -116,14 +116,17 @@ def end_of_start_up():
     """hslm.cli.main(): the command's own handling takes over from _early_signal: Ctrl-C
     raises KeyboardInterrupt, SIGTERM and SIGHUP errors.Terminated (one line, 143 or 129,
     as Ctrl-C: their default end had killed a command, `hslm sample` drawing or `hslm
-    train` importing its modules, with no line and its folder left)."""
+    train` importing its modules, with no line and its folder left). Under MPI SIGTERM
+    and SIGHUP keep their default end until train's handler: a rank that raised would
+    wait for the others to end their command to agree (a signal to one rank of `mpiexec
+    ... hslm sample` took 30 s to end the job), where one killed by it ends them."""
     import signal
 
     from .errors import raise_terminated
     for s in _start_up_signals(signal):
         if signal.getsignal(s) is _early_signal:
             signal.signal(s, signal.default_int_handler if s == signal.SIGINT
-                          else raise_terminated)
+                          else signal.SIG_DFL if launched_by_mpi() else raise_terminated)
 
 
 def _writable_kernel_cache():

@@ -431,8 +431,8 @@ def _as_text(raw: bytes) -> str | None:
     printable characters, tabs and line ends; else None. (Printable ASCII alone had called
     a UTF-8 text that begins with "é" or a CJK character damaged, its header length 1e19.)"""
     import codecs
-    try:
-        text = codecs.getincrementaldecoder("utf-8")().decode(raw, final=False)
+    try:  # (a byte order mark first read past, as some editors write one)
+        text = codecs.getincrementaldecoder("utf-8-sig")().decode(raw, final=False)
     except UnicodeDecodeError:
         return None
     ok = text and all(c.isprintable() or c in "\t\n\r" for c in text)

@@ -6,6 +6,7 @@ import codecs
 import errno
 import functools
 import io
+import json
 import os
 import select
 import sys
@@ -229,7 +230,21 @@ def _file_kind(path):
     # (a byte order mark first: as --model reads it)
     if head.removeprefix(codecs.BOM_UTF8).lstrip()[:1] != b"{":
         return "other"
-    return "tokenizer" if b'"hslm-bpe' in head[:200] else "json"
+    return "tokenizer" if b'"hslm-bpe' in head[:200] or _names_hslm_bpe(path) else "json"
+
+
+def _names_hslm_bpe(path) -> bool:
+    """Whether the JSON object in path is a tokenizer of hslm's, whatever the order of its
+    keys (a tokenizer.json saved again by another tool): format "hslm-bpe", or a token
+    cache's version "hslm-bpe-cache/N"."""
+    from .errors import read_bytes
+    from .validate import MAX_JSON
+    try:
+        obj = json.loads(read_bytes(path, "file", MAX_JSON + 4096).decode("utf-8-sig"))
+    except (HslmError, OSError, ValueError, RecursionError):
+        return False
+    return isinstance(obj, dict) and (obj.get("format") == "hslm-bpe" or str(
+        obj.get("version", "")).startswith("hslm-bpe-cache/"))
 
 
 @cli.command(name="eval")
@@ -291,7 +306,6 @@ def eval_cmd(ckpt_path, data, cache_dir, eval_windows, loss_positions, threads, 
     finally:
         runner.close()
     if as_json:  # JSON has no inf or NaN: null for a loss or perplexity that is not finite
-        import json
         ppl = perplexity(v)
         click.echo(json.dumps({
             "checkpoint": str(ckpt_path), "valid_loss": v if math.isfinite(v) else None,
@@ -425,7 +439,6 @@ def _split(values, convert, name):
 def bench(model, data, cache_dir, speed, threads, batch, steps, loss_positions, with_torch,
           profile, json_path):
     """Train the same seeded steps at each speed side by side; report tok/s and ratios."""
-    import json
 
     if distributed.current() is not None:  # (every rank refuses: one line)
         raise HslmError("hslm bench times one process: run it without mpiexec (its ranks "

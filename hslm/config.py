@@ -45,7 +45,7 @@ def _as_json(v) -> str:
     written as JSON (a Config made in Python may hold anything): Python's repr had said
     True, None, '8'."""
     try:
-        return json.dumps(v)
+        return json.dumps(v, ensure_ascii=False)
     except (TypeError, ValueError):
         return repr(v)
 

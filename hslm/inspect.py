@@ -148,12 +148,16 @@ def describe_tokenizer(path):
         obj = json.loads(raw.decode("utf-8-sig"))
     except (ValueError, RecursionError):
         obj = None
-    cached = isinstance(obj, dict) and obj.get("version") == TOKENIZER_CACHE_VERSION
+    version = str(obj.get("version", "")) if isinstance(obj, dict) else ""
+    if version.startswith("hslm-bpe-cache/") and version != TOKENIZER_CACHE_VERSION:
+        raise HslmError(f"{path} is a token cache's tokenizer of another hslm's rules "
+                        f"({one_line(version)[:40]}; this one reads {TOKENIZER_CACHE_VERSION})")
+    cached = version == TOKENIZER_CACHE_VERSION
     try:
         tok = Tokenizer.from_json(json.dumps(obj["tokenizer"]) if cached
                                   else raw.decode("utf-8-sig", errors="replace"))
     except (HslmError, KeyError, TypeError) as e:
-        raise HslmError(f"tokenizer {path}: {e}") from None
+        raise HslmError(f"{path}: {e}") from None
     lines = [f"file      {path}",
              "kind      tokenizer (byte-level BPE, hslm-bpe v1)" + (
                  ", cached with the text it was learned from" if cached else
@@ -177,8 +181,10 @@ def describe_tokens(path):
     if len(h) != HEADER or h[:8] != MAGIC or item not in (2, 4) or size != HEADER + n * item:
         raise HslmError(f"token cache {path}: its header does not describe it (torn or "
                         "damaged); a run tokenizes its text again")
-    tokens = np.memmap(path, dtype=f"<u{item}", mode="r", offset=HEADER, shape=(n,)) if n \
-        else np.zeros(0, f"<u{item}")
+    try:
+        tokens = np.memmap(path, dtype=f"<u{item}", mode="r", offset=HEADER, shape=(n,))
+    except (OSError, ValueError):  # (n 0; or a file system that cannot map: read instead)
+        tokens = np.fromfile(path, dtype=f"<u{item}", offset=HEADER)
     whole = checksum(tokens) == h[88:120]
     return [f"file      {path}",
             "kind      token cache (HSLMTOK2): a text's tokens, as a run cached them",

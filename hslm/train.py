@@ -1,6 +1,7 @@
 """The training run: data, model, steps, checkpoints, resume, validation."""
 from __future__ import annotations
 
+import codecs
 import contextlib
 import hashlib
 import json
@@ -29,6 +30,7 @@ from .errors import (HANGUP, TERMINATING, HslmError, Terminated, open_regular, w
                      raise_dropped_interrupt, raise_terminated, read_bytes, refuse_unless_file,
                      stop_word)
 from .hyper import HYPER_NAMES, Hyper
+from .lock import LOCK_NAME
 from .optim import adamw_step, adamw_tensors, bias_corrections, learning_rate
 from .params import ModelState, init_params, ternary_mask
 from .rng import Stream
@@ -212,13 +214,16 @@ def prepare_out_dir(out: Path):
 
 def tidy_cache_dir(cache, out: Path | None = None):
     """remove_torn_writes in a token cache folder apart from the output folder (--cache-dir,
-    $HSLM_CACHE_DIR; for eval, out None, the checkpoint's folder too): a run killed while
-    caching a large text's tokens leaves its temporary file there, as big as the cache it
-    was writing."""
+    $HSLM_CACHE_DIR; for eval and bench, out None): a run killed while caching a large
+    text's tokens leaves its temporary file there, as big as the cache it was writing.
+    Never in a run's output folder (it holds a run's lock file), which only its run tidies,
+    holding the lock: a writer in another PID namespace (a container sharing the folder)
+    looks gone to os.kill, and eval, tidying the checkpoint's folder, had removed a live
+    run's checkpoint on its way in, and the run failed."""
     if cache is None or not distributed.is_writer():
         return
     try:
-        there = Path(cache).is_dir()
+        there = Path(cache).is_dir() and not os.path.lexists(Path(cache) / LOCK_NAME)
     except OSError:  # a name too long, say: the cache is then a warning (corpus_tokens)
         return
     if there and (out is None or os.path.abspath(cache) != os.path.abspath(out)):
@@ -550,7 +555,7 @@ def resolve_config(model: str) -> Config:
                         "a JSON file of config fields); to go on training from it: --resume "
                         f"{path.with_suffix('.state')}")
     raw = read_bytes(path, "model config", limit=65536)  # (a config is a small JSON object)
-    if not raw.strip():
+    if not raw.removeprefix(codecs.BOM_UTF8).strip():
         raise HslmError(f"model config {path} is empty")
     try:  # (a byte order mark first, as some editors save JSON: read past, as info does)
         return Config.from_dict(json.loads(raw.decode("utf-8-sig"),

@@ -650,7 +650,19 @@ def test_info_describes_a_runs_tokenizer_and_token_cache(tmp_path):
     assert "its header does not describe it" in one_line_error(*hslm("info", tokens))
     forged = tmp_path / "forged.json"
     forged.write_text('{"format":"hslm-bpe","version":1,"vocab":300,"merges":[[1,999]]}')
-    assert "tokenizer " in one_line_error(*hslm("info", forged))
+    assert "merge 0 is [1, 999]" in one_line_error(*hslm("info", forged))
+    # saved again by another tool, its keys in another order (merges first, past the
+    # first bytes read): still a tokenizer, not a model config missing its fields
+    obj = json.loads((d / "tokenizer.json").read_text())
+    resaved = tmp_path / "resaved.json"
+    resaved.write_text(json.dumps({"merges": obj["merges"], "vocab": obj["vocab"],
+                                   "version": 1, "format": "hslm-bpe"}, indent=2))
+    code, out, err = hslm("info", resaved)
+    assert code == 0 and f"tokenizer {identity}" in out, (out, err)
+    other = tmp_path / "bpe-other.json"
+    other.write_text(json.dumps(dict(json.loads(cached.read_text()), version="hslm-bpe-cache/9")))
+    assert "a token cache's tokenizer of another hslm's rules (hslm-bpe-cache/9" in \
+        one_line_error(*hslm("info", other))
     code, out, err = hslm("info", "hslm-tiny")
     assert code == 0 and out.splitlines()[0].startswith("model"), err
 
@@ -1245,6 +1257,21 @@ def test_a_killed_runs_temporary_file_in_the_cache_folder_is_removed(base, tmp_p
         code, out, err = hslm(*cmd, "--cache-dir", cache)
         assert code == 0, err
         assert not torn.exists() and mine.exists(), cmd
+    # never in a run's folder (its lock file there): only its run tidies it, holding the
+    # lock (a writer in another PID namespace looks gone, and eval had removed a live
+    # run's checkpoint while it was written). Control: the same folder without the lock
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("ckpt_2.bin", "ckpt_2.state", ".hslm.lock"):
+        (run / name).write_bytes((base / name).read_bytes())
+    torn = run / f".ckpt_3.bin.tmp{dead.pid}"
+    for locked in (True, False):
+        torn.write_bytes(b"\0" * 4096)
+        if not locked:
+            (run / ".hslm.lock").unlink()
+        code, out, err = hslm("eval", run / "ckpt_2.bin")
+        assert code == 0, err
+        assert torn.exists() == locked
 
 
 def test_eval_says_when_it_scores_another_text_than_the_runs(base, tmp_path):
@@ -2052,7 +2079,8 @@ def test_a_text_file_given_as_a_checkpoint_is_called_text(base, tmp_path):
                     "('hello wo'), where a checkpoint begins with the length of its header")
     # a UTF-8 text that does not begin with ASCII (it had been called damaged, a header
     # length of 1e19), its 8 bytes cutting a character: the whole ones shown
-    for words, shown in (("été: les notes", "été: l"), ("中文文本", "中文")):
+    for words, shown in (("été: les notes", "été: l"), ("中文文本", "中文"),
+                         ("\ufeffhello world", "hello")):  # (a byte order mark read past)
         text.write_text(words, encoding="utf-8")
         line = one_line_error(*hslm("info", text))
         assert f"is not an hslm checkpoint: it begins with text ('{shown}')" in line, line

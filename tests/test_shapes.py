@@ -454,11 +454,14 @@ def test_a_model_file_with_a_byte_order_mark_is_read_and_an_empty_one_is_called_
         outs.append(out.splitlines()[1].split(None, 1)[1])
     assert outs[0] == outs[1]
     for raw, message in ((b"", "is empty"), (b"  \n", "is empty"),
-                         (b"vocab: 300", "is not JSON: Expecting value")):
+                         (b"\xef\xbb\xbf\n", "is empty"),
+                         (b"vocab: 300", "is not JSON: Expecting value"),
+                         (cfg.replace(b'300', '"\u00e9"'.encode()),
+                          'vocab must be a positive integer, got "\u00e9"')):
         (tmp_path / "m.json").write_bytes(raw)
         code, out, err = run(capsys, "train", "--model", tmp_path / "m.json", "--out",
                              tmp_path / "o")
-        assert code == 2 and f"model config {tmp_path / 'm.json'} {message}" in err, err
+        assert code == 2 and f"model config {tmp_path / 'm.json'}" in err and message in err, err
 
 
 def test_info_lists_the_presets_with_their_parameter_counts(capsys):

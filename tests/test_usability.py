@@ -320,6 +320,17 @@ def test_sigterm_and_sighup_end_any_command_with_one_line(trained, tmp_path, sig
                         f"hslm._early_signal({int(sig)}, None)"],
                        capture_output=True, text=True, timeout=120)
     assert (e.returncode, e.stdout, e.stderr) == (code, "True\n", f"error: {word}\n"), e
+    # after the start-up: raise (one line) in one process; under MPI the signal's default
+    # end, as before (a rank that raised waited for the others to end their command to
+    # agree: a signal to one rank of `mpiexec ... hslm sample` took 30 s to end the job)
+    for mpi, expect in (("0", "raise_terminated"), ("1", "SIG_DFL")):
+        e = subprocess.run([sys.executable, "-c",
+                            f"import sys; sys.argv[0] = {str(ROOT / 'cli.py')!r}; import hslm, "
+                            f"signal; hslm.end_of_start_up(); h = signal.getsignal({int(sig)}); "
+                            "print(getattr(h, '__name__', None) or h.name)"],
+                           capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "HSLM_MPI": mpi})
+        assert e.stdout.strip() == expect, e
 
 
 def test_an_interrupt_inside_a_compile_is_reported_as_the_interrupt(trained):
