@@ -65,11 +65,11 @@ def _early_signal(signum, frame):
     at once with the CLI's one line and exit status, not a traceback from inside an
     import."""
     import signal
-    word = {signal.SIGINT: b"interrupted", getattr(signal, "SIGHUP", None): b"hung up"}.get(
-        signum, b"terminated")
+
+    from .errors import stop_word  # (imported with the handler: no import is begun here)
     rank = launch_value(MPI_RANK_VARIABLES, "0")
     if rank == "0":  # under MPI (mpiexec forwards a signal to every rank) rank 0 says it
-        _os.write(2, b"error: " + word + b"\n")
+        _os.write(2, f"error: {stop_word(signum)}\n".encode())
     if launched_by_mpi():
         # die by the signal itself: an MPI launcher ends the other ranks when one is killed
         # by a signal, but not when one exits with a status before joining MPI (then they
@@ -101,15 +101,10 @@ def _stop_quietly_while_starting():
     import threading
     if threading.current_thread() is not threading.main_thread():
         return
-    for s in _start_up_signals(signal):
+    from .errors import TERMINATING  # (SIGTERM and SIGHUP; for _early_signal, stop_word)
+    for s in (signal.SIGINT, *TERMINATING):
         if signal.getsignal(s) in (signal.default_int_handler, signal.SIG_DFL):
             signal.signal(s, _early_signal)
-
-
-def _start_up_signals(signal):
-    """The signals the start-up takes: Ctrl-C, SIGTERM and SIGHUP (a closed terminal)."""
-    return (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP")
-                                              else ())
 
 
 def end_of_start_up():
@@ -122,8 +117,8 @@ def end_of_start_up():
     ... hslm sample` took 30 s to end the job), where one killed by it ends them."""
     import signal
 
-    from .errors import raise_terminated
-    for s in _start_up_signals(signal):
+    from .errors import TERMINATING, raise_terminated
+    for s in (signal.SIGINT, *TERMINATING):
         if signal.getsignal(s) is _early_signal:
             signal.signal(s, signal.default_int_handler if s == signal.SIGINT
                           else signal.SIG_DFL if launched_by_mpi() else raise_terminated)

@@ -230,7 +230,7 @@ def _file_kind(path):
     # (a byte order mark first: as --model reads it)
     if head.removeprefix(codecs.BOM_UTF8).lstrip()[:1] != b"{":
         return "other"
-    return "tokenizer" if b'"hslm-bpe' in head[:200] or _names_hslm_bpe(path) else "json"
+    return "tokenizer" if _names_hslm_bpe(path) else "json"
 
 
 def _names_hslm_bpe(path) -> bool:

@@ -1043,7 +1043,8 @@ def run_main(cli, argv):
     except Exception as e:  # noqa: BLE001 - one rank's bug must not leave the others waiting
         dropped = take_dropped_interrupt()  # (or what an interrupt inside a compile left)
         if dropped is not None:
-            w.fail(stop_word(stopped_by(dropped)), 128 + stopped_by(dropped))
+            signum = stopped_by(dropped)
+            w.fail(stop_word(signum), 128 + signum)
         w.fail(f"{type(e).__name__}: {collapsed_line(e)}", 1)
     if not w.started and not w.settled:  # a command that does not train: agreed all the same
         w._agree(ENDED, 0)

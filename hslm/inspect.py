@@ -172,25 +172,22 @@ def describe_tokenizer(path):
 def describe_tokens(path):
     """`hslm info` of a token cache's tokens-*.tok: its header, and whether its tokens
     still match the checksum there (a damaged cache is tokenized again by a run)."""
-    from .errors import open_regular
-    from .token_cache import HEADER, MAGIC, checksum
-    f, size = open_regular(path, "token file")
-    with f:
-        h = f.read(HEADER)
-    item, n = int.from_bytes(h[8:16], "little"), int.from_bytes(h[16:24], "little")
-    if len(h) != HEADER or h[:8] != MAGIC or item not in (2, 4) or size != HEADER + n * item:
+    from .token_cache import HEADER, checksum, map_tokens, read_header
+    header = read_header(path)
+    if header is None:
         raise HslmError(f"token cache {path}: its header does not describe it (torn or "
                         "damaged); a run tokenizes its text again")
+    item, n, text, tokenizer, digest = header
     try:
-        tokens = np.memmap(path, dtype=f"<u{item}", mode="r", offset=HEADER, shape=(n,))
-    except (OSError, ValueError):  # (n 0; or a file system that cannot map: read instead)
+        tokens = map_tokens(path, item, n)
+    except OSError:  # (a file system that cannot map: read instead)
         tokens = np.fromfile(path, dtype=f"<u{item}", offset=HEADER)
-    whole = checksum(tokens) == h[88:120]
+    whole = checksum(tokens) == digest
     return [f"file      {path}",
             "kind      token cache (HSLMTOK2): a text's tokens, as a run cached them",
             f"tokens    {n:,} of {item} bytes",
-            f"data      text sha256 {h[24:56].hex()[:16]}...",
-            f"tokenizer {h[56:88].hex()[:16]}...",
+            f"data      text sha256 {text.hex()[:16]}...",
+            f"tokenizer {tokenizer.hex()[:16]}...",
             "checksum  " + ("ok" if whole else "MISMATCH: damaged; a run tokenizes its text "
                                                "again")]
 

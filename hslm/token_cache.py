@@ -152,37 +152,54 @@ def write_tokens(path: Path, tokens: np.ndarray, text_sha256: str, identity: str
     _write(path, [header, memoryview(tokens).cast("B")])
 
 
-def open_tokens(path: Path, text_sha256: str, identity: str, vocab: int):
-    """The memory-mapped tokens, or None when the file is missing, cannot be mapped, or
-    is not the one asked for (wrong header, truncated, or its checksum does not match),
-    or holds an id
-    of `vocab` or more: the checksum catches damage, not a forged file, and the kernels
-    index the embedding by these ids (a forged file's had crashed hslm eval)."""
-    path = Path(path)
-    try:  # (a FIFO or a device under its name in a shared folder: a miss, errors.open_regular)
-        f, size = open_regular(path, "token file")
+def read_header(path: Path):
+    """A token file's header, where its bytes describe the file whole: (bytes an id,
+    ids, the text's sha256, the tokenizer's identity, the ids' checksum), the digests as
+    bytes; else None (missing, not a token file, torn). (A FIFO or a device under its
+    name in a shared folder: None, errors.open_regular.)"""
+    try:
+        f, size = open_regular(Path(path), "token file")
         with f:
             h = f.read(HEADER)
     except (HslmError, OSError):
         return None
     if len(h) != HEADER or h[:8] != MAGIC:
         return None
-    item = int.from_bytes(h[8:16], "little")
-    n = int.from_bytes(h[16:24], "little")
+    item, n = int.from_bytes(h[8:16], "little"), int.from_bytes(h[16:24], "little")
     if item not in (2, 4) or size != HEADER + n * item:
         return None
-    if h[24:56] != bytes.fromhex(text_sha256) or h[56:88] != bytes.fromhex(identity):
+    return item, n, h[24:56], h[56:88], h[88:120]
+
+
+def map_tokens(path: Path, item: int, n: int) -> np.ndarray:
+    """The n ids of a token file (read_header's), memory-mapped; an OSError where the
+    file system cannot map them (some FUSE mounts: ENODEV)."""
+    dtype = "<u2" if item == 2 else "<u4"
+    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER, shape=(n,)) if n \
+        else np.zeros(0, dtype)
+
+
+def open_tokens(path: Path, text_sha256: str, identity: str, vocab: int):
+    """The memory-mapped tokens, or None when the file is missing, cannot be mapped, or
+    is not the one asked for (wrong header, truncated, or its checksum does not match),
+    or holds an id of `vocab` or more: the checksum catches damage, not a forged file,
+    and the kernels index the embedding by these ids (a forged file's had crashed hslm
+    eval)."""
+    header = read_header(path)
+    if header is None:
         return None
-    if n == 0:
-        return np.zeros(0, "<u2" if item == 2 else "<u4")
-    try:  # (a folder whose files cannot be mapped, as some FUSE mounts: a miss)
-        arr = np.memmap(path, dtype="<u2" if item == 2 else "<u4", mode="r", offset=HEADER,
-                        shape=(n,))
+    item, n, text, tokenizer, digest = header
+    if text != bytes.fromhex(text_sha256) or tokenizer != bytes.fromhex(identity):
+        return None
+    try:  # (a folder whose files cannot be mapped: a miss)
+        arr = map_tokens(path, item, n)
     except OSError:
         return None
+    if n == 0:
+        return arr
     largest = [0]
-    digest = checksum(arr, lambda part: largest.append(int(part.max())))
-    if digest != h[88:120] or max(largest) >= vocab:
+    if checksum(arr, lambda part: largest.append(int(part.max()))) != digest \
+            or max(largest) >= vocab:
         return None
     return arr
 

@@ -482,7 +482,7 @@ def load_for_inference(path, threads=1, warn=None, trained_on=None):
     that is damaged or belongs to other parameters is an error (the file named would
     be the one ignored); one found beside a named .bin is set aside with a warning."""
     # (MPI: every rank reads the same files; rank 0 alone warns)
-    warn = warn or (lambda msg: distributed.is_writer() and errors.warn(msg))
+    warn = warn or errors.warn  # (MPI: rank 0's alone)
     path = Path(path)
     named_state = path.suffix == ".state"
     if named_state:
