@@ -177,6 +177,10 @@ def info(file):
     no argument, list the presets."""
     need_stdout("info")
     from .config import PRESETS
+    if file is not None and file.endswith(os.sep) and os.path.isfile(file.rstrip(os.sep)):
+        # (Path drops the slash: `info ck.bin/` had described ck.bin; eval's PathArg refuses)
+        raise HslmError(f"{file} ends as a folder's name does, but {file.rstrip(os.sep)} is a "
+                        "file; give its name without the slash")
     kind = _file_kind(file) if file is not None and file not in PRESETS else None
     if kind in ("tokenizer", "tokens"):
         from .inspect import describe_tokenizer, describe_tokens
@@ -265,10 +269,12 @@ def _names_hslm_bpe(path) -> bool:
                    "back as the same double, as the metrics file keeps it), instead of the "
                    "line.")
 def eval_cmd(ckpt_path, data, cache_dir, eval_windows, loss_positions, threads, as_json):
-    """Validation loss and perplexity of a checkpoint (.bin, or a .state beside its .bin).
+    """Validation loss, cross-entropy and perplexity of a checkpoint (.bin, or a .state
+    beside its .bin).
 
-    The loss is the training objective (cross-entropy with label smoothing 0.1) and the
-    perplexity its exp: above the plain cross-entropy's, which hslm does not report.
+    The loss is the training objective (cross-entropy with label smoothing 0.1); the
+    cross-entropy is the plain one, -log p of the next token in nats, and the perplexity
+    its exp.
 
     The text is encoded with the run's own tokenizer, which the .bin carries."""
     import math
@@ -302,19 +308,25 @@ def eval_cmd(ckpt_path, data, cache_dir, eval_windows, loss_positions, threads, 
     runner = StepRunner(cfg, DEFAULT_SPEED, threads)
     try:
         w = corpus.validation_windows(eval_windows, cfg.window)
-        v = runner.loss(state.kernel_model(), state.tables.vsa, w, k)
+        v, ce = runner.loss(state.kernel_model(), state.tables.vsa, w, k)
     finally:
         runner.close()
-    if as_json:  # JSON has no inf or NaN: null for a loss or perplexity that is not finite
-        ppl = perplexity(v)
+    ppl = perplexity(ce)
+    if as_json:  # JSON has no inf or NaN: null for a figure that is not finite
+        def finite(x):
+            return x if math.isfinite(x) else None
+
         click.echo(json.dumps({
-            "checkpoint": str(ckpt_path), "valid_loss": v if math.isfinite(v) else None,
-            "perplexity": ppl if math.isfinite(v) and math.isfinite(ppl) else None,
-            "windows": len(w),
+            "checkpoint": str(ckpt_path), "valid_loss": finite(v), "cross_entropy": finite(ce),
+            "perplexity": finite(ppl), "windows": len(w),
             "window": cfg.window, "loss_positions": k, "text_sha256": corpus.text_sha256}))
         return
-    loss = f"{v:.4f}" if abs(v) < 1e6 else f"{v:.4e}"  # (a crafted model's 1e300)
-    click.echo(f"valid loss {loss}, perplexity {perplexity(v):.2f} ({len(w)} "
+
+    def figure(x):
+        return f"{x:.4f}" if abs(x) < 1e6 else f"{x:.4e}"  # (a crafted model's 1e300)
+
+    click.echo(f"valid loss {figure(v)}, cross-entropy {figure(ce)}, perplexity {ppl:.2f} "
+               f"({len(w)} "
                f"window{'s' if len(w) != 1 else ''} of "
                f"{cfg.window}, last {k} scored; uniform baseline {math.log(cfg.vocab):.4f})")
 

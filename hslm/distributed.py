@@ -731,9 +731,10 @@ class World:
         return ordered_mean(every)
 
     def loss(self, runner, model, vsa_table, windows, k):
-        """runner.loss over MPI: each rank scores its run of windows; the mean in order."""
+        """runner.loss over MPI: each rank scores its run of windows; the means in order."""
+        from .step import ValidLosses
         lo, hi = ranges(windows.shape[0], self.size)[self.rank]
-        losses = np.zeros(hi - lo)
+        losses = np.zeros((hi - lo, 2))
         N = runner.threads
 
         def part(j):
@@ -741,7 +742,7 @@ class World:
                 losses[i] = runner.workers[j].window_loss(model, vsa_table, windows[lo + i], k)
 
         runner._map(part, min(N, hi - lo))
-        return self.ordered_mean(losses)
+        return ValidLosses(self.ordered_mean(losses[:, 0]), self.ordered_mean(losses[:, 1]))
 
     # ------------------------------------------- one node: shared memory
     def shared_arrays(self, name, specs, fill=None):

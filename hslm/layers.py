@@ -929,9 +929,11 @@ def head_backward(model, A, R, S, w, s, r0, r1, kernel):
 
 # -------------------------------------------------------------------- loss
 @kernel_inner(allocates=True)
-def loss_rows(Z, targets, scale, DZ, losses):
+def loss_rows(Z, targets, scale, DZ, losses, cross_entropies):
     """Label-smoothed cross-entropy of scored positions: Z [rows, V] (their logits) and
-    targets [rows] -> losses [rows]; DZ [rows, V] = dloss/dz * scale.
+    targets [rows] -> losses [rows]; DZ [rows, V] = dloss/dz * scale; and, unless
+    cross_entropies is None (then Numba compiles without it), the plain cross-entropy
+    -log p(target) into cross_entropies [rows] (evaluation's, for its perplexity).
 
     A row's max, and its sums of exp(z - max) and of z, each run over j in order; each
     sum is a chain of V dependent adds, so four rows' chains run side by side in one
@@ -989,25 +991,32 @@ def loss_rows(Z, targets, scale, DZ, losses):
                     t += Z[r + i, j]
                 se[i], zs[i] = e, t
         for i in range(n):
-            losses[r + i] = loss_finish(Z[r + i], targets[r + i], scale, DZ[r + i], mx[i], se[i],
-                                        zs[i])
+            loss, nll = loss_finish(Z[r + i], targets[r + i], scale, DZ[r + i], mx[i], se[i],
+                                    zs[i])
+            losses[r + i] = loss
+            if cross_entropies is not None:
+                cross_entropies[r + i] = nll
         r += n
 
 
 @kernel_inner
 def loss_finish(z, target, scale, dz, m, se, zs):
-    """One row's loss from its max m, se = sum_j exp(z_j - m) (dz holds the exp terms)
-    and zs = sum_j z_j; dz becomes dloss/dz * scale."""
+    """One row's (loss, plain cross-entropy) from its max m, se = sum_j exp(z_j - m) (dz
+    holds the exp terms) and zs = sum_j z_j; dz becomes dloss/dz * scale."""
     V = z.shape[0]
     eps = LABEL_SMOOTH
-    lse = m + log(se)
+    log_se = log(se)
+    lse = m + log_se
     loss = (1.0 - eps) * (lse - z[target]) + eps * (lse - zs / V)
+    # -log p(target) as torch's log_softmax has it: m - z_t first, exact for nearby
+    # logits, where lse - z_t loses log(se) beside an m of 1e300
+    nll = (m - z[target]) + log_se
     for j in range(V):
         g = dz[j] / se - eps / V
         if j == target:
             g = g - (1.0 - eps)
         dz[j] = g * scale
-    return loss
+    return loss, nll
 
 
 @kernel_inner
@@ -1015,7 +1024,7 @@ def window_loss_rows(A, R, w, tokens, s, r0, r1, scale, losses):
     """Window w's scored rows r0..r1-1 (positions s + r): their losses into
     losses[r0..r1-1] and their d_logits."""
     loss_rows(A.logits[w, s + r0:s + r1], tokens[s + r0 + 1:s + r1 + 1], scale,
-              R.d_logits[w, r0:r1], losses[r0:r1])
+              R.d_logits[w, r0:r1], losses[r0:r1], None)
 
 
 # -------------------------------------------------- weight-gradient operands

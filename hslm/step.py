@@ -40,6 +40,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from typing import NamedTuple
 
 import numpy as np
 
@@ -228,9 +229,10 @@ class Worker:
         return self.rec.d_x0[0, :k]
 
     def window_loss(self, model, vsa_table, tokens, k):
-        """Forward only: the window's mean loss over its last k positions."""
+        """Forward only: the window's mean loss and mean plain cross-entropy over its last
+        k positions ([2], windows_loss)."""
         windows = tokens.reshape(1, -1)
-        losses = np.zeros(1)
+        losses = np.zeros((1, 2))
         windows_forward(model, vsa_table, windows, self.vsa.reshape((1,) + self.vsa.shape), k,
                         self.acts, 0, 1, KERNEL_PANELS)
         windows_loss(windows, k, self.acts, self.scr, 0, 1, losses)
@@ -244,6 +246,15 @@ def add_in_order(G, bufs, n, lo, hi):
         B = bufs[w]
         for e in range(lo, hi):
             G[e] += B[e]
+
+
+class ValidLosses(NamedTuple):
+    """A validation's means over its windows' scored positions (each window's mean, then
+    the windows' in order): loss, the training objective (label-smoothed, docs/model.md),
+    and cross_entropy, the plain -log p of the next token in nats, whose exp is the
+    perplexity."""
+    loss: float
+    cross_entropy: float
 
 
 def ordered_mean(values) -> float:
@@ -569,19 +580,19 @@ class StepRunner:
             self._staged_chunks = np.array(chunks, np.int64)
         return self._staged_chunks
 
-    def loss(self, model, vsa_table, windows: np.ndarray, k: int) -> float:
-        """Mean loss of windows, forward only (validation)."""
+    def loss(self, model, vsa_table, windows: np.ndarray, k: int) -> ValidLosses:
+        """The mean loss and plain cross-entropy of windows, forward only (validation)."""
         if self.world is not None:  # MPI: each rank scores its windows
             return self.world.loss(self, model, vsa_table, windows, k)
         B, N = windows.shape[0], self.threads
-        losses = np.zeros(B)
+        losses = np.zeros((B, 2))
 
         def part(j):
             for i in range(j, B, N):
                 losses[i] = self.workers[j].window_loss(model, vsa_table, windows[i], k)
 
         self._map(part, min(N, B))
-        return ordered_mean(losses)
+        return ValidLosses(ordered_mean(losses[:, 0]), ordered_mean(losses[:, 1]))
 
 
 def kernels_cached(speed: int, teams: bool = False) -> bool:

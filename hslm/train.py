@@ -41,7 +41,7 @@ from .token_cache import TEXT_SHA_MEMO
 from .validate import MAX_INT, check_fits, check_hyper, memory_estimate, unique_keys
 
 if TYPE_CHECKING:  # (the step's module loads the kernels: only once the flags are judged)
-    from .step import StepRunner
+    from .step import StepRunner, ValidLosses
 
 
 # What a run that diverged says after naming what is not finite.
@@ -379,7 +379,7 @@ class Run:
             runner.add_timing("optimiser", time.perf_counter() - t0)
         return loss
 
-    def validation_loss(self, runner: StepRunner) -> float:
+    def validation_loss(self, runner: StepRunner) -> ValidLosses:
         h = self.hyper
         windows = self.corpus.validation_windows(h.eval_windows, self.cfg.window)
         return runner.loss(self.state.kernel_model(), self.tables.vsa, windows, h.loss_positions)
@@ -1050,18 +1050,20 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
 
     def evaluate(saved=None):
         v = run.validation_loss(runner)
-        if not math.isfinite(v):
+        if not math.isfinite(v.loss):  # (the cross-entropy is at most loss / 0.9: finite)
             raise distributed.AllRanksError(
-                f"step {run.step}: the validation loss is {v} (the parameters are finite but "
-                "the model overflows; is --lr too high?); " + (
+                f"step {run.step}: the validation loss is {v.loss} (the parameters are finite "
+                "but the model overflows; is --lr too high?); " + (
                     "not saved" if saved is None else f"saved before it was evaluated: {saved}"))
-        ppl = perplexity(v)  # JSON has no inf: null past the largest double
-        write_metrics(kind="eval", step=run.step, valid_loss=v,
+        ppl = perplexity(v.cross_entropy)  # JSON has no inf: null past the largest double
+        write_metrics(kind="eval", step=run.step, valid_loss=v.loss,
+                      cross_entropy=v.cross_entropy,
                       perplexity=ppl if math.isfinite(ppl) else None)
         return v
 
     def say_valid(v):
-        progress.message(f"step {run.step}: valid {v:.4f} (perplexity {perplexity(v):.1f})")
+        progress.message(f"step {run.step}: valid {v.loss:.4f} (cross-entropy "
+                         f"{v.cross_entropy:.4f}, perplexity {perplexity(v.cross_entropy):.1f})")
 
     def stop_after_step(signum, saved=None, evaluated=False):
         """A stop after a step before the last: saved first (a scheduler's SIGKILL may
@@ -1179,4 +1181,4 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
             metrics.close()
         finally:
             watching.close()
-    return first, last, valid
+    return first, last, valid.loss

@@ -543,15 +543,20 @@ def gradients_from_records(model, A, R, tokens, k, units, u0, u1, out, XT, WG, f
 # ------------------------------------------------------------ forward only
 @kernel_entry(allocates=True)
 def windows_loss(windows, k, A, S, first, step, losses):
-    """Evaluation, after windows_forward: losses[w] = window w's mean loss over its last
-    k positions (windows first, first + step, ...)."""
+    """Evaluation, after windows_forward: for windows first, first + step, ..., their mean
+    over the last k positions of the loss (losses[w, 0]) and of the plain cross-entropy
+    (losses[w, 1]), each summed in position order."""
     L = windows.shape[1] - 1
     row_loss = np.empty(k)
+    row_nll = np.empty(k)
     for w in range(first, windows.shape[0], step):
         tokens = windows[w]
         loss_rows(A.logits[w, L - k:L], tokens[L - k + 1:L + 1], 1.0, S.loss_grad[L - k:L],
-                  row_loss)
+                  row_loss, row_nll)
         loss_sum = 0.0
+        nll_sum = 0.0
         for r in range(k):
             loss_sum += row_loss[r]
-        losses[w] = loss_sum / k
+            nll_sum += row_nll[r]
+        losses[w, 0] = loss_sum / k
+        losses[w, 1] = nll_sum / k

@@ -1,6 +1,7 @@
 """Issue 11, through the CLI: what a hostile test saw, each answered with one clear
 line and a non-zero exit, or working correctly."""
 import json
+import math
 import os
 import shlex
 import signal
@@ -621,6 +622,19 @@ def test_info_describes_a_checkpoint_whatever_its_name(base, tmp_path):
         assert code == 0 and out.splitlines()[0].startswith("model"), err
 
 
+def test_info_refuses_a_files_name_ending_in_a_slash(base):
+    """`hslm info ck.bin/` described ck.bin (Path drops the slash), where eval and sample
+    refuse such a name. Controls: the name without it; a folder's name with it is still
+    called a folder."""
+    ck = f"{base / 'ckpt_2.bin'}"
+    assert one_line_error(*hslm("info", ck + "/")) == (
+        f"error: {ck}/ ends as a folder's name does, but {ck} is a file; give its name "
+        "without the slash")
+    code, out, err = hslm("info", ck)
+    assert code == 0 and "step      2" in out, err
+    assert "is a directory" in one_line_error(*hslm("info", f"{base}/"))
+
+
 def test_info_describes_a_runs_tokenizer_and_token_cache(tmp_path):
     """`hslm info` of the tokenizer.json a run writes, of its token cache's bpe-*.json and
     tokens-*.tok: the first two had been refused as model configs ("missing width, ..."),
@@ -1051,8 +1065,9 @@ def test_logits_near_the_largest_double_are_sampled_not_padded(base, tmp_path):
     divided by the temperature overflowed, every weight was NaN, and sample drew PAD (id
     0) each time, printing the prompt alone after numpy's warnings; eval --json gave a
     null loss beside a perplexity of 0.0. Now such logits are scaled from their maximum
-    (only then, so a seed's text is as before), and eval's perplexity is null with its
-    loss. Control: the checkpoint as trained samples its seed's text as before."""
+    (only then, so a seed's text is as before); eval's loss is null, and its plain
+    cross-entropy that of equal logits, ln V. Control: the checkpoint as trained samples
+    its seed's text as before."""
     ck = ckpt.read(base / "ckpt_2.bin")
     cfg = ck.config
     theta = ck.flat().copy()
@@ -1064,7 +1079,11 @@ def test_logits_near_the_largest_double_are_sampled_not_padded(base, tmp_path):
     assert code == 0 and err == "" and len(out) > len("ab\n") and "\x00" not in out, (out, err)
     code, out, err = hslm("eval", huge, "--json")
     r = json.loads(out)
-    assert code == 0 and r["valid_loss"] is None and r["perplexity"] is None, out
+    assert code == 0 and r["valid_loss"] is None, out
+    # every logit 1.7e308: a uniform distribution, whose plain cross-entropy is ln V (the
+    # smoothed loss's mean of z overflowed; its bits are training's and stay)
+    assert r["cross_entropy"] == pytest.approx(math.log(cfg.vocab), rel=1e-14), out
+    assert r["perplexity"] == pytest.approx(cfg.vocab, rel=1e-12), out
     runs = [hslm("sample", base / "ckpt_2.bin", "--tokens", 8, "--prompt", "ab", "--seed", 1)
             for _ in range(2)]
     assert runs[0] == runs[1] and runs[0][0] == 0

@@ -240,6 +240,7 @@ def test_mpi_metrics_equal_one_process(tmp_path, speed, shared):
         runs[ranks] = [{k: v for k, v in json.loads(line).items() if k not in ("tok_s", "time")}
                        for line in (d / "m.jsonl").read_text().splitlines()]
     assert runs[None] == runs[2] and any("ternary_zero_share" in r for r in runs[2])
+    assert any("cross_entropy" in r for r in runs[2])
     assert len({r["ternary_zero_share"] for r in runs[2] if "ternary_zero_share" in r}) > 1
 
 

@@ -85,3 +85,40 @@ def test_vsa_stream_of_awkward_sizes_matches_python_oracle(vsa_dim, window, stru
     assert np.abs(out).sum() > 0
     other = vsa_terms(table, tokens[::-1].copy(), cfg.blocks, cfg.width, window)
     assert not np.array_equal(out, other)
+
+
+@pytest.mark.parametrize("name,structured", CASES)
+def test_validation_loss_and_cross_entropy_match_torch(name, structured):
+    """Evaluation's two means (runner.loss: the label-smoothed objective, and the plain
+    cross-entropy whose exp eval and the metrics call the perplexity) against torch: the
+    oracle's loss, and torch.nn.functional.cross_entropy of the oracle's logits. The two
+    figures differ by far more than the tolerance, so neither would pass for the other;
+    on 1 and 3 threads they are the same bits."""
+    import torch
+
+    from hslm.oracle_torch import window_losses
+    from hslm.step import StepRunner
+
+    cfg, tb, ms, _ = setup(name, structured)
+    k = cfg.window // 2 + 1
+    windows = np.random.default_rng(5).integers(0, cfg.vocab, (5, cfg.window + 1))
+    got = []
+    for threads in (1, 3):
+        runner = StepRunner(cfg, 3, threads)
+        try:
+            got.append(runner.loss(ms.kernel_model(), tb.vsa, windows, k))
+        finally:
+            runner.close()
+    assert np.array(got[0]).tobytes() == np.array(got[1]).tobytes()
+    offs = cfg.offsets()
+    theta = torch.tensor(ms.theta)
+    params = {n: theta[offs[t]:offs[t + 1]].reshape(s)
+              for t, (n, s, _) in enumerate(cfg.tensors())}
+    vsa = np.stack([vsa_stream(cfg, tb.vsa, w) for w in windows])
+    t_loss, z, _ = window_losses(cfg, params, windows, vsa, k)
+    targets = torch.as_tensor(windows[:, cfg.window - k + 1:])
+    t_ce = torch.nn.functional.cross_entropy(z.reshape(-1, cfg.vocab), targets.reshape(-1))
+    loss, ce = got[0]
+    assert abs(loss - t_loss.item()) <= RTOL * abs(t_loss.item())
+    assert abs(ce - t_ce.item()) <= RTOL * abs(t_ce.item())
+    assert abs(loss - ce) > 1e3 * RTOL * abs(ce), (loss, ce)  # the control

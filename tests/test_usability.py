@@ -42,7 +42,8 @@ def test_plain_lines_metrics_and_periodic_evaluation(trained):
                              "ternary_zero_share"}
     assert 0.1 < train[-1]["ternary_zero_share"] < 0.5 and train[-1]["grad_norm"] > 0
     assert [r["step"] for r in evals] == [4, 8, 12]
-    assert evals[-1]["perplexity"] == pytest.approx(np.exp(evals[-1]["valid_loss"]))
+    assert set(evals[-1]) == {"kind", "step", "valid_loss", "cross_entropy", "perplexity"}
+    assert evals[-1]["perplexity"] == pytest.approx(np.exp(evals[-1]["cross_entropy"]))
     final_valid = float(out.strip().splitlines()[-1].split("valid ")[1])
     assert round(evals[-1]["valid_loss"], 4) == final_valid
 
@@ -52,7 +53,9 @@ def test_eval_command_matches_the_run(trained):
     code, eout, err = hslm("eval", d / "ckpt_12.bin")
     assert code == 0, err
     final_valid = out.strip().splitlines()[-1].split("valid ")[1]
-    assert eout.startswith(f"valid loss {final_valid}, perplexity")
+    assert eout.startswith(f"valid loss {final_valid}, cross-entropy ")
+    ce = float(eout.split("cross-entropy ")[1].split(",")[0])
+    assert f", perplexity {np.exp(ce):.2f} (" in eout, eout
 
 
 def test_eval_json_gives_the_runs_loss_to_the_bit(trained):
@@ -66,6 +69,7 @@ def test_eval_json_gives_the_runs_loss_to_the_bit(trained):
              if json.loads(line)["kind"] == "eval"]
     assert got["valid_loss"] == evals[-1]["valid_loss"]  # ==, not approx
     assert got["valid_loss"] != round(got["valid_loss"], 4)  # what the line would have shown
+    assert got["cross_entropy"] == evals[-1]["cross_entropy"]
     assert got["perplexity"] == evals[-1]["perplexity"]
     assert {k: got[k] for k in ("windows", "window", "loss_positions")} == {
         "windows": 64, "window": 9, "loss_positions": 9}
@@ -1576,16 +1580,18 @@ def test_a_validation_loss_past_exps_range_gives_perplexity_inf_and_null(tmp_pat
     """A diverged run can have a finite validation loss whose exp is past the largest
     double: the progress line says perplexity inf and the metrics record null (JSON has
     no inf), where math.exp raised OverflowError before."""
+    from hslm.step import ValidLosses
     from hslm.train import Run
     from test_train import run
-    monkeypatch.setattr(Run, "validation_loss", lambda self, runner: 800.0)
+    monkeypatch.setattr(Run, "validation_loss", lambda self, runner: ValidLosses(800.0, 799.0))
     m = tmp_path / "m.jsonl"
     code, out, err = run(capsys, "train", *TINY, "--steps", 2, "--eval-every", 1,
                          "--log-every", 1, "--metrics", m, "--out", tmp_path / "run")
     assert code == 0, err
-    assert "valid 800.0000 (perplexity inf)" in out + err
+    assert "valid 800.0000 (cross-entropy 799.0000, perplexity inf)" in out + err
     evals = [json.loads(line) for line in m.read_text().splitlines() if "valid_loss" in line]
-    assert evals and all(e["valid_loss"] == 800.0 and e["perplexity"] is None for e in evals)
+    assert evals and all(e["valid_loss"] == 800.0 and e["cross_entropy"] == 799.0
+                         and e["perplexity"] is None for e in evals)
 
 
 def test_active_tile_cost_times_the_tile_and_fits_a_row_and_a_position(tmp_path):
