@@ -591,9 +591,11 @@ class TrainOptions:
     quiet: bool
 
     def resume_command(self, state_path) -> str:
-        """The command that continues this run from state_path, to run verbatim."""
+        """The command that continues this run from state_path, to run verbatim (started
+        as this process was: `hslm`, `python -m hslm` or `python cli.py`)."""
         import shlex
-        cmd = f"hslm train --resume {shlex.quote(str(state_path))} --steps {self.steps}"
+        cmd = (f"{this_program()} train --resume {shlex.quote(str(state_path))} "
+               f"--steps {self.steps}")
         for d in self.data:
             cmd += f" --data {shlex.quote(str(d))}"
         if self.cache_dir is not None:
@@ -608,6 +610,28 @@ class TrainOptions:
         if self.quiet:
             cmd += " -q"
         return cmd
+
+
+def this_program() -> str:
+    """How to start hslm as this process was started, for a command to give back: `hslm`
+    (the console script, or anything else), `python -m hslm`, or `python cli.py` (the
+    checkout's shim); the interpreter by the name the PATH finds it by, where that name
+    finds this one, else by its path."""
+    import shlex
+    import shutil
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name in ("hslm", "hslm.__main__"):
+        how = "-m hslm"
+    elif spec is None and os.path.basename(getattr(main, "__file__", None) or "") == "cli.py":
+        how = shlex.quote(sys.argv[0])
+    else:
+        return "hslm"
+    python = os.path.basename(sys.executable)
+    found = shutil.which(python)
+    if not found or os.path.realpath(found) != os.path.realpath(sys.executable):
+        python = sys.executable
+    return f"{shlex.quote(python)} {how}"
 
 
 def open_run(o: TrainOptions):

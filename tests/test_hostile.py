@@ -4,6 +4,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import signal
 import stat
 import subprocess
@@ -730,11 +731,16 @@ def test_a_huge_tokenizer_json_beside_a_checkpoint_is_not_read_whole(base, tmp_p
     assert len(parsed) > n and warned == []  # read, parsed, and the checkpoint's own
 
 
-def test_resume_command_printed_on_ctrl_c_runs_verbatim(tmp_path):
+@pytest.mark.parametrize("started", [["cli.py"], ["-m", "hslm"]], ids=["cli.py", "-m hslm"])
+def test_resume_command_printed_on_ctrl_c_runs_verbatim(tmp_path, started):
+    """The command says hslm as the run was started (it had said `hslm` always, which a
+    checkout's `python cli.py` or `python -m hslm` need not have on its PATH), and runs
+    as it is given."""
     data = tmp_path / "my text.txt"
     data.write_text(TEXT * 3)
     d = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "train", *TINY, "--steps",
+    how = [str(ROOT / "cli.py")] if started == ["cli.py"] else started
+    proc = subprocess.Popen([sys.executable, *how, "train", *TINY, "--steps",
                              "100000", "--data", str(data), "--out", str(d), "--log-every", "1",
                              "--save-every", "50000", "--eval-every", "40000"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -748,14 +754,15 @@ def test_resume_command_printed_on_ctrl_c_runs_verbatim(tmp_path):
     cmd = [line for line in out.splitlines()
            if line.startswith("resume with: ")][0][len("resume with: "):]
     argv = shlex.split(cmd)
-    assert argv[:2] == ["hslm", "train"] and "--data" in argv
+    assert os.path.realpath(shutil.which(argv[0])) == os.path.realpath(sys.executable), cmd
+    assert argv[1:len(how) + 2] == [*how, "train"] and "--data" in argv, cmd
     for flag, value in (("--save-every", "50000"), ("--eval-every", "40000"),
                         ("--log-every", "1"), ("--threads", "1")):  # the run's cadence, kept
         assert argv[argv.index(flag) + 1] == value, cmd
     step = int(argv[argv.index("--steps") - 1].split("ckpt_")[1].split(".")[0])
     argv[argv.index("--steps") + 1] = str(step + 1)  # one more step is enough to prove it runs
-    code, out, err = hslm(*argv[1:])
-    assert code == 0, err
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and "saved " in p.stdout, p.stderr
 
 
 def test_devices_and_fifos_are_refused_without_reading(base, tmp_path):
