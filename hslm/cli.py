@@ -34,9 +34,8 @@ class PathArg(click.Path):
     def convert(self, value, param, ctx):
         if isinstance(value, str) and not value.strip():
             self.fail("an empty path; give a file or folder name", param, ctx)
-        seps = tuple(filter(None, (os.sep, os.altsep)))
-        if self.file and isinstance(value, str) and (
-                value.endswith(seps) or os.path.basename(value) in (".", "..")):
+        from .validate import ends_as_folder
+        if self.file and isinstance(value, str) and ends_as_folder(value):
             self.fail(f"{value} ends as a folder's name does (a slash, . or ..); give a file "
                       "name", param, ctx)
         return super().convert(value, param, ctx)
@@ -177,10 +176,9 @@ def info(file):
     no argument, list the presets."""
     need_stdout("info")
     from .config import PRESETS
-    if file is not None and file.endswith(os.sep) and os.path.isfile(file.rstrip(os.sep)):
-        # (Path drops the slash: `info ck.bin/` had described ck.bin; eval's PathArg refuses)
-        raise HslmError(f"{file} ends as a folder's name does, but {file.rstrip(os.sep)} is a "
-                        "file; give its name without the slash")
+    if file is not None:
+        from .validate import check_file_not_named_as_folder
+        check_file_not_named_as_folder(file)
     kind = _file_kind(file) if file is not None and file not in PRESETS else None
     if kind in ("tokenizer", "tokens"):
         from .inspect import describe_tokenizer, describe_tokens
@@ -281,7 +279,7 @@ def eval_cmd(ckpt_path, data, cache_dir, eval_windows, loss_positions, threads, 
 
     from .data import Corpus
     from .step import StepRunner
-    from .train import load_for_inference, perplexity, tidy_cache_dir
+    from .train import load_for_inference, perplexity, short_figure, tidy_cache_dir
 
     need_stdout("eval")
     threads = threads or default_threads()
@@ -321,12 +319,8 @@ def eval_cmd(ckpt_path, data, cache_dir, eval_windows, loss_positions, threads, 
             "perplexity": finite(ppl), "windows": len(w),
             "window": cfg.window, "loss_positions": k, "text_sha256": corpus.text_sha256}))
         return
-
-    def figure(x):
-        return f"{x:.4f}" if abs(x) < 1e6 else f"{x:.4e}"  # (a crafted model's 1e300)
-
-    click.echo(f"valid loss {figure(v)}, cross-entropy {figure(ce)}, perplexity {ppl:.2f} "
-               f"({len(w)} "
+    click.echo(f"valid loss {short_figure(v, 4)}, cross-entropy {short_figure(ce, 4)}, "
+               f"perplexity {short_figure(ppl, 2)} ({len(w)} "
                f"window{'s' if len(w) != 1 else ''} of "
                f"{cfg.window}, last {k} scored; uniform baseline {math.log(cfg.vocab):.4f})")
 
@@ -385,13 +379,17 @@ def sample(ckpt_path, prompt, n_tokens, temperature, top_k, seed, data):
             out.write(piece)
             out.flush()
 
+    unsaid = [prompt]  # said with the first token: a model whose logits are not finite
+    # fails there, and had left the prompt on stdout before its error line
+
+    def each(t):
+        write((unsaid.pop() if unsaid else "") + text.decode(tok.decode_bytes([t])))
+
     try:
-        write(prompt)
         sample_ids(Worker(cfg, DEFAULT_SPEED), state.kernel_model(), state.tables.vsa,
                    tok.encode(prompt), n_tokens, temperature, top_k, seed, cfg.window,
-                   each=lambda t: write(text.decode(tok.decode_bytes([t]))),
-                   drawable=tok.n_ids)
-        write(text.decode(b"", final=True) + "\n")
+                   each=each, drawable=tok.n_ids)
+        write((unsaid.pop() if unsaid else "") + text.decode(b"", final=True) + "\n")
     except ReaderLeft:
         pass
 

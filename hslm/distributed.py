@@ -742,7 +742,7 @@ class World:
                 losses[i] = runner.workers[j].window_loss(model, vsa_table, windows[lo + i], k)
 
         runner._map(part, min(N, hi - lo))
-        return ValidLosses(self.ordered_mean(losses[:, 0]), self.ordered_mean(losses[:, 1]))
+        return ValidLosses.of(losses, self.ordered_mean)
 
     # ------------------------------------------- one node: shared memory
     def shared_arrays(self, name, specs, fill=None):

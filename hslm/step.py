@@ -256,6 +256,11 @@ class ValidLosses(NamedTuple):
     loss: float
     cross_entropy: float
 
+    @classmethod
+    def of(cls, losses, mean) -> "ValidLosses":
+        """From the windows' [n, 2] rows (Worker.window_loss) and a mean in order."""
+        return cls(mean(losses[:, 0]), mean(losses[:, 1]))
+
 
 def ordered_mean(values) -> float:
     total = 0.0
@@ -592,7 +597,7 @@ class StepRunner:
                 losses[i] = self.workers[j].window_loss(model, vsa_table, windows[i], k)
 
         self._map(part, min(N, B))
-        return ValidLosses(ordered_mean(losses[:, 0]), ordered_mean(losses[:, 1]))
+        return ValidLosses.of(losses, ordered_mean)
 
 
 def kernels_cached(speed: int, teams: bool = False) -> bool:

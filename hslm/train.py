@@ -38,7 +38,8 @@ from .slots import NO_GATE
 from .speeds import SPEEDS
 from .tables import Tables
 from .token_cache import TEXT_SHA_MEMO
-from .validate import MAX_INT, check_fits, check_hyper, memory_estimate, unique_keys
+from .validate import (MAX_INT, check_file_not_named_as_folder, check_fits, check_hyper,
+                       memory_estimate, unique_keys)
 
 if TYPE_CHECKING:  # (the step's module loads the kernels: only once the flags are judged)
     from .step import StepRunner, ValidLosses
@@ -49,18 +50,24 @@ DIVERGED = ("stopping without saving this step (checkpoints already written are 
             "they are); a smaller --lr or --weight-decay may help")
 
 
-def perplexity(loss: float) -> float:
-    """exp(loss), correctly rounded (hslm.precise: math.exp is the C library's, whose
-    FMA and non-FMA variants differ in the last bit for about one loss in 1,400, and the
-    metrics file keeps all 17 digits); inf past the largest double (a diverged run's loss
-    above 709.78), NaN for NaN."""
-    if math.isnan(loss):
-        return loss
-    if loss > 710.0:  # (decimal's exp of a huge value would trap on its exponent range)
+def perplexity(nats: float) -> float:
+    """exp(nats), a cross-entropy's perplexity, correctly rounded (hslm.precise: math.exp
+    is the C library's, whose FMA and non-FMA variants differ in the last bit for about
+    one value in 1,400, and the metrics file keeps all 17 digits); inf past the largest
+    double (a diverged run's cross-entropy above 709.78), NaN for NaN."""
+    if math.isnan(nats):
+        return nats
+    if nats > 710.0:  # (decimal's exp of a huge value would trap on its exponent range)
         return math.inf
-    if loss < -746.0:
+    if nats < -746.0:
         return 0.0
-    return precise.to_f64(precise.CTX.exp(precise.D(loss)))
+    return precise.to_f64(precise.CTX.exp(precise.D(nats)))
+
+
+def short_figure(x: float, places: int) -> str:
+    """x with `places` decimals, or in 5 significant digits from 1e6 up (a diverged or
+    crafted model's perplexity of 300 digits, a loss of 1e300)."""
+    return f"{x:.{places}f}" if abs(x) < 1e6 else f"{x:.4e}"
 
 
 def threads_note(threads: int) -> str:
@@ -543,6 +550,7 @@ def resolve_config(model: str) -> Config:
     """A preset name, or the path of a JSON file with the config's fields."""
     if model in PRESETS:
         return PRESETS[model]
+    check_file_not_named_as_folder(model)
     path = Path(model)
     if not (model.endswith(".json") or path.exists()):
         raise HslmError(f"unknown --model {model!r}: give a preset ({', '.join(PRESETS)}) "
@@ -1086,8 +1094,9 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
         return v
 
     def say_valid(v):
-        progress.message(f"step {run.step}: valid {v.loss:.4f} (cross-entropy "
-                         f"{v.cross_entropy:.4f}, perplexity {perplexity(v.cross_entropy):.1f})")
+        progress.message(f"step {run.step}: valid {short_figure(v.loss, 4)} (cross-entropy "
+                         f"{short_figure(v.cross_entropy, 4)}, perplexity "
+                         f"{short_figure(perplexity(v.cross_entropy), 1)})")
 
     def stop_after_step(signum, saved=None, evaluated=False):
         """A stop after a step before the last: saved first (a scheduler's SIGKILL may

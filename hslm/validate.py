@@ -89,6 +89,22 @@ _BRACKETS = np.zeros(256, np.int8)
 _BRACKETS[[ord("["), ord("{")]], _BRACKETS[[ord("]"), ord("}")]] = 1, -1
 
 
+def ends_as_folder(name: str) -> bool:
+    """Whether a name ends as only a folder's can: a slash, or a last part . or .. (Path
+    drops the slash and the ".", so `ck.bin/` read as a Path is ck.bin)."""
+    return name.endswith(tuple(filter(None, (os.sep, os.altsep)))) or os.path.basename(
+        name) in (".", "..")
+
+
+def check_file_not_named_as_folder(name: str):
+    """One line where a name that ends as a folder's (ends_as_folder) is a file's:
+    `info ck.bin/` had described ck.bin, and `--model c.json/` read c.json."""
+    from pathlib import Path
+    if ends_as_folder(name) and os.path.isfile(Path(name)):
+        raise HslmError(f"{name} ends as a folder's name does (a slash, . or ..), but "
+                        f"{Path(name)} is a file; give the file's name")
+
+
 def is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 

@@ -623,17 +623,26 @@ def test_info_describes_a_checkpoint_whatever_its_name(base, tmp_path):
         assert code == 0 and out.splitlines()[0].startswith("model"), err
 
 
-def test_info_refuses_a_files_name_ending_in_a_slash(base):
-    """`hslm info ck.bin/` described ck.bin (Path drops the slash), where eval and sample
-    refuse such a name. Controls: the name without it; a folder's name with it is still
-    called a folder."""
+def test_info_and_model_refuse_a_files_name_ending_as_a_folders(base, tmp_path):
+    """`hslm info ck.bin/` (or `ck.bin/.`) described ck.bin, and `train --model c.json/`
+    read c.json (Path drops the slash and the "."), where eval and sample refuse such a
+    name. Controls: the names without it; a folder's name with it is still called a
+    folder."""
     ck = f"{base / 'ckpt_2.bin'}"
-    assert one_line_error(*hslm("info", ck + "/")) == (
-        f"error: {ck}/ ends as a folder's name does, but {ck} is a file; give its name "
-        "without the slash")
+    for name in (ck + "/", ck + "/."):
+        assert one_line_error(*hslm("info", name)) == (
+            f"error: {name} ends as a folder's name does (a slash, . or ..), but {ck} is a "
+            "file; give the file's name")
     code, out, err = hslm("info", ck)
     assert code == 0 and "step      2" in out, err
     assert "is a directory" in one_line_error(*hslm("info", f"{base}/"))
+    config = tmp_path / "c.json"
+    config.write_text('{"vocab": 300, "width": 12, "heads": 2, "head_width": 6, "mlp": 24, '
+                      '"blocks": 1, "window": 9, "vsa_dim": 64}')
+    for cmd in (["info"], ["train", "--steps", "1", "--out", tmp_path / "o", "--model"]):
+        assert f"but {config} is a file" in one_line_error(*hslm(*cmd, f"{config}/"))
+        code, out, err = hslm(*cmd, config)
+        assert code == 0, err
 
 
 def test_info_describes_a_runs_tokenizer_and_token_cache(tmp_path):
@@ -922,6 +931,15 @@ def test_bench_flags_are_judged_before_it_compiles(monkeypatch, capsys, args, ex
         main(["bench", "--model", "hslm-tiny", "--speed", "3", "-k", "9"])
 
 
+def test_figures_past_a_million_are_said_in_five_digits():
+    """A crafted model's perplexity of exp(299) had been said in 130 digits on eval's and
+    train's lines (a loss of 1e300 was already short)."""
+    from hslm.train import perplexity, short_figure
+    assert short_figure(perplexity(299.0), 1) == "7.1458e+129"
+    assert [short_figure(x, 2) for x in (74.6249, 999999.994, -1e300, math.inf, math.nan)] == [
+        "74.62", "999999.99", "-1.0000e+300", "inf", "nan"]
+
+
 def test_perplexity_past_the_largest_double_is_inf_not_an_overflow_error():
     import math
     from hslm.train import perplexity
@@ -1065,6 +1083,22 @@ def test_a_command_whose_output_is_its_product_says_nothing_when_its_reader_goes
         code = proc.wait(timeout=120)
         err = proc.stderr.read().decode()
     assert code == 0 and err == "", err
+
+
+def test_sample_from_a_model_whose_logits_overflow_prints_nothing_but_its_line(base,
+                                                                               tmp_path):
+    """A finite checkpoint whose head is 1e307 times its trained one (every check passed)
+    has logits that are not finite: sample fails on its first token with one line, and
+    had printed the prompt before it. Control: the checkpoint as trained prints the
+    prompt and its tokens."""
+    ck = ckpt.read(base / "ckpt_2.bin")
+    tensors = [(n, ck.tensor(n) * (1e307 if n == "Wout" else 1)) for n in ck.names()]
+    huge = tmp_path / "ckpt_2.bin"
+    huge.write_bytes(ckpt.encode(tensors, dict(ck.meta)))
+    code, out, err = hslm("sample", huge, "--tokens", 4, "--prompt", "ab", "--seed", 1)
+    assert "logits are not finite" in one_line_error(code, out, err) and out == "", out
+    code, out, err = hslm("sample", base / "ckpt_2.bin", "--tokens", 4, "--prompt", "ab")
+    assert code == 0 and out.startswith("ab") and len(out) > len("ab\n"), (out, err)
 
 
 def test_logits_near_the_largest_double_are_sampled_not_padded(base, tmp_path):

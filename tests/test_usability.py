@@ -1,7 +1,9 @@
 """Progress, metrics, evaluation, sampling, plots, interruption (issue: a trainer people enjoy)."""
 import io
 import json
+import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -170,7 +172,9 @@ def test_signal_finishes_the_step_saves_and_says_how_to_resume(tmp_path, sig):
     assert len(notice) == 1 and (notice[0] == 0 or err.splitlines()[notice[0] - 1].strip()), err
     line = [x for x in out.splitlines() if "stopped after step" in x][0]
     step = int(line.split("stopped after step ")[1].split(";")[0])
-    assert f"resume with: hslm train --resume {tmp_path / f'ckpt_{step}.state'}" in out
+    # (the command's start, python and cli.py here, is tested in test_hostile.py)
+    assert re.search(f"^resume with: .* train --resume {tmp_path / f'ckpt_{step}.state'} ",
+                     out, re.M), out
     assert "resume with" not in err  # (said once: the output's reader is there)
     ckpt.read(tmp_path / f"ckpt_{step}.bin", expect_kind="params")
     code, _, err = hslm("train", "--resume", tmp_path / f"ckpt_{step}.state", "--steps", step + 1)
@@ -192,7 +196,8 @@ def test_a_stop_says_where_it_saved_on_stderr_when_the_output_is_gone(tmp_path):
     line = [x for x in err.splitlines() if "stopped after step" in x]
     assert len(line) == 1 and line[0].startswith("SIGINT: stopped after step "), err
     step = int(line[0].split("stopped after step ")[1].split(";")[0])
-    assert f"resume with: hslm train --resume {tmp_path / f'ckpt_{step}.state'}" in err
+    assert re.search(f"^resume with: .* train --resume {tmp_path / f'ckpt_{step}.state'} ",
+                     err, re.M), err
     ckpt.read(tmp_path / f"ckpt_{step}.bin", expect_kind="params")
 
 
@@ -506,7 +511,8 @@ def test_a_stop_says_where_it_saved_when_the_output_was_closed_at_the_start(tmp_
         proc.send_signal(signal.SIGINT)
         err = proc.stderr.read()
         assert proc.wait(timeout=120) == 130
-    assert "SIGINT: stopped after step " in err and "resume with: hslm train --resume " in err
+    assert "SIGINT: stopped after step " in err and re.search(
+        "^resume with: .* train --resume ", err, re.M), err
 
 
 @pytest.mark.parametrize("at", ["a periodic evaluation", "the last evaluation"])
@@ -1596,7 +1602,9 @@ def test_a_validation_loss_past_exps_range_gives_perplexity_inf_and_null(tmp_pat
 
 def test_active_tile_cost_times_the_tile_and_fits_a_row_and_a_position(tmp_path):
     """tools/active_tile_cost.py --quick: every count of active positions timed, random
-    masks, then the fitted line, its parts positive (the tool still drives the kernel)."""
+    masks, then the fitted line, its cost a position positive (the tool still drives the
+    kernel; the row's part, 30-70 ns in quick runs on a shared machine, may fit below 0
+    in a noisy one)."""
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "active_tile_cost.py"), "--quick",
                         "--ghz", "3"], capture_output=True, text=True, timeout=600,
                        cwd=tmp_path)
@@ -1606,7 +1614,8 @@ def test_active_tile_cost_times_the_tile_and_fits_a_row_and_a_position(tmp_path)
         "0:", "1:", "7:", "13:", "14:", "20:", "27:"], r.stdout
     assert lines[-2].startswith("random, p = 0.5") and "cycles a vector and position" in lines[-2]
     fit = lines[-1].split()
-    assert fit[:3] == ["fit", "over", "n"] and float(fit[5]) > 0 and float(fit[10]) > 0, fit
+    assert fit[:3] == ["fit", "over", "n"] and fit[6:9] == ["ns", "a", "row"], fit
+    assert math.isfinite(float(fit[5])) and float(fit[10]) > 0, fit
 
 
 def test_threads_by_placement_sorts_rounds_by_how_far_apart_the_cpus_were(monkeypatch, capsys):
