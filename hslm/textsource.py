@@ -177,16 +177,34 @@ class TextSource:
         carry[0] = data[used:]
         return off + len(b)
 
+    @staticmethod
+    def _count_nuls(nuls, b, off):
+        """nuls = [count, offset of the first] of a file's NUL bytes so far, b read."""
+        n = b.count(0)
+        if n:
+            nuls[0] += n
+            nuls[1] = off + b.index(0) if nuls[1] < 0 else nuls[1]
+
+    @staticmethod
+    def _check_nuls(nuls, f, size):
+        """A file of which an eighth or more is NUL bytes is UTF-8 only to the letter:
+        UTF-16 without a byte order mark (every other byte NUL for Latin text) or binary
+        data, which had been trained on without a word."""
+        if nuls[0] and nuls[0] * 8 >= size:
+            raise HslmError(f"data file {f} is {nuls[0] / size:.0%} NUL bytes (the first at "
+                            f"offset {nuls[1]}): UTF-16 text or binary data, not UTF-8 text")
+
     def read_ids(self, dtype, offset_by: int, progress=None, expect_sha256=None) -> np.ndarray:
         """The joined bytes as ids (byte + offset_by) in a fresh array of dtype,
         checking that every file is UTF-8 text (else an error naming the file and
-        the offset of the first bad byte) and, given expect_sha256 (the text's hash
+        the offset of the first bad byte), not an eighth or more NUL bytes (_check_nuls),
+        and, given expect_sha256 (the text's hash
         taken before, or remembered), that these are the bytes it was taken of: a file
         rewritten in between at the same size would otherwise be trained on under the
         other text's name."""
         out = np.empty(self.size, dtype)
         pos = end = 0
-        cur, carry = None, [b""]
+        cur, carry, nuls = None, [b""], [0, -1]
         h = hashlib.sha256() if expect_sha256 is not None else None
         for b, f, off in self.chunks(progress):
             if h is not None:
@@ -197,14 +215,17 @@ class TextSource:
                 if f is not cur:
                     if cur is not None:
                         self._check(carry, b"", cur, end, True)
-                    cur, carry = f, [b""]
+                        self._check_nuls(nuls, cur, end)
+                    cur, carry, nuls = f, [b""], [0, -1]
                 self._check(carry, b, f, off, False)
+                self._count_nuls(nuls, b, off)
                 end = off + len(b)
             np.add(np.frombuffer(b, np.uint8), offset_by, out=out[pos:pos + len(b)],
                    casting="unsafe")
             pos += len(b)
         if cur is not None:
             self._check(carry, b"", cur, end, True)
+            self._check_nuls(nuls, cur, end)
         if pos != self.size or (h is not None and h.hexdigest() != expect_sha256):
             raise DataChanged(f"the data changed while it was read ({self.label})")
         return out

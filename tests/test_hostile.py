@@ -210,6 +210,27 @@ def test_an_error_naming_a_file_with_a_newline_is_one_line(tmp_path):
         assert line == f"error: data file {d / shown} is not UTF-8 text (byte 0xff at offset 0)"
 
 
+def test_utf16_text_without_a_byte_order_mark_is_refused_not_trained_on(tmp_path):
+    """UTF-16 text without a byte order mark is valid UTF-8 (every other byte NUL for
+    Latin text) and had been trained on without a word; a file an eighth or more NUL
+    bytes is refused, in one line, nothing made. Controls: a text with a few NULs trains;
+    with the mark, UTF-16 was already refused as not UTF-8."""
+    u16 = tmp_path / "u16.txt"
+    u16.write_bytes(TEXT.encode("utf-16-le"))
+    assert one_line_error(*hslm("train", *TINY, "--steps", 1, "--data", u16, "--out",
+                                tmp_path / "o")) == (
+        f"error: data file {u16} is 50% NUL bytes (the first at offset 1): UTF-16 text or "
+        "binary data, not UTF-8 text")
+    assert not (tmp_path / "o").exists()
+    few = tmp_path / "few.txt"
+    few.write_bytes(TEXT.encode().replace(b"\n", b"\x00\n", 40))
+    code, out, err = hslm("train", *TINY, "--steps", 1, "--data", few, "--out", tmp_path / "o")
+    assert code == 0, err
+    u16.write_bytes(TEXT.encode("utf-16"))  # (with its mark)
+    assert "is not UTF-8 text (byte 0xff at offset 0)" in one_line_error(
+        *hslm("train", *TINY, "--steps", 1, "--data", u16, "--out", tmp_path / "p"))
+
+
 def test_a_cache_folder_of_a_name_too_long_is_a_warning(tmp_path):
     """A --cache-dir whose name is too long for the file system had stopped the run (its
     tidying asked whether the folder exists, and that raised): like any cache folder that
