@@ -43,20 +43,31 @@ def main_or_missing_package():
     return main
 
 
-def _the_hslm_command() -> bool:
-    """Whether this process is the hslm command (the console script, `python -m hslm`, or
-    the checkout's cli.py) rather than a program that imports hslm (or `python -m
+def launch() -> str | None:
+    """How this process was started as the hslm command: "script" (the console script,
+    a program named hslm), "module" (`python -m hslm`) or "checkout" (the checkout's
+    cli.py, by any path or link); None for a program that imports hslm (or `python -m
     hslm.precompile`, a first run's helper)."""
     argv0 = _sys.argv[0] if _sys.argv else ""
+    here = _os.path.dirname(_os.path.abspath(__file__))
     if argv0 == "-m":  # runpy imports the package before the module it runs
         orig = list(getattr(_sys, "orig_argv", []))
-        if "-mhslm" in orig:
-            return True
-        return "-m" in orig[:-1] and orig[orig.index("-m") + 1] == "hslm"
-    checkout_cli = _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))),
-                                 "cli.py")
-    return _os.path.basename(argv0) == "hslm" or (
-        bool(argv0) and _os.path.abspath(argv0) == checkout_cli)
+        if "-mhslm" in orig or ("-m" in orig[:-1] and orig[orig.index("-m") + 1] == "hslm"):
+            return "module"
+        return None
+    if not argv0:
+        return None
+    if _os.path.basename(argv0) == "hslm":
+        return "script"
+    real = _os.path.realpath(argv0)
+    if real == _os.path.join(here, "__main__.py"):  # (what runpy leaves in argv[0] later)
+        return "module"
+    return "checkout" if real == _os.path.join(_os.path.dirname(here), "cli.py") else None
+
+
+def _the_hslm_command() -> bool:
+    """Whether this process is the hslm command (launch), not a program importing it."""
+    return launch() is not None
 
 
 def _early_signal(signum, frame):

@@ -34,10 +34,12 @@ class PathArg(click.Path):
     def convert(self, value, param, ctx):
         if isinstance(value, str) and not value.strip():
             self.fail("an empty path; give a file or folder name", param, ctx)
-        from .validate import ends_as_folder
+        from .validate import ends_as_folder, file_named_as_folder
         if self.file and isinstance(value, str) and ends_as_folder(value):
             self.fail(f"{value} ends as a folder's name does (a slash, . or ..); give a file "
                       "name", param, ctx)
+        if isinstance(value, str) and file_named_as_folder(value):  # (a file or a folder's)
+            self.fail(file_named_as_folder(value), param, ctx)
         return super().convert(value, param, ctx)
 
 
@@ -379,17 +381,19 @@ def sample(ckpt_path, prompt, n_tokens, temperature, top_k, seed, data):
             out.write(piece)
             out.flush()
 
-    unsaid = [prompt]  # said with the first token: a model whose logits are not finite
-    # fails there, and had left the prompt on stdout before its error line
+    unsaid = prompt  # said with the first token (--tokens is at least 1): a model whose
+    # logits are not finite fails there, and had left the prompt on stdout before its line
 
     def each(t):
-        write((unsaid.pop() if unsaid else "") + text.decode(tok.decode_bytes([t])))
+        nonlocal unsaid
+        write(unsaid + text.decode(tok.decode_bytes([t])))
+        unsaid = ""
 
     try:
         sample_ids(Worker(cfg, DEFAULT_SPEED), state.kernel_model(), state.tables.vsa,
                    tok.encode(prompt), n_tokens, temperature, top_k, seed, cfg.window,
                    each=each, drawable=tok.n_ids)
-        write((unsaid.pop() if unsaid else "") + text.decode(b"", final=True) + "\n")
+        write(text.decode(b"", final=True) + "\n")
     except ReaderLeft:
         pass
 

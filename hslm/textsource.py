@@ -191,17 +191,18 @@ class TextSource:
         UTF-16 without a byte order mark (every other byte NUL for Latin text) or binary
         data, which had been trained on without a word."""
         if nuls[0] and nuls[0] * 8 >= size:
-            raise HslmError(f"data file {f} is {nuls[0] / size:.0%} NUL bytes (the first at "
+            raise HslmError(f"data file {f} is {nuls[0] / size:.1%} NUL bytes (the first at "
                             f"offset {nuls[1]}): UTF-16 text or binary data, not UTF-8 text")
 
     def read_ids(self, dtype, offset_by: int, progress=None, expect_sha256=None) -> np.ndarray:
         """The joined bytes as ids (byte + offset_by) in a fresh array of dtype,
-        checking that every file is UTF-8 text (else an error naming the file and
-        the offset of the first bad byte), not an eighth or more NUL bytes (_check_nuls),
-        and, given expect_sha256 (the text's hash
-        taken before, or remembered), that these are the bytes it was taken of: a file
-        rewritten in between at the same size would otherwise be trained on under the
-        other text's name."""
+        checking that every file is UTF-8 text (else an error naming the file and the
+        offset of the first bad byte) and not an eighth or more NUL bytes (_check_nuls),
+        and, given expect_sha256 (the text's hash taken before, or remembered), that
+        these are the bytes it was taken of: a file rewritten in between at the same
+        size would otherwise be trained on under the other text's name. (A text whose
+        tokens a cache holds is not read here: one cached by an hslm before the NUL
+        check is not checked.)"""
         out = np.empty(self.size, dtype)
         pos = end = 0
         cur, carry, nuls = None, [b""], [0, -1]

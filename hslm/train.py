@@ -550,7 +550,7 @@ def resolve_config(model: str) -> Config:
     """A preset name, or the path of a JSON file with the config's fields."""
     if model in PRESETS:
         return PRESETS[model]
-    check_file_not_named_as_folder(model)
+    check_file_not_named_as_folder(model, "--model ")
     path = Path(model)
     if not (model.endswith(".json") or path.exists()):
         raise HslmError(f"unknown --model {model!r}: give a preset ({', '.join(PRESETS)}) "
@@ -621,25 +621,30 @@ class TrainOptions:
 
 
 def this_program() -> str:
-    """How to start hslm as this process was started, for a command to give back: `hslm`
-    (the console script, or anything else), `python -m hslm`, or `python cli.py` (the
-    checkout's shim); the interpreter by the name the PATH finds it by, where that name
-    finds this one, else by its path."""
+    """How to start hslm as this process was started (hslm.launch), for a command to give
+    back: `hslm`, `python -m hslm` or `python cli.py` (the path it was given). A program
+    or interpreter is named as the PATH finds it where that name finds the one running
+    (in the same folder: a venv's python is a link to another's), else by its path."""
     import shlex
     import shutil
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    if spec is not None and spec.name in ("hslm", "hslm.__main__"):
-        how = "-m hslm"
-    elif spec is None and os.path.basename(getattr(main, "__file__", None) or "") == "cli.py":
-        how = shlex.quote(sys.argv[0])
-    else:
+
+    from . import launch
+
+    def found_as(name, path):
+        found = shutil.which(name)
+        return found is not None and os.path.realpath(os.path.dirname(found)) == (
+            os.path.realpath(os.path.dirname(os.path.abspath(path))))
+    how = launch()
+    if how == "script":
+        return "hslm" if found_as("hslm", sys.argv[0]) else shlex.quote(
+            os.path.abspath(sys.argv[0]))
+    if how is None:  # (a program calling hslm.cli.main: the command it stands for)
         return "hslm"
     python = os.path.basename(sys.executable)
-    found = shutil.which(python)
-    if not found or os.path.realpath(found) != os.path.realpath(sys.executable):
+    if not found_as(python, sys.executable):
         python = sys.executable
-    return f"{shlex.quote(python)} {how}"
+    return f"{shlex.quote(python)} " + ("-m hslm" if how == "module" else
+                                        shlex.quote(sys.argv[0]))
 
 
 def open_run(o: TrainOptions):
@@ -1082,14 +1087,15 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
 
     def evaluate(saved=None):
         v = run.validation_loss(runner)
-        if not math.isfinite(v.loss):  # (the cross-entropy is at most loss / 0.9: finite)
+        if not math.isfinite(v.loss):
             raise distributed.AllRanksError(
                 f"step {run.step}: the validation loss is {v.loss} (the parameters are finite "
                 "but the model overflows; is --lr too high?); " + (
                     "not saved" if saved is None else f"saved before it was evaluated: {saved}"))
         ppl = perplexity(v.cross_entropy)  # JSON has no inf: null past the largest double
+        ce = v.cross_entropy  # (a window's mean loss near the largest double: its may not be)
         write_metrics(kind="eval", step=run.step, valid_loss=v.loss,
-                      cross_entropy=v.cross_entropy,
+                      cross_entropy=ce if math.isfinite(ce) else None,
                       perplexity=ppl if math.isfinite(ppl) else None)
         return v
 

@@ -96,13 +96,22 @@ def ends_as_folder(name: str) -> bool:
         name) in (".", "..")
 
 
-def check_file_not_named_as_folder(name: str):
-    """One line where a name that ends as a folder's (ends_as_folder) is a file's:
-    `info ck.bin/` had described ck.bin, and `--model c.json/` read c.json."""
+def file_named_as_folder(name: str) -> str | None:
+    """What is wrong where a name that ends as a folder's (ends_as_folder) is a file's,
+    else None: `info ck.bin/` had described ck.bin, `--model c.json/` read c.json and
+    `--data a.txt/` trained on a.txt."""
     from pathlib import Path
     if ends_as_folder(name) and os.path.isfile(Path(name)):
-        raise HslmError(f"{name} ends as a folder's name does (a slash, . or ..), but "
-                        f"{Path(name)} is a file; give the file's name")
+        return (f"{name} ends as a folder's name does (a slash, . or ..), but {Path(name)} "
+                "is a file; give the file's name")
+    return None
+
+
+def check_file_not_named_as_folder(name: str, what: str = ""):
+    """One line, `what` first (a flag), where file_named_as_folder finds a problem."""
+    problem = file_named_as_folder(name)
+    if problem is not None:
+        raise HslmError(what + problem)
 
 
 def is_int(v) -> bool:

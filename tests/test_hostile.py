@@ -219,7 +219,7 @@ def test_utf16_text_without_a_byte_order_mark_is_refused_not_trained_on(tmp_path
     u16.write_bytes(TEXT.encode("utf-16-le"))
     assert one_line_error(*hslm("train", *TINY, "--steps", 1, "--data", u16, "--out",
                                 tmp_path / "o")) == (
-        f"error: data file {u16} is 50% NUL bytes (the first at offset 1): UTF-16 text or "
+        f"error: data file {u16} is 50.0% NUL bytes (the first at offset 1): UTF-16 text or "
         "binary data, not UTF-8 text")
     assert not (tmp_path / "o").exists()
     few = tmp_path / "few.txt"
@@ -664,6 +664,13 @@ def test_info_and_model_refuse_a_files_name_ending_as_a_folders(base, tmp_path):
         assert f"but {config} is a file" in one_line_error(*hslm(*cmd, f"{config}/"))
         code, out, err = hslm(*cmd, config)
         assert code == 0, err
+    # --data too (a file or a folder: it had trained on the file)
+    text = tmp_path / "a.txt"
+    text.write_text(TEXT)
+    line = one_line_error(*hslm("train", *TINY, "--steps", 1, "--data", f"{text}/.", "--out",
+                                tmp_path / "p"))
+    assert "--data" in line and f"{text}/. ends as a folder's name does" in line, line
+    assert not (tmp_path / "p").exists()
 
 
 def test_info_describes_a_runs_tokenizer_and_token_cache(tmp_path):
@@ -761,16 +768,22 @@ def test_a_huge_tokenizer_json_beside_a_checkpoint_is_not_read_whole(base, tmp_p
     assert len(parsed) > n and warned == []  # read, parsed, and the checkpoint's own
 
 
-@pytest.mark.parametrize("started", [["cli.py"], ["-m", "hslm"]], ids=["cli.py", "-m hslm"])
+@pytest.mark.parametrize("started", ["cli.py", "-m hslm", "script"])
 def test_resume_command_printed_on_ctrl_c_runs_verbatim(tmp_path, started):
     """The command says hslm as the run was started (it had said `hslm` always, which a
-    checkout's `python cli.py` or `python -m hslm` need not have on its PATH), and runs
-    as it is given."""
+    checkout's `python cli.py` or `python -m hslm` need not have on its PATH, nor a
+    console script started by its path), with this interpreter (a venv's, whose python
+    links to another's), and runs as it is given."""
     data = tmp_path / "my text.txt"
     data.write_text(TEXT * 3)
     d = tmp_path / "out"
-    how = [str(ROOT / "cli.py")] if started == ["cli.py"] else started
-    proc = subprocess.Popen([sys.executable, *how, "train", *TINY, "--steps",
+    script = os.path.join(os.path.dirname(sys.executable), "hslm")
+    if started == "script" and not os.path.exists(script):
+        pytest.skip("no console script beside this interpreter")
+    how = {"cli.py": [sys.executable, str(ROOT / "cli.py")], "-m hslm": [sys.executable, "-m",
+                                                                            "hslm"],
+           "script": [script]}[started]
+    proc = subprocess.Popen([*how, "train", *TINY, "--steps",
                              "100000", "--data", str(data), "--out", str(d), "--log-every", "1",
                              "--save-every", "50000", "--eval-every", "40000"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -784,8 +797,14 @@ def test_resume_command_printed_on_ctrl_c_runs_verbatim(tmp_path, started):
     cmd = [line for line in out.splitlines()
            if line.startswith("resume with: ")][0][len("resume with: "):]
     argv = shlex.split(cmd)
-    assert os.path.realpath(shutil.which(argv[0])) == os.path.realpath(sys.executable), cmd
-    assert argv[1:len(how) + 2] == [*how, "train"] and "--data" in argv, cmd
+    if started == "script":
+        assert argv[0] in ("hslm", script) and argv[1] == "train", cmd
+        assert os.path.samefile(shutil.which(argv[0]), script), cmd
+    else:
+        prefix = subprocess.run([argv[0], "-c", "import sys; print(sys.prefix)"],
+                                capture_output=True, text=True).stdout.strip()
+        assert prefix == sys.prefix and argv[1:len(how) + 1] == [*how[1:], "train"], cmd
+    assert "--data" in argv, cmd
     for flag, value in (("--save-every", "50000"), ("--eval-every", "40000"),
                         ("--log-every", "1"), ("--threads", "1")):  # the run's cadence, kept
         assert argv[argv.index(flag) + 1] == value, cmd
