@@ -664,6 +664,10 @@ def open_run(o: TrainOptions):
         def corpus_for(cfg, hyper, text_sha256, tokenizer, step):
             if o.steps <= step:
                 raise HslmError(f"{o.resume} is already at step {step}; pass --steps above it")
+            named = re.fullmatch(r"ckpt_(\d+)\.state", o.resume.name)
+            if named and int(named.group(1)) != step:  # (it had gone on without a word)
+                warn(f"{o.resume} holds step {step}, not {int(named.group(1))} (a file "
+                     f"renamed?); going on from step {step}")
             check_checkpoint_names(out, step, o.steps, o.save_every)
             if cfg_flag is not None and cfg_flag != cfg:
                 mine, theirs = asdict(cfg_flag), asdict(cfg)
