@@ -213,12 +213,11 @@ def test_an_error_naming_a_file_with_a_newline_is_one_line(tmp_path):
 def test_a_renamed_checkpoint_resumes_from_its_own_step_and_says_so(base, tmp_path):
     """A .state renamed to another step's name had resumed from the step it holds without
     a word. Control: under its own name, no warning."""
-    import shutil as sh
     for name in ("ckpt_7", "ckpt_2"):
         d = tmp_path / name
         d.mkdir()
         for ext in (".bin", ".state"):
-            sh.copy(base / f"ckpt_2{ext}", d / f"{name}{ext}")
+            shutil.copy(base / f"ckpt_2{ext}", d / f"{name}{ext}")
         code, out, err = hslm("train", "--resume", d / f"{name}.state", "--steps", 3, "-q")
         assert code == 0 and (d / "ckpt_3.bin").exists(), err
         warned = (f"warning: {d / name}.state holds step 2, not 7 (a file renamed?); going on "
