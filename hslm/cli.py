@@ -38,8 +38,9 @@ class PathArg(click.Path):
         if self.file and isinstance(value, str) and ends_as_folder(value):
             self.fail(f"{value} ends as a folder's name does (a slash, . or ..); give a file "
                       "name", param, ctx)
-        if isinstance(value, str) and file_named_as_folder(value):  # (a file or a folder's)
-            self.fail(file_named_as_folder(value), param, ctx)
+        problem = file_named_as_folder(value) if isinstance(value, str) else None
+        if problem is not None:  # (a file's name given where a file or a folder may be)
+            self.fail(problem, param, ctx)
         return super().convert(value, param, ctx)
 
 
@@ -312,13 +313,11 @@ def eval_cmd(ckpt_path, data, cache_dir, eval_windows, loss_positions, threads, 
     finally:
         runner.close()
     ppl = perplexity(ce)
-    if as_json:  # JSON has no inf or NaN: null for a figure that is not finite
-        def finite(x):
-            return x if math.isfinite(x) else None
-
+    if as_json:  # (null for a figure that is not finite, as the metrics file has it)
+        from .progress import json_number
         click.echo(json.dumps({
-            "checkpoint": str(ckpt_path), "valid_loss": finite(v), "cross_entropy": finite(ce),
-            "perplexity": finite(ppl), "windows": len(w),
+            "checkpoint": str(ckpt_path), "valid_loss": json_number(v),
+            "cross_entropy": json_number(ce), "perplexity": json_number(ppl), "windows": len(w),
             "window": cfg.window, "loss_positions": k, "text_sha256": corpus.text_sha256}))
         return
     click.echo(f"valid loss {short_figure(v, 4)}, cross-entropy {short_figure(ce, 4)}, "

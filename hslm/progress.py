@@ -3,6 +3,7 @@ elsewhere, and an optional JSON-lines metrics file."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -149,11 +150,18 @@ def _torn_record(line: bytes) -> bool:
     return isinstance(value, dict) and value.get("kind") in ("train", "eval")
 
 
+def json_number(x):
+    """x as JSON has it: null (None) for a float that is not finite, which JSON cannot
+    hold (a diverged run's perplexity past the largest double), else x."""
+    return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
 class Metrics:
     """Appends one JSON object per line to a file, each line written whole or not at
     all: a write that fails part way (a full disk) is cut back to the last whole line,
     and a partial last line left by a run that died while writing is cut off when the
-    file is opened again (with a warning), so the file always reads back (hslm plot)."""
+    file is opened again (with a warning), so the file always reads back (hslm plot).
+    A figure that is not finite is written null (json_number)."""
 
     def __init__(self, path):
         self.path = path
@@ -176,7 +184,8 @@ class Metrics:
     def write(self, **record):
         if self.fd is None:
             return
-        line = (json.dumps(record, sort_keys=True) + "\n").encode("utf-8")
+        line = (json.dumps({k: json_number(v) for k, v in record.items()}, sort_keys=True)
+                + "\n").encode("utf-8")
         end = None
         try:
             end = os.fstat(self.fd).st_size  # (another writer's lines are kept too)

@@ -1096,11 +1096,8 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
                 f"step {run.step}: the validation loss is {v.loss} (the parameters are finite "
                 "but the model overflows; is --lr too high?); " + (
                     "not saved" if saved is None else f"saved before it was evaluated: {saved}"))
-        ppl = perplexity(v.cross_entropy)  # JSON has no inf: null past the largest double
-        ce = v.cross_entropy  # (a window's mean loss near the largest double: its may not be)
         write_metrics(kind="eval", step=run.step, valid_loss=v.loss,
-                      cross_entropy=ce if math.isfinite(ce) else None,
-                      perplexity=ppl if math.isfinite(ppl) else None)
+                      cross_entropy=v.cross_entropy, perplexity=perplexity(v.cross_entropy))
         return v
 
     def say_valid(v):
