@@ -246,6 +246,12 @@ def current():
     return _world
 
 
+def relaunch_words() -> str:
+    """What starts this run's ranks again, before the command: `mpiexec -n P ` (the MPI
+    standard's launcher; under Slurm, srun's own words do as well), "" in one process."""
+    return "" if _world is None else f"mpiexec -n {_world.size} "
+
+
 def is_writer() -> bool:
     """True in one process and on rank 0: the one that writes files and prints."""
     return _world is None or _world.rank == 0
@@ -294,6 +300,20 @@ def _unlike_rank_0(every):
     """(the ranks whose {what: value} differs from rank 0's, the whats that differ)."""
     odd = [r for r, x in enumerate(every) if x != every[0]]
     return odd, [k for k in every[0] if any(every[r].get(k) != every[0][k] for r in odd)]
+
+
+def _unlike_statuses(codes):
+    """The line for ranks whose commands ended with other exit statuses and no error of
+    their own (`hslm diff`: identical on rank 0, differing on rank 1, its paths naming
+    other files on its node), or None where every rank's is the same. Rank 0 alone
+    prints, so its output had stood for every rank's."""
+    odd = [r for r, c in enumerate(codes) if c != codes[0]]
+    if not odd:
+        return None
+    others = ", ".join(f"rank {r} with {codes[r]}" for r in odd)
+    return (f"error: the ranks' commands ended differently: rank 0 with exit status "
+            f"{codes[0]} (the output above is rank 0's alone), {others} (do the paths name "
+            "other files on other nodes?)")
 
 
 def collapsed_line(e) -> str:
@@ -885,19 +905,27 @@ class World:
         """Every rank's verdict before the first step, the one collective every rank makes
         there: (None, 0) from a rank about to train (start), (message, code) from one that
         failed, (ENDED, 0) from one whose command ended without training (any command but
-        train, `--help`). If any failed, the first failing rank reports (naming itself when
-        others did not fail: a path only it could not read) and every rank leaves with its
-        exit code. If some ended and others are to train, the first of those reports and
+        train, `--help`), (None, status) from one whose command ended with a status of its
+        own (`diff`'s 1). If any failed, the first failing rank with a message reports
+        (naming itself when others did not fail: a path only it could not read), else rank 0
+        says where the statuses differ, and every rank leaves with that rank's exit code.
+        If some ended and others are to train, the first of those reports and
         they leave with status 2 (had they gone on, they would have waited for ever on the
         ranks that ended). The SystemExit this raises on a healthy rank must not agree
         again (settled): the failed ranks are gone."""
         every = self.comm.allgather((msg, code))
         failed = [(r, m, c) for r, (m, c) in enumerate(every) if c]
         if failed:
-            first, m, c = failed[0]
-            if first == self.rank and m is not None:
+            said = [f for f in failed if f[1] is not None]  # (else exit statuses alone)
+            first, m, c = (said or failed)[0]
+            line = None
+            if said and first == self.rank:
                 who = "" if len(failed) == len(every) else f"rank {first} of {self.size}: "
-                print(f"error: {who}{m}", file=sys.stderr, flush=True)
+                line = f"error: {who}{m}"
+            elif not said and self.rank == 0:
+                line = _unlike_statuses([status for _, status in every])
+            if line is not None:
+                print(line, file=sys.stderr, flush=True)
             self.settled = True
             sys.exit(c)
         ended = [r for r, (m, _) in enumerate(every) if m == ENDED]
@@ -1047,6 +1075,7 @@ def run_main(cli, argv):
             signum = stopped_by(dropped)
             w.fail(stop_word(signum), 128 + signum)
         w.fail(f"{type(e).__name__}: {collapsed_line(e)}", 1)
+    code = rv if isinstance(rv, int) else 0  # (a command's own status: diff's 1, "differ")
     if not w.started and not w.settled:  # a command that does not train: agreed all the same
-        w._agree(ENDED, 0)
-    sys.exit(rv if isinstance(rv, int) else 0)
+        w._agree(*((ENDED, 0) if code == 0 else (None, code)))
+    sys.exit(code)

@@ -600,10 +600,11 @@ class TrainOptions:
 
     def resume_command(self, state_path) -> str:
         """The command that continues this run from state_path, to run verbatim (started
-        as this process was: `hslm`, `python -m hslm` or `python cli.py`)."""
+        as this process was: `hslm`, `python -m hslm` or `python cli.py`; under MPI by
+        `mpiexec -n P`, P the run's ranks, though any P gives the same bytes)."""
         import shlex
-        cmd = (f"{this_program()} train --resume {shlex.quote(str(state_path))} "
-               f"--steps {self.steps}")
+        cmd = (f"{distributed.relaunch_words()}{this_program()} train --resume "
+               f"{shlex.quote(str(state_path))} --steps {self.steps}")
         for d in self.data:
             cmd += f" --data {shlex.quote(str(d))}"
         if self.cache_dir is not None:

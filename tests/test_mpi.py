@@ -5,6 +5,7 @@ Skipped when mpi4py or mpiexec is missing (pip install '.[mpi]')."""
 import json
 import os
 import queue
+import shlex
 import shutil
 import signal
 import subprocess
@@ -579,6 +580,17 @@ def test_sigterm_saves_one_checkpoint_and_stops_every_rank(tmp_path):
     assert len(ckpts) == 2, ckpts
     assert "SIGTERM: stopped after step" in stdout + err
     assert err.count("SIGTERM: finishing the current step") == 1
+    # the resume command starts the ranks again (it had left out `mpiexec -n 2`), run
+    # verbatim for one more step
+    line = [ln for ln in (stdout + err).splitlines() if ln.startswith("resume with: ")]
+    assert len(line) == 1, stdout + err
+    argv = shlex.split(line[0][len("resume with: "):])
+    assert argv[:3] == ["mpiexec", "-n", "2"] and argv[4:6] == [str(ROOT / "cli.py"), "train"], argv
+    step = int(argv[argv.index("--resume") + 1].split("ckpt_")[1].split(".")[0])
+    argv[argv.index("--steps") + 1] = str(step + 1)
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env())
+    assert p.returncode == 0 and "MPI: 2 ranks" in p.stdout, p.stderr
+    assert (tmp_path / "run" / f"ckpt_{step + 1}.bin").exists()
 
 
 @needs_mpi
@@ -719,3 +731,36 @@ def test_other_commands_under_mpiexec_report_as_one_process(tmp_path):
                                          "mpiexec (its ranks would time each other on the same "
                                          "cores, and each write --json)"), err
     assert not (tmp_path / "b.json").exists()
+
+
+@needs_mpi
+def test_ranks_whose_commands_end_differently_are_said(tmp_path):
+    """`hslm diff` under mpiexec with paths naming other files on another node: rank 0
+    printed "identical" and the launcher exited 1 (rank 1's "differ"), with no line
+    saying why. Rank 0 now says the ranks' statuses differ. Controls: ranks that agree
+    (both "identical", both "differ") print no such line."""
+    train(tmp_path / "r1", "--steps", 1, "--batch", 2)
+    train(tmp_path / "r2", "--steps", 1, "--batch", 2, "--seed", 7)
+    for node, other in (("same", "r1"), ("other", "r2")):  # x.bin and y.bin on two "nodes"
+        (tmp_path / node).mkdir()
+        shutil.copy(tmp_path / "r1" / "ckpt_1.bin", tmp_path / node / "x.bin")
+        shutil.copy(tmp_path / other / "ckpt_1.bin", tmp_path / node / "y.bin")
+    diff = [sys.executable, str(ROOT / "cli.py"), "diff", "x.bin", "y.bin"]
+
+    def run(dir0, dir1):
+        p = subprocess.run([MPIEXEC, "-n", "1", "-wdir", str(tmp_path / dir0), *diff, ":",
+                            "-n", "1", "-wdir", str(tmp_path / dir1), *diff],
+                           capture_output=True, text=True, timeout=120, env=env())
+        assert "Traceback" not in p.stderr, p.stderr
+        return p.returncode, p.stdout, [ln for ln in p.stderr.splitlines() if ln.strip()]
+    code, out, err = run("same", "other")
+    assert code == 1 and out.startswith("identical: x.bin and y.bin"), (out, err)
+    assert err == ["error: the ranks' commands ended differently: rank 0 with exit status 0 "
+                   "(the output above is rank 0's alone), rank 1 with 1 (do the paths name "
+                   "other files on other nodes?)"], err
+    code, out, err = run("other", "same")
+    assert code == 1 and out.startswith("differ: x.bin and y.bin"), (out, err)
+    assert len(err) == 1 and "rank 0 with exit status 1" in err[0] and "rank 1 with 0" in err[0]
+    for node, expect in (("same", 0), ("other", 1)):  # controls: the ranks agree
+        code, out, err = run(node, node)
+        assert code == expect and err == [], (code, err)
