@@ -1173,19 +1173,23 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
                     saved_first = True
                     break  # the last step: its save and evaluation below, said as a stop
                 stop_after_step(agreed)
-            saved = None
+            saved, evaluated = None, False
             if o.eval_every and run.step % o.eval_every == 0 and run.step < o.steps:
                 v = evaluate()
                 if distributed.any_rank(metrics_error is not None):  # stop at this step
                     stop_for_metrics(run.save(out)[1])
                 say_valid(v)
+                evaluated = True
             if o.save_every and run.step % o.save_every == 0 and run.step < o.steps:
                 saved = run.save(out)
-            # one process: a stop asked during this step's evaluation or save stops here,
-            # the step done (it had trained one more step, and saved again). MPI: the
-            # ranks agree on a stop after a step alone
-            if stop.signum and distributed.current() is None and run.step < o.steps:
-                stop_after_step(stop.signum, saved, evaluated=True)
+            # a stop asked during this step's evaluation or save stops here, the step done
+            # (it had trained one more step, and saved again). MPI: agreed, where the ranks
+            # evaluated or saved (the same steps on every rank: one collective, not a step's)
+            if run.step < o.steps and (evaluated or saved or distributed.current() is None):
+                signum = distributed.largest(stop.signum or 0)
+                if signum:
+                    stop.signum = signum
+                    stop_after_step(signum, saved, evaluated=True)
         progress.close()
         # evaluate before saving: a model whose validation loss is not finite is not saved;
         # but a stop asked in the last step saves first, as a stop in the steps does (a

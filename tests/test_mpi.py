@@ -617,6 +617,29 @@ def test_a_stop_on_one_rank_in_the_final_evaluation_is_said_and_agreed(tmp_path)
 
 
 @needs_mpi
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the ranks in /proc")
+def test_a_stop_on_one_rank_in_a_periodic_evaluation_stops_after_its_step(tmp_path):
+    """SIGTERM to one rank (not rank 0) while the ranks evaluate after step 1 of 3: the
+    ranks had agreed on it only after the next step, so step 2 was trained and saved (one
+    process stops after step 1). They now agree once the evaluation is done."""
+    out = tmp_path / "run"
+    p, wait_for_a_step = start_two_ranks(tmp_path, out, "--batch", 2, "--steps", 3,
+                                         "--eval-every", 1, "--eval-windows", 20000)
+    try:
+        wait_for_a_step(120, poll=0.05)  # step 1 recorded: its evaluation runs
+        pids = rank_pids(str(out))
+        os.kill(pids[1], signal.SIGTERM)
+        stdout, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert "SIGTERM: stopped after step 1; saved" in stdout + err, stdout + err
+    assert "step 1: valid " in stdout + err, stdout + err
+    assert sorted(f.name for f in out.glob("ckpt_*")) == ["ckpt_1.bin", "ckpt_1.state"]
+
+
+@needs_mpi
 def test_a_diverging_run_is_reported_once_as_in_one_process(tmp_path):
     """The finiteness check looks at each rank's own tensors; the ranks agree, rank 0
     reports the same line one process prints, and nothing non-finite is saved."""
