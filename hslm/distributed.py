@@ -904,28 +904,23 @@ class World:
     def _agree(self, msg, code):
         """Every rank's verdict before the first step, the one collective every rank makes
         there: (None, 0) from a rank about to train (start), (message, code) from one that
-        failed, (ENDED, 0) from one whose command ended without training (any command but
-        train, `--help`), (None, status) from one whose command ended with a status of its
-        own (`diff`'s 1). If any failed, the first failing rank with a message reports
-        (naming itself when others did not fail: a path only it could not read), else rank 0
-        says where the statuses differ, and every rank leaves with that rank's exit code.
-        If some ended and others are to train, the first of those reports and
-        they leave with status 2 (had they gone on, they would have waited for ever on the
-        ranks that ended). The SystemExit this raises on a healthy rank must not agree
-        again (settled): the failed ranks are gone."""
+        failed, (ENDED, status) from one whose command ended without training (any command
+        but train, `--help`; status: its own, as `diff`'s 1 for "differ"). If any failed,
+        the first failing rank reports (naming itself when others did not fail: a path only
+        it could not read) and every rank leaves with its exit code. If every rank's command
+        ended, with statuses that differ (`diff` of paths naming other files on another
+        node), rank 0 says so (it alone printed the output). If some ended and others are
+        to train, the first of those reports and every rank leaves with status 2 (had they gone
+        on, they would have waited for ever on the ranks that ended). The SystemExit this
+        raises on a healthy rank must not agree again (settled): the failed ranks are
+        gone."""
         every = self.comm.allgather((msg, code))
-        failed = [(r, m, c) for r, (m, c) in enumerate(every) if c]
+        failed = [(r, m, c) for r, (m, c) in enumerate(every) if c and m != ENDED]
         if failed:
-            said = [f for f in failed if f[1] is not None]  # (else exit statuses alone)
-            first, m, c = (said or failed)[0]
-            line = None
-            if said and first == self.rank:
+            first, m, c = failed[0]
+            if first == self.rank and m is not None:
                 who = "" if len(failed) == len(every) else f"rank {first} of {self.size}: "
-                line = f"error: {who}{m}"
-            elif not said and self.rank == 0:
-                line = _unlike_statuses([status for _, status in every])
-            if line is not None:
-                print(line, file=sys.stderr, flush=True)
+                print(f"error: {who}{m}", file=sys.stderr, flush=True)
             self.settled = True
             sys.exit(c)
         ended = [r for r, (m, _) in enumerate(every) if m == ENDED]
@@ -936,7 +931,10 @@ class World:
                       f"rank {training[0]}'s train (every rank must run the same one); "
                       "nothing trained", file=sys.stderr, flush=True)
             self.settled = True
-            sys.exit(0 if msg == ENDED else 2)
+            sys.exit(2)  # (every rank: launchers combine the ranks' statuses, MPICH by OR)
+        line = _unlike_statuses([status for _, status in every]) if ended else None
+        if line is not None and self.rank == 0:
+            print(line, file=sys.stderr, flush=True)
 
     def fail(self, msg, code):
         """An error on this rank: before the first step, agree with the others and
@@ -995,6 +993,19 @@ def after_step(run, signum, steps, save_every, failed=False):
 def largest(value: int) -> int:
     """The largest of the ranks' values (in one process: value)."""
     return value if _world is None else int(_world.comm.allreduce(int(value), op=_world.MPI.MAX))
+
+
+def largest_once_all_here(value) -> int:
+    """largest(value()), value() read on each rank once every rank has come here: a rank
+    waiting for a slower one (rank 0 writing a checkpoint, which the others do not) waits
+    where its signal handlers run (a blocking collective holds them off until it
+    returns), so that a signal that reached it meanwhile counts now, not a step later."""
+    if _world is None:
+        return value()
+    arrived = _world.comm.Ibarrier()
+    while not arrived.Test():
+        time.sleep(0.001)
+    return largest(value())
 
 
 def any_rank(flag: bool) -> bool:
@@ -1077,5 +1088,5 @@ def run_main(cli, argv):
         w.fail(f"{type(e).__name__}: {collapsed_line(e)}", 1)
     code = rv if isinstance(rv, int) else 0  # (a command's own status: diff's 1, "differ")
     if not w.started and not w.settled:  # a command that does not train: agreed all the same
-        w._agree(*((ENDED, 0) if code == 0 else (None, code)))
+        w._agree(ENDED, code)
     sys.exit(code)

@@ -22,7 +22,7 @@ import click
 import numpy as np
 
 from . import checkpoint as ckpt
-from . import _the_hslm_command, distributed, errors, precise
+from . import _the_hslm_command, distributed, errors, kernel_cache_failure, precise
 from .config import PRESETS, Config
 from .data import (BUILTIN_SHA256, BUILTIN_SOURCE, Corpus, Tokenizer, check_apart_from_text,
                    check_cache_apart, same_file)
@@ -1130,9 +1130,12 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
         watching.enter_context(second_signal_at_once(stop))
         # compile (first run only) or load the kernels before step 1, so its figure is the
         # step's
-        compiling = not kernels_cached(o.speed, teams=o.threads > h.batch)
+        unsaved = kernel_cache_failure()  # (then every run compiles: "first run" is untrue)
+        compiling = unsaved is not None or not kernels_cached(o.speed, teams=o.threads > h.batch)
         if compiling:
-            progress.message("compiling the step's kernels (first run only) ...")
+            progress.message("compiling the step's kernels (" + (
+                "first run only" if unsaved is None else
+                f"every run while Numba's cache cannot be written: {unsaved}") + ") ...")
             stop.training = False
         t0 = time.perf_counter()
         warm_up(runner, run)
@@ -1183,10 +1186,10 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
             if o.save_every and run.step % o.save_every == 0 and run.step < o.steps:
                 saved = run.save(out)
             # a stop asked during this step's evaluation or save stops here, the step done
-            # (it had trained one more step, and saved again). MPI: agreed, where the ranks
-            # evaluated or saved (the same steps on every rank: one collective, not a step's)
+            # (it had trained one more step, and saved again). MPI: agreed once every rank
+            # is done, where the ranks evaluated or saved (the same steps on every rank)
             if run.step < o.steps and (evaluated or saved or distributed.current() is None):
-                signum = distributed.largest(stop.signum or 0)
+                signum = distributed.largest_once_all_here(lambda: stop.signum or 0)
                 if signum:
                     stop.signum = signum
                     stop_after_step(signum, saved, evaluated=True)

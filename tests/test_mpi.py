@@ -529,7 +529,8 @@ def test_bad_flags_are_reported_once(tmp_path):
 
 @needs_mpi
 @pytest.mark.parametrize("case", ["a bad flag on rank 1", "a bad flag on rank 0",
-                                  "train and another command", "eval failing on rank 1"])
+                                  "train and another command", "train and a diff that differs",
+                                  "eval failing on rank 1"])
 def test_ranks_that_do_not_agree_before_training_end_at_once(tmp_path, case):
     """A flag only one rank was given wrong (mpiexec's A : B form) had left the others
     waiting for ever in the ranks' start (the rank at fault quiet where it was not rank
@@ -545,8 +546,14 @@ def test_ranks_that_do_not_agree_before_training_end_at_once(tmp_path, case):
         ck = tmp_path / "run" / "ckpt_1.bin"
         a, b = [*py, "eval", str(ck)], [*py, "eval", str(tmp_path / "missing.bin")]
         expect = f"error: rank 1 of 2: checkpoint not found: {tmp_path / 'missing.bin'}"
-    elif case.startswith("train and"):
-        a, b = one, [*py, "info"]
+    elif case.startswith("train and"):  # (a command's own status, diff's 1: the same)
+        b = [*py, "info"]
+        if case.endswith("differs"):
+            train(tmp_path / "r1", "--steps", "1", "--batch", "2")
+            train(tmp_path / "r2", "--steps", "1", "--batch", "2", "--seed", "7")
+            b = [*py, "diff", str(tmp_path / "r1" / "ckpt_1.bin"),
+                 str(tmp_path / "r2" / "ckpt_1.bin")]
+        a = one
         expect = "error: rank 1 of 2 ran another command than rank 0's train"
     else:
         a, b = (one, [*one, "--speed", "7"])[::1 if case.endswith("1") else -1]
@@ -636,6 +643,52 @@ def test_a_stop_on_one_rank_in_a_periodic_evaluation_stops_after_its_step(tmp_pa
     assert p.returncode == 128 + signal.SIGTERM, err
     assert "SIGTERM: stopped after step 1; saved" in stdout + err, stdout + err
     assert "step 1: valid " in stdout + err, stdout + err
+    assert sorted(f.name for f in out.glob("ckpt_*")) == ["ckpt_1.bin", "ckpt_1.state"]
+
+
+SLOW_SAVE = """import os, time
+import hslm.checkpoint as checkpoint
+write = checkpoint.write_atomic_files
+
+def slow(files, *args, **kwargs):  # (rank 0 alone writes a checkpoint)
+    if any("ckpt_" in str(path) for path, _ in files):
+        with open(os.environ["SLOW_SAVE_MARK"], "a") as f:
+            f.write("saving\\n")
+        time.sleep(3)
+    return write(files, *args, **kwargs)
+checkpoint.write_atomic_files = slow
+"""
+
+
+@needs_mpi
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the ranks in /proc")
+def test_a_stop_on_one_rank_during_rank_0s_periodic_save_stops_after_its_step(tmp_path):
+    """SIGTERM to rank 1 while rank 0 writes step 1's checkpoint (made slow here): rank 1
+    had already entered the ranks' agreement on a stop, a blocking collective that held
+    its signal handler off until rank 0 came, so the stop counted a step later (step 2
+    trained and saved). The ranks now wait for each other where a handler runs."""
+    (tmp_path / "inj").mkdir()
+    (tmp_path / "inj" / "sitecustomize.py").write_text(SLOW_SAVE)
+    mark, out = tmp_path / "saving", tmp_path / "run"
+    e = env()
+    e.update(PYTHONPATH=str(tmp_path / "inj") + os.pathsep + e["PYTHONPATH"],
+             SLOW_SAVE_MARK=str(mark))
+    cmd = [MPIEXEC, "-n", "2", sys.executable, str(ROOT / "cli.py"), "train", *TINY,
+           "--out", out, "--threads", 1, "--batch", 2, "--steps", 4, "--save-every", 1]
+    p = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=e)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not mark.exists():
+            time.sleep(0.05)
+        time.sleep(0.5)  # rank 1 is past its part of the save, waiting for rank 0
+        os.kill(rank_pids(str(out))[1], signal.SIGTERM)
+        stdout, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert "SIGTERM: stopped after step 1; saved" in stdout + err, stdout + err
     assert sorted(f.name for f in out.glob("ckpt_*")) == ["ckpt_1.bin", "ckpt_1.state"]
 
 
