@@ -283,6 +283,15 @@ def _kernel_caches_follow_the_whole_package():
     mixin.get_source_stamp = get_source_stamp
 
 
+_CACHE_SAVE_FAILURES = []  # why this process's first kernel could not be saved
+
+
+def kernel_cache_failure() -> str | None:
+    """Why Numba's cache could not save a kernel this process compiled (the first
+    failure: "No space left on device"), or None where every save has gone through."""
+    return _CACHE_SAVE_FAILURES[0] if _CACHE_SAVE_FAILURES else None
+
+
 def _kernel_cache_saves_may_fail():
     """A kernel that compiled but cannot be saved in Numba's cache (a full disk, a file-size
     limit, a cache folder made read-only) stopped the run with a traceback from Numba's
@@ -297,14 +306,15 @@ def _kernel_cache_saves_may_fail():
         return
     if getattr(numba_save, "numba_save_overload", None) is not None:
         return
-    warned = []
 
     def save_overload(self, sig, data):
         try:
             numba_save(self, sig, data)
         except OSError as e:
-            if not warned and not _os.environ.get("HSLM_QUIET_CACHE_WARNINGS"):
-                warned.append(e)
+            if _CACHE_SAVE_FAILURES:  # (said once)
+                return
+            _CACHE_SAVE_FAILURES.append(e.strerror or str(e))
+            if not _os.environ.get("HSLM_QUIET_CACHE_WARNINGS"):
                 from . import distributed  # (under MPI rank 0 alone prints)
                 if distributed.is_writer():
                     print(f"warning: cannot save compiled kernels in Numba's cache "

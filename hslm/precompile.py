@@ -410,12 +410,31 @@ class Board:
     def ready(self, job) -> bool:
         return all(self.settled(d) for d in JOBS[job] if d in self.jobs)
 
+    def unsaved(self) -> str | None:
+        """Why a process of this compile could not save a kernel in Numba's cache (a full
+        disk), or None. From then on the jobs are pointless: a job compiles again each
+        callee that is not in the cache, and the run compiles every kernel anyway."""
+        try:
+            return (self.folder / "cache unsaved").read_text() or "?"
+        except OSError:
+            return None
+
+    def note_unsaved(self, why: str):
+        with contextlib.suppress(OSError):  # (a temporary folder as full: the jobs go on)
+            (self.folder / "cache unsaved").write_text(why)
+
     def work(self, give_up=lambda: False):
-        """Take and run jobs until every job is claimed. A job whose dependencies'
-        owners died unfinished runs anyway (settled), as does any job once give_up()
-        says so: it then compiles what they left itself."""
+        """Take and run jobs until every job is claimed, or until a save in Numba's cache
+        fails here or in another process (unsaved). A job whose dependencies' owners
+        died unfinished runs anyway (settled), as does any job once give_up() says so:
+        it then compiles what they left itself."""
+        from . import kernel_cache_failure
         with _locked_cache_saves(self.folder / "saves.lock", CACHE_LOCK):
             while True:
+                if kernel_cache_failure() is not None:
+                    self.note_unsaved(kernel_cache_failure())
+                if self.unsaved() is not None:
+                    return
                 free = [j for j in self.jobs if not self.claimed(j)]
                 if not free:
                     return
@@ -528,14 +547,24 @@ class ParallelCompile:
             self.board.work(give_up=self.helpers_ended)
         except Exception:  # noqa: BLE001 (a job that fails here fails again where the
             pass           # run needs it, and is reported there as usual)
-        while not all(self.board.settled(j) for j in self.jobs) and not self.helpers_ended():
+        while (not all(self.board.settled(j) for j in self.jobs) and not self.helpers_ended()
+               and self.board.unsaved() is None):
             time.sleep(0.02)
+        unsaved = self.board.unsaved()
+        if unsaved is not None:  # the helpers' work would be lost: stopped
+            for h in self.helpers:
+                if h.poll() is None:
+                    h.terminate()
         if os.environ.get("HSLM_COMPILE_LOG"):  # measuring: each job's process, start, end
             with open(os.environ["HSLM_COMPILE_LOG"], "a") as f:
                 for j in self.jobs:
                     done = self.folder / f"{j}.done"
                     f.write(f"{j}: {done.read_text() if done.exists() else '-'}\n")
-        if self.echo:
+        if self.echo and unsaved is not None:
+            self.echo(f"stopped compiling in {self.n} processes after "
+                      f"{time.perf_counter() - self.t0:.0f} s: Numba's cache cannot be written "
+                      f"({unsaved}), so the run compiles its kernels as it goes")
+        elif self.echo:
             self.echo(f"compiled in {time.perf_counter() - self.t0:.0f} s")
 
     def _terminated(self, signum, frame):
@@ -654,8 +683,10 @@ def session(speeds, vocab: int, echo=None, tokenizing_here=False, teams=False, o
     MPI each rank compiles as it goes, as before; on a first run rank 0 says so.
     on_stop: what to tidy up if SIGTERM or SIGHUP ends the process while compiling
     (ParallelCompile._terminated)."""
-    from . import distributed
+    from . import distributed, kernel_cache_failure
     from .micro import ternary_panel_matmul
+    if kernel_cache_failure() is not None:  # (helpers would compile what cannot be saved)
+        return _Nothing()
     if distributed.launched_by_mpi():
         if echo and distributed.is_writer() and not in_cache(ternary_panel_matmul):
             echo("compiling kernels (first run on this machine: under a minute) ...")

@@ -626,6 +626,42 @@ def test_no_room_to_write_costs_the_kernel_cache_and_parallel_compiles_not_the_r
     assert p.stderr.count("warning: cannot save compiled kernels in Numba's cache") == 1
 
 
+FULL_CACHE = """from hslm import precompile
+precompile.processes_to_use = lambda n: 2  # (a helper, whatever this machine's cores)
+precompile.compile_first([3], 729, echo=lambda m: print(m, flush=True))
+"""
+
+
+def test_a_kernel_cache_that_cannot_be_written_stops_the_parallel_compile(tmp_path):
+    """A full disk under Numba's cache (here: files of at most 64 KiB, where a kernel's
+    data is larger and the compile's own small files fit): every process of a first
+    run's parallel compile went on compiling jobs whose kernels could not be saved (and
+    each job compiled its callees again); the run then compiled every kernel once more,
+    and said "first run only". The first failed save now stops the compile in every
+    process, saying why; the run compiles as it goes, and says so."""
+    import resource
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT),
+           "TMPDIR": str(tmp_path), "HSLM_COMPILE_LOG": str(tmp_path / "log")}
+    p = subprocess.run([sys.executable, "-c", FULL_CACHE], env=env, capture_output=True,
+                       text=True, timeout=300, preexec_fn=small_files)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0].startswith("compiling kernels in 2 processes (first run on this machine)")
+    assert lines[1].startswith("stopped compiling in 2 processes after ") and lines[1].endswith(
+        " s: Numba's cache cannot be written (File too large), so the run compiles its "
+        "kernels as it goes"), lines
+    # no job began after the first failed save: at most one a process, each unfinished
+    log = (tmp_path / "log").read_text().splitlines()
+    assert len(log) == len(precompile.jobs_for([3])), log
+    done = [ln for ln in log if not ln.endswith(": -")]
+    assert len(done) <= 2 and all(" failed " in ln or " ok " in ln for ln in done), log
+    assert p.stderr.count("warning: cannot save compiled kernels in Numba's cache") == 1
+
+
 def test_compile_profile_tool_reads_a_first_runs_timeline_from_the_compile_log(tmp_path,
                                                                                  capsys):
     """tools/compile_profile.py --first-run's timeline: each job's process and span from the
