@@ -180,6 +180,12 @@ def check_paths_apart(o: TrainOptions, out: Path):
         return
     m = Path(o.metrics)
     target = Path(os.path.realpath(m))
+    for folder, what in folders:  # a folder the run makes, or one above it: not there yet
+        made = Path(os.path.realpath(folder)) if folder is not None else None
+        if made is not None and (target == made or target in made.parents):
+            where = (f"the run's {what}" if target == made else
+                     f"a folder above the run's {what} {folder}")
+            raise HslmError(f"--metrics {m} is {where}; give the metrics file another name")
     where = written_by_the_run(m, folders)
     if where is not None:
         shown = f"{m} (a link to {target})" if os.path.islink(m) else str(m)

@@ -79,6 +79,30 @@ def test_a_metrics_link_to_a_missing_folder_is_refused_before_anything(tmp_path)
     assert '"kind": "train"' in (tmp_path / "nowhere" / "m.jsonl").read_text()
 
 
+@pytest.mark.parametrize("case", ["the output folder", "a folder above it",
+                                  "the token cache folder", "a folder above that"])
+def test_metrics_naming_a_folder_the_run_makes_is_refused_before_anything(tmp_path, case):
+    """--metrics naming the output or token cache folder, or a folder above one, before the
+    run makes it: the checks had judged it a new file's name, and the run failed to open
+    it ("Is a directory") only after making and filling those folders, left behind. Now:
+    one line, nothing created. Control: a file inside the output folder is appended to."""
+    out, cache = tmp_path / "a" / "out", tmp_path / "c" / "cache"
+    metrics, expect = {
+        "the output folder": (out, "is the run's output folder"),
+        "a folder above it": (tmp_path / "a", f"is a folder above the run's output folder {out}"),
+        "the token cache folder": (cache, "is the run's token cache folder"),
+        "a folder above that": (tmp_path / "c",
+                                f"is a folder above the run's token cache folder {cache}"),
+    }[case]
+    args = ("train", *TINY, "--steps", 1, "--out", out, "--cache-dir", cache, "--metrics")
+    line = one_line_error(*hslm(*args, metrics))
+    assert f"error: --metrics {metrics} {expect}; give the metrics file another name" == line
+    assert os.listdir(tmp_path) == []
+    code, _, err = hslm(*args, out / "m.jsonl")
+    assert code == 0, err
+    assert '"kind": "train"' in (out / "m.jsonl").read_text()
+
+
 @pytest.mark.parametrize("case", ["tokenizer.json", "checkpoint", "lock", "data file",
                                   "data folder", "token cache", "a link to tokenizer.json",
                                   "a hard link to a file of the data folder"])
