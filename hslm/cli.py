@@ -3,6 +3,7 @@ the work is in the modules it calls (the run itself: hslm/train.py)."""
 from __future__ import annotations
 
 import codecs
+import contextlib
 import errno
 import functools
 import io
@@ -382,11 +383,13 @@ def sample(ckpt_path, prompt, n_tokens, temperature, top_k, seed, data):
 
     unsaid = prompt  # said with the first token (--tokens is at least 1): a model whose
     # logits are not finite fails there, and had left the prompt on stdout before its line
+    line_open = False  # text written since the last newline
 
     def each(t):
-        nonlocal unsaid
-        write(unsaid + text.decode(tok.decode_bytes([t])))
-        unsaid = ""
+        nonlocal unsaid, line_open
+        piece = unsaid + text.decode(tok.decode_bytes([t]))
+        write(piece)
+        unsaid, line_open = "", line_open if not piece else not piece.endswith("\n")
 
     try:
         sample_ids(Worker(cfg, DEFAULT_SPEED), state.kernel_model(), state.tables.vsa,
@@ -395,6 +398,11 @@ def sample(ckpt_path, prompt, n_tokens, temperature, top_k, seed, data):
         write(text.decode(b"", final=True) + "\n")
     except ReaderLeft:
         pass
+    except BaseException:  # a stop (Ctrl-C, SIGTERM) or an error: its line on a line of its
+        if line_open:      # own in a terminal, not after the text drawn so far
+            with contextlib.suppress(Exception):
+                write("\n")
+        raise
 
 
 class ReaderLeft(Exception):

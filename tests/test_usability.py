@@ -313,15 +313,18 @@ def test_sigterm_and_sighup_end_any_command_with_one_line(trained, tmp_path, sig
     128 + the signal. Python's default end had killed it with no line: `hslm sample`
     drawing, or `hslm train` importing its modules before its own handler was in (its
     folder then left). SIGHUP had not been taken in the start-up either. Control: the
-    text drawn before the signal is there."""
+    text drawn before the signal is there, its line ended."""
     d, _ = trained
     p = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "sample", d / "ckpt_12.bin",
                           "--tokens", str(10 ** 9)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     with running(p, timeout=300):
-        assert p.stdout.read(200)  # drawing
+        drawn = p.stdout.read(200)
+        assert drawn  # drawing
         p.send_signal(sig)
         out, err = p.communicate(timeout=120)
     assert (p.returncode, err.decode()) == (code, f"error: {word}\n")
+    # the text drawn ends its line: in a terminal the error had followed it on its line
+    assert (drawn + out).endswith(b"\n"), (drawn + out)[-80:]
     # the start-up's handler, SIGHUP's too (the hslm command's alone: cli.py here)
     e = subprocess.run([sys.executable, "-c",
                         f"import sys; sys.argv[0] = {str(ROOT / 'cli.py')!r}; import hslm, "
