@@ -369,6 +369,19 @@ def test_a_failing_rank_stops_every_rank(tmp_path):
     assert not list(tmp_path.glob("ckpt_*"))
 
 
+def sigterm_to_rank_1(p, out, ready):
+    """SIGTERM to rank 1 of the run p (start_two_ranks into out) once ready() returns:
+    (p's exit status, its stdout and stderr together)."""
+    try:
+        ready()
+        os.kill(rank_pids(str(out))[1], signal.SIGTERM)
+        stdout, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    return p.returncode, stdout + err
+
+
 def rank_pids(marker):
     """{rank: pid} of the MPI ranks whose command line holds `marker` (Linux /proc)."""
     pids = {}
@@ -392,7 +405,7 @@ def running(pid):
         return False
 
 
-def start_two_ranks(tmp_path, out, *args):
+def start_two_ranks(tmp_path, out, *args, extra_env=None):
     """`mpiexec -n 2 hslm train` of TINY into out, its metrics in tmp_path / m.jsonl,
     started: (the launcher's Popen, a function that waits until a step is recorded, when
     every rank is past its start, its handlers in)."""
@@ -400,7 +413,7 @@ def start_two_ranks(tmp_path, out, *args):
     cmd = [MPIEXEC, "-n", "2", sys.executable, str(ROOT / "cli.py"), "train", *TINY,
            "--out", out, "--threads", 1, "--metrics", metrics, *args]
     p = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=env())
+                         text=True, env={**env(), **(extra_env or {})})
 
     def wait_for_a_step(seconds, poll=0.2):
         deadline = time.monotonic() + seconds
@@ -610,16 +623,10 @@ def test_a_stop_on_one_rank_in_the_final_evaluation_is_said_and_agreed(tmp_path)
     out = tmp_path / "run"
     p, wait_for_a_step = start_two_ranks(tmp_path, out, "--batch", 2, "--steps", 1,
                                          "--eval-windows", 20000)
-    try:
-        wait_for_a_step(120, poll=0.05)  # step 1 recorded: the final evaluation runs
-        pids = rank_pids(str(out))
-        os.kill(pids[1], signal.SIGTERM)
-        stdout, err = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:
-            p.kill()
-    assert p.returncode == 128 + signal.SIGTERM, err
-    assert "SIGTERM: stopped after step 1, the last; saved" in stdout + err, stdout + err
+    # step 1 recorded: the final evaluation runs
+    code, said = sigterm_to_rank_1(p, out, lambda: wait_for_a_step(120, poll=0.05))
+    assert code == 128 + signal.SIGTERM, said
+    assert "SIGTERM: stopped after step 1, the last; saved" in said, said
     assert (out / "ckpt_1.bin").exists()
 
 
@@ -632,17 +639,10 @@ def test_a_stop_on_one_rank_in_a_periodic_evaluation_stops_after_its_step(tmp_pa
     out = tmp_path / "run"
     p, wait_for_a_step = start_two_ranks(tmp_path, out, "--batch", 2, "--steps", 3,
                                          "--eval-every", 1, "--eval-windows", 20000)
-    try:
-        wait_for_a_step(120, poll=0.05)  # step 1 recorded: its evaluation runs
-        pids = rank_pids(str(out))
-        os.kill(pids[1], signal.SIGTERM)
-        stdout, err = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:
-            p.kill()
-    assert p.returncode == 128 + signal.SIGTERM, err
-    assert "SIGTERM: stopped after step 1; saved" in stdout + err, stdout + err
-    assert "step 1: valid " in stdout + err, stdout + err
+    # step 1 recorded: its evaluation runs
+    code, said = sigterm_to_rank_1(p, out, lambda: wait_for_a_step(120, poll=0.05))
+    assert code == 128 + signal.SIGTERM, said
+    assert "SIGTERM: stopped after step 1; saved" in said and "step 1: valid " in said, said
     assert sorted(f.name for f in out.glob("ckpt_*")) == ["ckpt_1.bin", "ckpt_1.state"]
 
 
@@ -670,25 +670,18 @@ def test_a_stop_on_one_rank_during_rank_0s_periodic_save_stops_after_its_step(tm
     (tmp_path / "inj").mkdir()
     (tmp_path / "inj" / "sitecustomize.py").write_text(SLOW_SAVE)
     mark, out = tmp_path / "saving", tmp_path / "run"
-    e = env()
-    e.update(PYTHONPATH=str(tmp_path / "inj") + os.pathsep + e["PYTHONPATH"],
-             SLOW_SAVE_MARK=str(mark))
-    cmd = [MPIEXEC, "-n", "2", sys.executable, str(ROOT / "cli.py"), "train", *TINY,
-           "--out", out, "--threads", 1, "--batch", 2, "--steps", 4, "--save-every", 1]
-    p = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=e)
-    try:
+    p, _ = start_two_ranks(tmp_path, out, "--batch", 2, "--steps", 4, "--save-every", 1,
+                           extra_env={"SLOW_SAVE_MARK": str(mark), "PYTHONPATH": str(
+                               tmp_path / "inj") + os.pathsep + env()["PYTHONPATH"]})
+
+    def saving():
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not mark.exists():
             time.sleep(0.05)
         time.sleep(0.5)  # rank 1 is past its part of the save, waiting for rank 0
-        os.kill(rank_pids(str(out))[1], signal.SIGTERM)
-        stdout, err = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:
-            p.kill()
-    assert p.returncode == 128 + signal.SIGTERM, err
-    assert "SIGTERM: stopped after step 1; saved" in stdout + err, stdout + err
+    code, said = sigterm_to_rank_1(p, out, saving)
+    assert code == 128 + signal.SIGTERM, said
+    assert "SIGTERM: stopped after step 1; saved" in said, said
     assert sorted(f.name for f in out.glob("ckpt_*")) == ["ckpt_1.bin", "ckpt_1.state"]
 
 
