@@ -455,6 +455,7 @@ class Corpus:
         n_valid = int(n * VALID_SHARE)
         self.train = self.tokens[: n - n_valid]
         self.valid = self.tokens[n - n_valid:]
+        self.vocab = vocab
         learned, room = len(self.tokenizer.merges), vocab - FIRST_MERGE
         # (only for a tokenizer made from this text: a run's own, given, may come from another)
         if tokenizer is None and learned < room and distributed.is_writer():
@@ -481,7 +482,7 @@ class Corpus:
         """[batch, window + 1] token windows with uniform start offsets in the training
         split, from an hslm.rng.Stream."""
         starts = rng.integers(batch, len(self.train) - window)
-        return _windows_at(self.train, starts, window)
+        return _windows_at(self.train, starts, window, self.vocab)
 
     def validation_windows(self, count: int, window: int) -> np.ndarray:
         """Up to `count` non-overlapping windows spread evenly over the validation split:
@@ -494,12 +495,19 @@ class Corpus:
             idx = np.unique((2 * np.arange(c, dtype=np.int64) * (n_win - 1) + (c - 1))
                             // (2 * (c - 1)))
         check_fits(3 * 8 * len(idx) * (window + 1), f"{len(idx):,} validation windows")
-        return _windows_at(self.valid, idx * window, window)
+        return _windows_at(self.valid, idx * window, window, self.vocab)
 
 
-def _windows_at(tokens, starts, window: int) -> np.ndarray:
+def _windows_at(tokens, starts, window: int, vocab: int) -> np.ndarray:
     """[len(starts), window + 1] int64 windows of tokens from each start, gathered by one
     index (a list of one view per window had taken about 1 KB a window: 4.4 GB for the
-    3.5 million windows of a large text's validation split, in no estimate)."""
+    3.5 million windows of a large text's validation split, in no estimate). Each id is
+    below vocab: a token cache is memory-mapped, checked when opened, and a file another
+    program rewrote in place since had given the kernels ids past the embedding (a crash)."""
     starts = np.asarray(starts, np.int64)
-    return tokens[starts[:, None] + np.arange(window + 1)].astype(np.int64)
+    windows = tokens[starts[:, None] + np.arange(window + 1)].astype(np.int64)
+    if windows.size and int(windows.max()) >= vocab:
+        raise HslmError(f"the text's tokens changed during the run: id {int(windows.max())} "
+                        f"is past the vocabulary's {vocab} (its token cache file rewritten in "
+                        "place by another program?)")
+    return windows

@@ -155,12 +155,26 @@ class TextSource:
                         progress.update(done)
 
     def scan(self, progress=None) -> str:
-        """sha256 of the joined bytes (checking that the files did not change size)."""
+        """sha256 of the joined bytes, checking that the files did not change size and
+        that none is an eighth or more NUL bytes (_check_nuls, as read_ids does): a text
+        whose tokens a cache holds is not read again, and the same bytes split into other
+        files (a NUL file and a text, or the two in one file) had been refused or
+        trained on as the cache held them or not."""
         h = hashlib.sha256()
         total = 0
-        for b, _, _ in self.chunks(progress):
+        cur, nuls, end = None, [0, -1], 0
+        for b, f, off in self.chunks(progress):
             h.update(b)
             total += len(b)
+            if f is not None:
+                if f is not cur:
+                    if cur is not None:
+                        self._check_nuls(nuls, cur, end)
+                    cur, nuls = f, [0, -1]
+                self._count_nuls(nuls, b, off)
+                end = off + len(b)
+        if cur is not None:
+            self._check_nuls(nuls, cur, end)
         if total != self.size:
             raise HslmError(f"the data changed while it was read ({self.label})")
         return h.hexdigest()
@@ -201,8 +215,8 @@ class TextSource:
         and, given expect_sha256 (the text's hash taken before, or remembered), that
         these are the bytes it was taken of: a file rewritten in between at the same
         size would otherwise be trained on under the other text's name. (A text whose
-        tokens a cache holds is not read here: one cached by an hslm before the NUL
-        check is not checked.)"""
+        tokens a cache holds is not read here, but hashed (scan), unless its files'
+        sha256 is remembered from a run that read and checked them.)"""
         out = np.empty(self.size, dtype)
         pos = end = 0
         cur, carry, nuls = None, [b""], [0, -1]

@@ -66,6 +66,49 @@ def test_a_damaged_cache_is_not_used(tmp_path):
     assert np.array_equal(again.tokens, expect)
 
 
+def test_a_cache_rewritten_in_place_during_a_run_is_an_error_not_a_crash(tmp_path):
+    """A token cache is memory-mapped and checked when opened; another program writing ids
+    past the vocabulary into the file in place afterwards (not hslm's way: it writes a
+    new file and renames it) had given the kernels ids past the embedding: a segmentation
+    fault mid-run. Drawing windows now says so in one line. Control: the windows before."""
+    (tmp_path / "t.txt").write_text(TEXT, encoding="utf-8")
+    Corpus.load(tmp_path / "t.txt", 300, 27, cache_dir=tmp_path)
+    corpus = Corpus.load(tmp_path / "t.txt", 300, 27, cache_dir=tmp_path)
+    assert isinstance(corpus.tokens, np.memmap)
+    before = corpus.draw_windows(Stream.seeded("test", 3), 4, 27)
+    assert corpus.validation_windows(8, 27).max() < 300 and before.max() < 300
+    path = token_cache.tokens_path(tmp_path, corpus.text_sha256, corpus.tokenizer.identity)
+    other = np.memmap(path, dtype=corpus.tokens.dtype, mode="r+",
+                      offset=path.stat().st_size - corpus.tokens.nbytes)
+    other[:] = 299 + 7  # (the other program's ids)
+    other.flush()
+    for draw in (lambda: corpus.draw_windows(Stream.seeded("test", 3), 4, 27),
+                 lambda: corpus.validation_windows(8, 27)):
+        with pytest.raises(HslmError, match="the text's tokens changed during the run: id 306 "
+                                            "is past the vocabulary's 300"):
+            draw()
+
+
+def test_a_nul_file_is_refused_whatever_the_cache_holds(tmp_path):
+    """The same bytes as files [1,000 NULs, a text] (the first refused: all NULs) or as
+    one file (5% NULs: a text with a few, accepted): once the one file's tokens were
+    cached, the two files hit that cache, were not read, and trained. The hashing pass
+    judges the files too. Control: the one file, again from the cache."""
+    nul, text, both = tmp_path / "nul.txt", tmp_path / "text.txt", tmp_path / "both.txt"
+    nul.write_bytes(b"\0" * 1000)
+    text.write_text(TEXT, encoding="utf-8")
+    both.write_bytes(nul.read_bytes() + b"\n\n" + text.read_bytes())
+    cache = tmp_path / "cache"
+    refused = "data file .*nul.txt is 100.0% NUL bytes"
+    with pytest.raises(HslmError, match=refused):  # a miss: refused as its text is read
+        Corpus.load([nul, text], 300, 27, cache_dir=cache)
+    first = Corpus.load(both, 300, 27, cache_dir=cache)
+    again = Corpus.load(both, 300, 27, cache_dir=cache)
+    assert isinstance(again.tokens, np.memmap) and np.array_equal(again.tokens, first.tokens)
+    with pytest.raises(HslmError, match=refused):  # a hit: the same verdict
+        Corpus.load([nul, text], 300, 27, cache_dir=cache)
+
+
 def test_several_files_and_folders_are_joined_by_a_blank_line(tmp_path):
     d = tmp_path / "d"
     d.mkdir()
