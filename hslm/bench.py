@@ -126,7 +126,7 @@ def timed_share(label, step):
 
 
 def time_in_rounds(entries, steps, rounds, tokens_per_step, progress=None,
-                   round_trip=farthest_round_trip_ns, sharing=fma_together):
+                   round_trip=farthest_round_trip_ns, sharing=fma_together, after_round=None):
     """Train every entry (timed_share) `steps` timed steps, in `rounds` rounds: each round
     gives each entry in turn (a rotating order) one untimed step, then its share of the
     timed steps, so that a slow spell of a shared machine falls on all alike and none is
@@ -138,7 +138,8 @@ def time_in_rounds(entries, steps, rounds, tokens_per_step, progress=None,
     which rounds ran on one; and whether the CPUs had a core's arithmetic each just
     before and just after (sharing(): hslm/cores.py's fma_together), in fma_together:
     where they were one core's two hardware threads, or a neighbour's thread ran on a
-    CPU's core, it says which rounds had half a core."""
+    CPU's core, it says which rounds had half a core. after_round(): called after each
+    round (PeakSamples.sample)."""
     done = 0
     for r in range(rounds):
         n = (steps - done) // (rounds - r)
@@ -164,6 +165,8 @@ def time_in_rounds(entries, steps, rounds, tokens_per_step, progress=None,
                 progress(f"round {r + 1} of {rounds}: {e['label']}, "
                          f"{e['per_round'][-1]:.1f} tok/s")
         done += n
+        if after_round is not None:
+            after_round()
     for e in entries:
         e["tok_s"] = float(np.median(e["per_round"]))
 
@@ -467,6 +470,27 @@ def flops_per_token(cfg: Config, k: int) -> float:
 
 
 # ---------------------------------------------------------------- the report
+class PeakSamples:
+    """The core's measured f64 peaks (hslm/peak.py), measured before the runs and again
+    after each timed round: each peak is the best of its samples. Measured once, a
+    neighbour busy for that second had set the peak of a whole report: on a shared Xeon
+    27.5 GFLOP/s, where the rounds that followed ran at a pace that needs 38.6, so the
+    step read 84% of its peak and the ternary products 123%. A slow spell during a round
+    now reads low, never high."""
+
+    def __init__(self):
+        self.samples = []
+        self.sample()
+
+    def sample(self):
+        m = measured_peaks()
+        if m is not None:
+            self.samples.append(m)
+
+    def best(self, name: str) -> float:
+        return max(m[name] for m in self.samples)
+
+
 def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch, profile,
               progress=None, cache_dir=None):
     """Every (model, batch, threads, speed) side by side in one process, the runs of a
@@ -482,15 +506,11 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
     rounds = min(TABLE_ROUNDS, steps)
     load_before = snapshot()
     nominal, peak_desc = machine_peak_gflops_per_core()
-    measured = measured_peaks()
-    if measured is None:  # the nominal peak, and half of it unfused where adds share pipes
-        peak, unfused = nominal, nominal if separate_add_pipes() else nominal / 2
-    else:
-        peak, unfused = measured["fma"], measured["mul_add"]
-    report = {"machine": peak_desc, "cpu": cpu_identity(), "peak_gflops_per_core": peak,
-              "unfused_peak_gflops_per_core": unfused, "nominal_peak_gflops_per_core": nominal,
-              "peak_measured": measured is not None,
-              "vector_lanes": measured["lanes"] if measured else None,
+    peaks = PeakSamples()
+    measured = bool(peaks.samples)
+    report = {"machine": peak_desc, "cpu": cpu_identity(), "nominal_peak_gflops_per_core": nominal,
+              "peak_measured": measured,
+              "vector_lanes": peaks.samples[0]["lanes"] if measured else None,
               "python": sys.version.split()[0], "numpy": np.__version__,
               "numba": numba.__version__, "hslm": __version__, "commit": source_commit(),
               "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -521,7 +541,8 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
                     runs.append(start_run(cfg, hyper, corpus, s, t))
                     if progress:
                         progress(f"set up {name} batch {batch} speed {s} on {t} thread(s)")
-                time_in_rounds(runs, steps, rounds, batch * cfg.window, progress)
+                time_in_rounds(runs, steps, rounds, batch * cfg.window, progress,
+                               after_round=peaks.sample)
             except BaseException:
                 for e in runs:
                     e["runner"].close()
@@ -530,7 +551,6 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
             for e in runs:
                 r = finish_run(e)
                 r["gflops"] = r["tok_s"] * entry["flops_per_token"] / 1e9
-                r["peak_share"] = r["gflops"] / (peak * r["threads"])
                 entry["rows"].append(r)
                 digests.add(r["digest"])
                 losses.add(tuple(r["losses"]))
@@ -558,4 +578,13 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
             report["optimiser_arithmetic_ns"] = optimiser_arithmetic_ns()
         report["models"].append(entry)
     report["load"] = load_between(load_before, snapshot())  # (reports since 2026-12-05)
+    if measured:  # the best of the samples (reports since 2026-12-06 list them)
+        peak, unfused = peaks.best("fma"), peaks.best("mul_add")
+        report["peak_samples_gflops"] = [m["fma"] for m in peaks.samples]
+    else:  # the nominal peak, and half of it unfused where adds share pipes
+        peak, unfused = nominal, nominal if separate_add_pipes() else nominal / 2
+    report["peak_gflops_per_core"], report["unfused_peak_gflops_per_core"] = peak, unfused
+    for e in report["models"]:
+        for r in e["rows"]:
+            r["peak_share"] = r["gflops"] / (peak * r["threads"])
     return report

@@ -18,6 +18,19 @@ REST_OF = {FORWARD: "the rest (residuals, bias, ReLU, embedding)",
            BACKWARD: "the rest (residuals, ReLU's mask, scales)"}
 
 
+def _samples(report) -> str:
+    """How the FMA peak was measured, where it was measured more than once (reports since
+    2026-12-06): the best of the samples, and the lowest where it was well below (a
+    neighbour on a shared machine)."""
+    samples = report.get("peak_samples_gflops") or []
+    if len(samples) < 2:
+        return ""
+    low = min(samples)
+    return (f" (the best of {len(samples)} measurements, before the runs and after each "
+            "timed round" + (f"; the lowest {low:.1f}" if low < 0.9 * max(samples) else "")
+            + ")")
+
+
 def format_report(report):
     """The report as the lines `hslm bench` prints."""
     from .speeds import SPEED_NAMES
@@ -32,9 +45,9 @@ def format_report(report):
            f"machine: {report['machine']}: nominal f64 peak "
            f"{report.get('nominal_peak_gflops_per_core', peak):.1f} GFLOP/s per core",
            (f"f64 peak of one core, measured ({report['vector_lanes']}-wide vectors, "
-            f"hslm/peak.py): FMA {peak:.1f} GFLOP/s, multiply + add (unfused) "
-            f"{report['unfused_peak_gflops_per_core']:.1f} GFLOP/s; '% peak' is of the "
-            "measured FMA peak" if report.get("peak_measured")
+            f"hslm/peak.py): FMA {peak:.1f} GFLOP/s{_samples(report)}, multiply + add "
+            f"(unfused) {report['unfused_peak_gflops_per_core']:.1f} GFLOP/s; '% peak' is of "
+            "the measured FMA peak" if report.get("peak_measured")
             else "f64 peak not measured here: '% peak' is of the nominal peak"),
            "FLOPs per token: 2 per multiply-add of the ternary matrices (forward, input "
            "gradient, weight gradient at scored positions)"]
