@@ -326,6 +326,7 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
         arr = token_cache.open_tokens(token_cache.tokens_path(folder, sha, tokenizer.identity),
                                       sha, tokenizer.identity, tokenizer.vocab)
         if arr is not None:
+            src.check_nul_files()  # (as reading it would have; scanned, or remembered as read)
             return tokenizer, arr
     if tokenizer is None:
         check_vocab(vocab)

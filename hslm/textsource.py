@@ -75,6 +75,7 @@ class TextSource:
     """The bytes of the built-in text (`text` given) or of files joined by SEP."""
 
     def __init__(self, paths=None, text: str | None = None, label: str | None = None):
+        self.nul_file = None  # scan's first file of too many NUL bytes (check_nul_files)
         if text is not None:
             self.blob = text.encode("utf-8")
             self.files = []
@@ -155,26 +156,27 @@ class TextSource:
                         progress.update(done)
 
     def scan(self, progress=None) -> str:
-        """sha256 of the joined bytes, checking that the files did not change size and
-        that none is an eighth or more NUL bytes (_check_nuls, as read_ids does): a text
-        whose tokens a cache holds is not read again, and the same bytes split into other
-        files (a NUL file and a text, or the two in one file) had been refused or
-        trained on as the cache held them or not."""
+        """sha256 of the joined bytes (checking that the files did not change size), noting
+        the first file an eighth or more NUL bytes, for check_nul_files."""
         h = hashlib.sha256()
         total = 0
         cur, nuls, end = None, [0, -1], 0
+
+        def note_nuls():
+            if self.nul_file is None and self._too_many_nuls(nuls, end):
+                self.nul_file = (list(nuls), cur, end)
         for b, f, off in self.chunks(progress):
             h.update(b)
             total += len(b)
             if f is not None:
                 if f is not cur:
                     if cur is not None:
-                        self._check_nuls(nuls, cur, end)
+                        note_nuls()
                     cur, nuls = f, [0, -1]
                 self._count_nuls(nuls, b, off)
                 end = off + len(b)
         if cur is not None:
-            self._check_nuls(nuls, cur, end)
+            note_nuls()
         if total != self.size:
             raise HslmError(f"the data changed while it was read ({self.label})")
         return h.hexdigest()
@@ -200,13 +202,27 @@ class TextSource:
             nuls[1] = off + b.index(0) if nuls[1] < 0 else nuls[1]
 
     @staticmethod
+    def _too_many_nuls(nuls, size) -> bool:
+        return nuls[0] > 0 and nuls[0] * 8 >= size
+
+    @staticmethod
     def _check_nuls(nuls, f, size):
         """A file of which an eighth or more is NUL bytes is UTF-8 only to the letter:
         UTF-16 without a byte order mark (every other byte NUL for Latin text) or binary
         data, which had been trained on without a word."""
-        if nuls[0] and nuls[0] * 8 >= size:
+        if TextSource._too_many_nuls(nuls, size):
             raise HslmError(f"data file {f} is {nuls[0] / size:.1%} NUL bytes (the first at "
                             f"offset {nuls[1]}): UTF-16 text or binary data, not UTF-8 text")
+
+    def check_nul_files(self):
+        """For a text whose tokens a cache holds (not read again: read_ids makes this check
+        as it reads): refuse it as read_ids would where scan saw a file of too many NUL
+        bytes. The same bytes split into other files (a NUL file and a text, or the two in
+        one file) had been refused or trained on as the cache held them or not. (Not
+        UTF-8 needs no such check: a cache is only made of a text that is, and so is
+        each of its files, joined by ASCII.)"""
+        if self.nul_file is not None:
+            self._check_nuls(*self.nul_file)
 
     def read_ids(self, dtype, offset_by: int, progress=None, expect_sha256=None) -> np.ndarray:
         """The joined bytes as ids (byte + offset_by) in a fresh array of dtype,
@@ -215,8 +231,7 @@ class TextSource:
         and, given expect_sha256 (the text's hash taken before, or remembered), that
         these are the bytes it was taken of: a file rewritten in between at the same
         size would otherwise be trained on under the other text's name. (A text whose
-        tokens a cache holds is not read here, but hashed (scan), unless its files'
-        sha256 is remembered from a run that read and checked them.)"""
+        tokens a cache holds is not read here: check_nul_files.)"""
         out = np.empty(self.size, dtype)
         pos = end = 0
         cur, carry, nuls = None, [b""], [0, -1]
