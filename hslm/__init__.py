@@ -292,13 +292,23 @@ def kernel_cache_failure() -> str | None:
     return _CACHE_SAVE_FAILURES[0] if _CACHE_SAVE_FAILURES else None
 
 
+def _note_kernel_cache_failure(why: str):
+    """The first failure to save in Numba's cache (kernel_cache_failure), said once."""
+    if _CACHE_SAVE_FAILURES:
+        return
+    _CACHE_SAVE_FAILURES.append(why)
+    if not _os.environ.get("HSLM_QUIET_CACHE_WARNINGS"):
+        from . import distributed  # (under MPI rank 0 alone prints)
+        if distributed.is_writer():
+            print(f"warning: cannot save compiled kernels in Numba's cache ({why}); they will "
+                  "compile again next run", file=_sys.stderr)
+
+
 def _kernel_cache_saves_may_fail():
     """A kernel that compiled but cannot be saved in Numba's cache (a full disk, a file-size
     limit, a cache folder made read-only) stopped the run with a traceback from Numba's
     cache; the cache only saves time, so the run goes on with a warning (once) and the
     kernel compiles again next time."""
-    import sys
-
     try:
         from numba.core import caching
         numba_save = caching.Cache.save_overload
@@ -311,15 +321,7 @@ def _kernel_cache_saves_may_fail():
         try:
             numba_save(self, sig, data)
         except OSError as e:
-            if _CACHE_SAVE_FAILURES:  # (said once)
-                return
-            _CACHE_SAVE_FAILURES.append(e.strerror or str(e))
-            if not _os.environ.get("HSLM_QUIET_CACHE_WARNINGS"):
-                from . import distributed  # (under MPI rank 0 alone prints)
-                if distributed.is_writer():
-                    print(f"warning: cannot save compiled kernels in Numba's cache "
-                          f"({e.strerror or e}); they will compile again next run",
-                          file=sys.stderr)
+            _note_kernel_cache_failure(e.strerror or str(e))
 
     save_overload.numba_save_overload = numba_save  # (a test's negative control)
     caching.Cache.save_overload = save_overload

@@ -692,6 +692,8 @@ def session(speeds, vocab: int, echo=None, tokenizing_here=False, teams=False, o
             echo("compiling kernels (first run on this machine: under a minute) ...")
         return _Nothing()
     reason = needed(speeds, teams)
+    if reason and not _cache_takes_a_kernel(ternary_panel_matmul):  # (compiled as it goes)
+        return _Nothing()
     lock = CompileLock.for_cache() if reason else None
     if lock is None:  # (warm; or no temporary folder: compiled as the run goes)
         return _Nothing()
@@ -701,6 +703,31 @@ def session(speeds, vocab: int, echo=None, tokenizing_here=False, teams=False, o
     if lock.no_flock:  # (the saves' lock cannot be held there either: compiled as the run goes)
         return _Nothing()
     return _parallel_compile(lock, reason, speeds, vocab, echo, tokenizing_here, teams, on_stop)
+
+
+ROOM_PROBE_BYTES = 1 << 20  # about the largest kernel's cache file (1.2 MB, hslm-3's team)
+
+
+def _cache_takes_a_kernel(kernel) -> bool:
+    """Whether Numba's cache folder for hslm's kernels takes a file of a large kernel's size,
+    written and removed; where it does not (a full disk, a file-size limit) that is the
+    cache's first failure to save (hslm.kernel_cache_failure), said once, and the helpers
+    would compile what cannot be saved. True where the folder cannot be told."""
+    from . import _note_kernel_cache_failure
+    try:
+        folder = kernel._cache._cache_path  # (Numba's private API)
+    except AttributeError:
+        return True
+    if not os.path.isdir(folder):
+        return True
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".hslm-room-") as f:
+            f.write(bytes(ROOM_PROBE_BYTES))
+            f.flush()
+    except OSError as e:
+        _note_kernel_cache_failure(e.strerror or str(e))
+        return False
+    return True
 
 
 def _parallel_compile(lock, reason, speeds, vocab, echo, tokenizing_here, teams, on_stop=None):

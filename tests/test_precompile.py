@@ -626,19 +626,27 @@ def test_no_room_to_write_costs_the_kernel_cache_and_parallel_compiles_not_the_r
     assert p.stderr.count("warning: cannot save compiled kernels in Numba's cache") == 1
 
 
-FULL_CACHE = """from hslm import precompile
+FULL_CACHE = """import sys
+import hslm
+from hslm import precompile
 precompile.processes_to_use = lambda n: 2  # (a helper, whatever this machine's cores)
+if sys.argv[1] == "a save fails":  # (the folder's room as if there: the probe passes)
+    precompile._cache_takes_a_kernel = lambda kernel: True
 precompile.compile_first([3], 729, echo=lambda m: print(m, flush=True))
+print("failure:", hslm.kernel_cache_failure())
 """
 
 
-def test_a_kernel_cache_that_cannot_be_written_stops_the_parallel_compile(tmp_path):
+@pytest.mark.parametrize("case", ["no room", "a save fails"])
+def test_a_kernel_cache_that_cannot_be_written_stops_the_parallel_compile(tmp_path, case):
     """A full disk under Numba's cache (here: files of at most 64 KiB, where a kernel's
     data is larger and the compile's own small files fit): every process of a first
     run's parallel compile went on compiling jobs whose kernels could not be saved (and
     each job compiled its callees again); the run then compiled every kernel once more,
-    and said "first run only". The first failed save now stops the compile in every
-    process, saying why; the run compiles as it goes, and says so."""
+    and said "first run only". Now a file of a large kernel's size is written in the
+    cache's folder first: with no room for it, no helper starts; where the room is there
+    and a save fails all the same, the first failed save stops the compile in every
+    process, saying why. Either way the run then compiles as it goes, and says so."""
     import resource
 
     def small_files():
@@ -646,10 +654,17 @@ def test_a_kernel_cache_that_cannot_be_written_stops_the_parallel_compile(tmp_pa
 
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT),
            "TMPDIR": str(tmp_path), "HSLM_COMPILE_LOG": str(tmp_path / "log")}
-    p = subprocess.run([sys.executable, "-c", FULL_CACHE], env=env, capture_output=True,
+    p = subprocess.run([sys.executable, "-c", FULL_CACHE, case], env=env, capture_output=True,
                        text=True, timeout=300, preexec_fn=small_files)
     assert p.returncode == 0, p.stderr
+    assert p.stderr.count("warning: cannot save compiled kernels in Numba's cache "
+                          "(File too large)") == 1, p.stderr
     lines = p.stdout.splitlines()
+    assert lines[-1] == "failure: File too large", lines
+    if case == "no room":
+        assert lines == ["failure: File too large"] and not (tmp_path / "log").exists()
+        assert not [f for f in (tmp_path / "cache").rglob(".hslm-room-*")]  # (removed)
+        return
     assert lines[0].startswith("compiling kernels in 2 processes (first run on this machine)")
     assert lines[1].startswith("stopped compiling in 2 processes after ") and lines[1].endswith(
         " s: Numba's cache cannot be written (File too large), so the run compiles its "
@@ -659,7 +674,6 @@ def test_a_kernel_cache_that_cannot_be_written_stops_the_parallel_compile(tmp_pa
     assert len(log) == len(precompile.jobs_for([3])), log
     done = [ln for ln in log if not ln.endswith(": -")]
     assert len(done) <= 2 and all(" failed " in ln or " ok " in ln for ln in done), log
-    assert p.stderr.count("warning: cannot save compiled kernels in Numba's cache") == 1
 
 
 def test_compile_profile_tool_reads_a_first_runs_timeline_from_the_compile_log(tmp_path,
