@@ -292,7 +292,7 @@ def kernel_cache_failure() -> str | None:
     return _CACHE_SAVE_FAILURES[0] if _CACHE_SAVE_FAILURES else None
 
 
-def _note_kernel_cache_failure(why: str):
+def note_kernel_cache_failure(why: str):
     """The first failure to save in Numba's cache (kernel_cache_failure), said once."""
     if _CACHE_SAVE_FAILURES:
         return
@@ -321,7 +321,7 @@ def _kernel_cache_saves_may_fail():
         try:
             numba_save(self, sig, data)
         except OSError as e:
-            _note_kernel_cache_failure(e.strerror or str(e))
+            note_kernel_cache_failure(e.strerror or str(e))
 
     save_overload.numba_save_overload = numba_save  # (a test's negative control)
     caching.Cache.save_overload = save_overload

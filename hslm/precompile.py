@@ -717,7 +717,7 @@ def _cache_takes_a_kernel(kernel) -> bool:
     written and removed; where it does not (a full disk, a file-size limit) that is the
     cache's first failure to save (hslm.kernel_cache_failure), said once, and the helpers
     would compile what cannot be saved. True where the folder cannot be told."""
-    from . import _note_kernel_cache_failure
+    from . import note_kernel_cache_failure
     try:
         folder = kernel._cache._cache_path  # (Numba's private API)
     except AttributeError:
@@ -729,7 +729,7 @@ def _cache_takes_a_kernel(kernel) -> bool:
             f.write(bytes(ROOM_PROBE_BYTES))
             f.flush()
     except OSError as e:
-        _note_kernel_cache_failure(e.strerror or str(e))
+        note_kernel_cache_failure(e.strerror or str(e))
         return False
     return True
 
