@@ -542,8 +542,14 @@ class ParallelCompile:
 
     def finish(self):
         """Say so, take the jobs left, and wait until every job is done (here, or by a
-        helper; a helper that ended leaves its unfinished jobs to be compiled on use)."""
-        if self.echo:
+        helper; a helper that ended leaves its unfinished jobs to be compiled on use).
+        Where this process could not save a kernel already (the tokenizer's, compiled as
+        the text was read), the helpers are stopped without a word of compiling."""
+        from . import kernel_cache_failure
+        failed = kernel_cache_failure()
+        if failed is not None:
+            self.board.note_unsaved(failed)
+        if self.echo and self.board.unsaved() is None:
             n = self.n
             self.echo(f"compiling kernels in {n} process{'es' if n > 1 else ''} ({self.reason}) "
                       "...")
