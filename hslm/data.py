@@ -456,7 +456,6 @@ class Corpus:
         n_valid = int(n * VALID_SHARE)
         self.train = self.tokens[: n - n_valid]
         self.valid = self.tokens[n - n_valid:]
-        self.vocab = vocab
         learned, room = len(self.tokenizer.merges), vocab - FIRST_MERGE
         # (only for a tokenizer made from this text: a run's own, given, may come from another)
         if tokenizer is None and learned < room and distributed.is_writer():
@@ -483,7 +482,7 @@ class Corpus:
         """[batch, window + 1] token windows with uniform start offsets in the training
         split, from an hslm.rng.Stream."""
         starts = rng.integers(batch, len(self.train) - window)
-        return _windows_at(self.train, starts, window, self.vocab)
+        return _windows_at(self.train, starts, window, self.tokenizer.vocab)
 
     def validation_windows(self, count: int, window: int) -> np.ndarray:
         """Up to `count` non-overlapping windows spread evenly over the validation split:
@@ -496,7 +495,7 @@ class Corpus:
             idx = np.unique((2 * np.arange(c, dtype=np.int64) * (n_win - 1) + (c - 1))
                             // (2 * (c - 1)))
         check_fits(3 * 8 * len(idx) * (window + 1), f"{len(idx):,} validation windows")
-        return _windows_at(self.valid, idx * window, window, self.vocab)
+        return _windows_at(self.valid, idx * window, window, self.tokenizer.vocab)
 
 
 def _windows_at(tokens, starts, window: int, vocab: int) -> np.ndarray:

@@ -71,6 +71,35 @@ class DataChanged(HslmError):
     """The text's bytes changed while hslm read them (or are not those a hash named)."""
 
 
+class FileNuls:
+    """One file's NUL bytes as its chunks pass, for the one rule on them (check): a file
+    of which an eighth or more is NUL bytes is UTF-8 only to the letter, UTF-16 without a
+    byte order mark (every other byte NUL for Latin text) or binary data, which had been
+    trained on without a word."""
+
+    def __init__(self, file):
+        self.file, self.count, self.first, self.size = file, 0, -1, 0
+
+    def add(self, b: bytes, off: int):
+        """The file's chunk b, at offset off. (A search for a first NUL first: in a text
+        with none, as most are, it runs at memory speed, where counting took 0.8 s a GB,
+        60% on the hashing pass's time.)"""
+        first = b.find(0)
+        if first >= 0:
+            self.count += b.count(0)
+            self.first = off + first if self.first < 0 else self.first
+        self.size = off + len(b)
+
+    def too_many(self) -> bool:
+        return self.count > 0 and self.count * 8 >= self.size
+
+    def check(self):
+        if self.too_many():
+            raise HslmError(f"data file {self.file} is {self.count / self.size:.1%} NUL bytes "
+                            f"(the first at offset {self.first}): UTF-16 text or binary data, "
+                            "not UTF-8 text")
+
+
 class TextSource:
     """The bytes of the built-in text (`text` given) or of files joined by SEP."""
 
@@ -160,26 +189,23 @@ class TextSource:
         the first file an eighth or more NUL bytes, for check_nul_files."""
         h = hashlib.sha256()
         total = 0
-        cur, nuls, end = None, [0, -1], 0
-
-        def note_nuls():
-            if self.nul_file is None and self._too_many_nuls(nuls, end):
-                self.nul_file = (list(nuls), cur, end)
+        nuls = None  # (the file's whose chunks pass)
         for b, f, off in self.chunks(progress):
             h.update(b)
             total += len(b)
             if f is not None:
-                if f is not cur:
-                    if cur is not None:
-                        note_nuls()
-                    cur, nuls = f, [0, -1]
-                self._count_nuls(nuls, b, off)
-                end = off + len(b)
-        if cur is not None:
-            note_nuls()
+                if nuls is None or nuls.file is not f:
+                    self._note(nuls)
+                    nuls = FileNuls(f)
+                nuls.add(b, off)
+        self._note(nuls)
         if total != self.size:
             raise HslmError(f"the data changed while it was read ({self.label})")
         return h.hexdigest()
+
+    def _note(self, nuls):
+        if self.nul_file is None and nuls is not None and nuls.too_many():
+            self.nul_file = nuls
 
     @staticmethod
     def _check(carry, b, f, off, final):
@@ -193,29 +219,6 @@ class TextSource:
         carry[0] = data[used:]
         return off + len(b)
 
-    @staticmethod
-    def _count_nuls(nuls, b, off):
-        """nuls = [count, offset of the first] of a file's NUL bytes so far, b read. (A
-        search for the first first: in a text with none, as most are, it runs at memory
-        speed, where counting took 0.8 s a GB, 60% on the hashing pass's time.)"""
-        first = b.find(0)
-        if first >= 0:
-            nuls[0] += b.count(0)
-            nuls[1] = off + first if nuls[1] < 0 else nuls[1]
-
-    @staticmethod
-    def _too_many_nuls(nuls, size) -> bool:
-        return nuls[0] > 0 and nuls[0] * 8 >= size
-
-    @staticmethod
-    def _check_nuls(nuls, f, size):
-        """A file of which an eighth or more is NUL bytes is UTF-8 only to the letter:
-        UTF-16 without a byte order mark (every other byte NUL for Latin text) or binary
-        data, which had been trained on without a word."""
-        if TextSource._too_many_nuls(nuls, size):
-            raise HslmError(f"data file {f} is {nuls[0] / size:.1%} NUL bytes (the first at "
-                            f"offset {nuls[1]}): UTF-16 text or binary data, not UTF-8 text")
-
     def check_nul_files(self):
         """For a text whose tokens a cache holds (not read again: read_ids makes this check
         as it reads): refuse it as read_ids would where scan saw a file of too many NUL
@@ -224,19 +227,19 @@ class TextSource:
         UTF-8 needs no such check: a cache is only made of a text that is, and so is
         each of its files, joined by ASCII.)"""
         if self.nul_file is not None:
-            self._check_nuls(*self.nul_file)
+            self.nul_file.check()
 
     def read_ids(self, dtype, offset_by: int, progress=None, expect_sha256=None) -> np.ndarray:
         """The joined bytes as ids (byte + offset_by) in a fresh array of dtype,
         checking that every file is UTF-8 text (else an error naming the file and the
-        offset of the first bad byte) and not an eighth or more NUL bytes (_check_nuls),
+        offset of the first bad byte) and not an eighth or more NUL bytes (FileNuls),
         and, given expect_sha256 (the text's hash taken before, or remembered), that
         these are the bytes it was taken of: a file rewritten in between at the same
         size would otherwise be trained on under the other text's name. (A text whose
         tokens a cache holds is not read here: check_nul_files.)"""
         out = np.empty(self.size, dtype)
         pos = end = 0
-        cur, carry, nuls = None, [b""], [0, -1]
+        cur, carry, nuls = None, [b""], None
         h = hashlib.sha256() if expect_sha256 is not None else None
         for b, f, off in self.chunks(progress):
             if h is not None:
@@ -247,17 +250,17 @@ class TextSource:
                 if f is not cur:
                     if cur is not None:
                         self._check(carry, b"", cur, end, True)
-                        self._check_nuls(nuls, cur, end)
-                    cur, carry, nuls = f, [b""], [0, -1]
+                        nuls.check()
+                    cur, carry, nuls = f, [b""], FileNuls(f)
                 self._check(carry, b, f, off, False)
-                self._count_nuls(nuls, b, off)
+                nuls.add(b, off)
                 end = off + len(b)
             np.add(np.frombuffer(b, np.uint8), offset_by, out=out[pos:pos + len(b)],
                    casting="unsafe")
             pos += len(b)
         if cur is not None:
             self._check(carry, b"", cur, end, True)
-            self._check_nuls(nuls, cur, end)
+            nuls.check()
         if pos != self.size or (h is not None and h.hexdigest() != expect_sha256):
             raise DataChanged(f"the data changed while it was read ({self.label})")
         return out
