@@ -135,17 +135,19 @@ def probe_new_file(folder: Path, name: str):
 
 
 def write_atomic(path: Path, blob, what: str = "checkpoint", make_parent: bool = False,
-                 dir_fd=None):
-    """Write blob (bytes, or a list of byte-like parts) to path atomically: a temporary
-    file in the same folder, flushed and fsynced, renamed over path, and the folder
-    fsynced. A reader never sees a half-written file under path. dir_fd: the folder,
-    open (a run's locked folder, FolderLock.dir_fd): written there whatever its name
-    has become (path's folder then only names it in messages)."""
-    write_atomic_files([(path, blob)], what, make_parent, dir_fd)
+                 dir_fd=None, finish=None):
+    """Write blob (bytes, or an iterable of byte-like parts) to path atomically: a
+    temporary file in the same folder, flushed and fsynced, renamed over path, and the
+    folder fsynced. A reader never sees a half-written file under path. dir_fd: the
+    folder, open (a run's locked folder, FolderLock.dir_fd): written there whatever its
+    name has become (path's folder then only names it in messages). finish(f), if given,
+    is called with the file open once every part is written, before it is fsynced (a
+    header that counts the parts, written over its place at the start)."""
+    write_atomic_files([(path, blob)], what, make_parent, dir_fd, finish)
 
 
 def write_atomic_files(files, what: str = "checkpoint", make_parent: bool = False,
-                       dir_fd=None):
+                       dir_fd=None, finish=None):
     """write_atomic for several files of one folder, [(path, blob)], as one: each is
     written whole to its temporary file before any is renamed, so a write that fails
     (a full disk, a second Ctrl-C) leaves every file as it was. (A checkpoint's .bin
@@ -154,7 +156,7 @@ def write_atomic_files(files, what: str = "checkpoint", make_parent: bool = Fals
     files = [(Path(path), blob) for path, blob in files]
     path = files[0][0]
     if dir_fd is not None:
-        return _write_atomic_in(dir_fd, files, what)
+        return _write_atomic_in(dir_fd, files, what, finish)
     try:
         if make_parent:
             for folder in (path.parent, *path.parent.parents):
@@ -167,7 +169,7 @@ def write_atomic_files(files, what: str = "checkpoint", make_parent: bool = Fals
     except OSError as e:
         raise HslmError(f"cannot write {what} {path}: {e.strerror or e}") from None
     try:
-        _write_atomic_in(folder_fd, files, what)
+        _write_atomic_in(folder_fd, files, what, finish)
     finally:
         os.close(folder_fd)
 
@@ -223,8 +225,9 @@ def new_file_in(dir_fd, name: str) -> int:
     return os.open(name, flags, 0o666, dir_fd=dir_fd)
 
 
-def _write_atomic_in(dir_fd, files, what: str):
-    """write_atomic_files with every name taken in the open folder dir_fd."""
+def _write_atomic_in(dir_fd, files, what: str, finish=None):
+    """write_atomic_files with every name taken in the open folder dir_fd (finish: as
+    write_atomic's, for each file)."""
     tmps = [f".{path.name}.tmp{os.getpid()}" for path, _ in files]
     path = files[0][0]
     try:
@@ -234,6 +237,8 @@ def _write_atomic_in(dir_fd, files, what: str):
             with open(fd, "wb") as f:
                 for part in parts:
                     f.write(part)
+                if finish is not None:
+                    finish(f)
                 f.flush()
                 os.fsync(f.fileno())
         for (path, _), tmp in zip(files, tmps):

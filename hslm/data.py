@@ -30,6 +30,11 @@ BYTE0 = N_SPECIAL
 FIRST_MERGE = N_SPECIAL + 256
 VALID_SHARE = 0.1
 MAX_VOCAB = 1 << 20
+# A text of LARGE_TEXT bytes or more (past bpe.run's 32-bit positions) is tokenized in
+# pieces of PIECE_BYTES, the merges learned from the first (_large_corpus_tokens); a
+# smaller text is one piece. Both are part of the tokens' definition (docs/model.md).
+LARGE_TEXT = 2 ** 32 - 1
+PIECE_BYTES = 1 << 30
 
 
 # The built-in corpus: one fixed text shipped with the package, the same on every Python
@@ -245,7 +250,7 @@ class Tokenizer:
                 length.append(length[a] + length[b])
                 if length[-1] >= 1 << 32:
                     raise Invalid(f"merge {len(length) - FIRST_MERGE - 1} makes a piece of "
-                                  f"{length[-1]:,} bytes, longer than any text hslm reads")
+                                  f"{length[-1]:,} bytes, longer than any text hslm learns from")
         except Invalid as e:
             raise HslmError(f"tokenizer is not valid: {e}") from None
         return cls(vocab, np.array(merges, np.int64).reshape(-1, 2), length)
@@ -264,12 +269,6 @@ def check_vocab(vocab):
     if vocab < FIRST_MERGE:
         raise HslmError(f"vocabulary {vocab} is too small for the byte-level tokenizer "
                         f"(needs at least {FIRST_MERGE})")
-
-
-def _check_size(src: TextSource):
-    if src.size >= 2 ** 32 - 1:  # (bpe.run's positions are 32-bit)
-        raise HslmError(f"the corpus is {src.size:,} bytes; at most {2 ** 32 - 2:,} (4 GiB "
-                        "less 2 bytes) is supported")
 
 
 def same_file(a, b) -> bool:
@@ -330,26 +329,20 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
             return tokenizer, arr
     if tokenizer is None:
         check_vocab(vocab)
-    _check_size(src)
-    check_fits(bpe.memory_needed(vocab, src.size, learn=tokenizer is None),
+    large = src.size >= LARGE_TEXT
+    piece = PIECE_BYTES if large else src.size
+    check_fits(bpe.memory_needed(vocab, piece, learn=tokenizer is None),
                f"{'learning' if tokenizer is None else 'applying'} a tokenizer of vocabulary "
-               f"{vocab:,} on {src.size:,} bytes of text")
+               f"{vocab:,} on {piece:,} bytes of text")
     show = src.size >= SHOW_FROM
+    if large:
+        return _large_corpus_tokens(src, sha, vocab, tokenizer, cache_dir, check, show)
     ph = Phase("reading and checking the text", src.size, show=show)
     ids = src.read_ids(bpe.ids_dtype(vocab), BYTE0, ph, expect_sha256=sha)
     ph.close()
-    ctl = np.zeros(4, np.int64)
     learn = tokenizer is None
-    total = vocab - FIRST_MERGE if learn else len(tokenizer.merges)
-    ph = Phase("learning the tokenizer" if learn else "encoding", total, "merges", show=show)
-    merges, n = run_interruptible(
-        lambda: bpe.run(ids, vocab, None if learn else tokenizer.merges, ctl=ctl), ctl,
-        lambda: ph.update(int(ctl[1])))
-    # (the merges made: learning makes fewer than asked where the text repeats no pair;
-    # Corpus's warning, or its error, says so)
-    ph.close(f" ({src.size / 1e6:,.1f} MB -> {n:,} tokens)", done=len(merges))
-    if learn:
-        tokenizer = Tokenizer(vocab, merges)
+    tokenizer, n = _tokenize(ids, vocab, tokenizer, "learning the tokenizer" if learn
+                             else "encoding", show)
     if check is not None:
         check(n, tokenizer)
     if cache_dir is None or not distributed.is_writer():  # MPI: rank 0 alone writes the cache
@@ -367,6 +360,78 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
     if arr is None:  # (a folder whose files cannot be memory-mapped, say)
         warn(f"the token cache {path} cannot be read back; going on without it")
         return tokenizer, ids[:n].copy()
+    return tokenizer, arr
+
+
+def _tokenize(ids, vocab: int, tokenizer, what: str, show: bool):
+    """(tokenizer, n): the merges learned from ids (tokenizer None) or the tokenizer's
+    applied to them, in place: ids[:n] are then the tokens. Ctrl-C stops it promptly."""
+    ctl = np.zeros(4, np.int64)
+    learn = tokenizer is None
+    total = vocab - FIRST_MERGE if learn else len(tokenizer.merges)
+    ph = Phase(what, total, "merges", show=show)
+    merges, n = run_interruptible(
+        lambda: bpe.run(ids, vocab, None if learn else tokenizer.merges, ctl=ctl), ctl,
+        lambda: ph.update(int(ctl[1])))
+    # (the merges made: learning makes fewer than asked where the text repeats no pair;
+    # Corpus's warning, or its error, says so)
+    ph.close(f" ({ids.shape[0] / 1e6:,.1f} MB -> {n:,} tokens)", done=len(merges))
+    return (Tokenizer(vocab, merges) if learn else tokenizer), n
+
+
+def _large_corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer, cache_dir, check,
+                         show: bool):
+    """corpus_tokens for a text of LARGE_TEXT bytes or more, whose ids are more than the
+    tokenizer's 32-bit positions reach (and than memory holds, at some size): it is cut
+    into pieces of PIECE_BYTES (the last shorter), the merges are learned from the first
+    piece alone, and each piece is encoded by itself (no token spans two pieces), read,
+    encoded and written to the token file one after another, which is then
+    memory-mapped. Without a token cache (no cache folder; an MPI rank other than 0)
+    the tokens go to an unnamed temporary file instead; a cache that cannot be written
+    is an error here, as the tokens have nowhere else to go."""
+    # (a file of NUL bytes the hashing pass saw is refused now, not after hours of pieces;
+    # a small text judges it after its UTF-8, so that UTF-16 reads "not UTF-8 text")
+    src.check_nul_files()
+    k = -(-src.size // PIECE_BYTES)
+    item = np.dtype(bpe.ids_dtype(vocab)).itemsize
+    pieces = src.read_pieces(bpe.ids_dtype(vocab), BYTE0, PIECE_BYTES, expect_sha256=sha)
+    learn = tokenizer is None
+    first = next(pieces)
+    tokenizer, n = _tokenize(first, vocab, tokenizer, f"piece 1 of {k}: " + (
+        "learning the tokenizer" if learn else "encoding"), show)
+
+    text_failed = []  # (an error of the text's own, raised through the writer as it is)
+
+    def tokens():  # (each piece read into the array the last one was written from)
+        try:
+            yield first[:n]
+            for i, ids in enumerate(pieces, 2):
+                yield ids[:_tokenize(ids, vocab, tokenizer, f"piece {i} of {k}: encoding",
+                                     show)[1]]
+        except BaseException:
+            text_failed.append(True)
+            raise
+
+    if cache_dir is None or not distributed.is_writer():
+        arr = token_cache.spool_tokens(tokens(), item, sha, tokenizer.identity)
+    else:
+        path = token_cache.tokens_path(cache_dir, sha, tokenizer.identity)
+        try:
+            token_cache.write_token_parts(path, tokens(), item, sha, tokenizer.identity)
+            if learn:
+                token_cache.write_tokenizer(token_cache.tokenizer_path(cache_dir, sha, vocab),
+                                            sha, tokenizer.to_json(), tokenizer.identity)
+        except HslmError as e:
+            if text_failed:
+                raise
+            raise HslmError(f"{e}: a text of {src.size:,} bytes (4 GiB or more) is trained "
+                            "from its token cache; give a --cache-dir with room for it") from None
+        arr = token_cache.open_tokens(path, sha, tokenizer.identity, tokenizer.vocab)
+        if arr is None:
+            raise HslmError(f"the token cache {path} cannot be read back (a folder whose "
+                            "files cannot be memory-mapped?); give another --cache-dir")
+    if check is not None:
+        check(arr.shape[0], tokenizer)
     return tokenizer, arr
 
 
@@ -423,7 +488,6 @@ class Corpus:
         src = text if isinstance(text, TextSource) else TextSource(text=text, label=source)
         if src.size == 0:
             raise HslmError(f"the corpus is empty ({source})")
-        _check_size(src)  # (before the text is read to be hashed: hours at 1 TB)
         self.source = source
 
         def check(n, tok):  # (before the tokens are cached, and again for cached ones)

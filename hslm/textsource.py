@@ -230,15 +230,26 @@ class TextSource:
             self.nul_file.check()
 
     def read_ids(self, dtype, offset_by: int, progress=None, expect_sha256=None) -> np.ndarray:
-        """The joined bytes as ids (byte + offset_by) in a fresh array of dtype,
-        checking that every file is UTF-8 text (else an error naming the file and the
-        offset of the first bad byte) and not an eighth or more NUL bytes (FileNuls),
-        and, given expect_sha256 (the text's hash taken before, or remembered), that
-        these are the bytes it was taken of: a file rewritten in between at the same
-        size would otherwise be trained on under the other text's name. (A text whose
-        tokens a cache holds is not read here: check_nul_files.)"""
-        out = np.empty(self.size, dtype)
-        pos = end = 0
+        """The joined bytes as ids (byte + offset_by) in a fresh array of dtype, with
+        read_pieces' checks."""
+        whole = list(self.read_pieces(dtype, offset_by, max(self.size, 1), progress,
+                                      expect_sha256))
+        return whole[0] if whole else np.empty(0, dtype)
+
+    def read_pieces(self, dtype, offset_by: int, piece: int, progress=None,
+                    expect_sha256=None):
+        """The joined bytes as ids (byte + offset_by) of dtype, `piece` bytes at a time
+        (the last piece shorter): each yielded in the same array, which the next piece
+        overwrites. Checks that every file is UTF-8 text (else an error naming the file
+        and the offset of the first bad byte) and not an eighth or more NUL bytes
+        (FileNuls), and, given expect_sha256 (the text's hash taken before, or
+        remembered), that these are the bytes it was taken of: a file rewritten in
+        between at the same size would otherwise be trained on under the other text's
+        name. The last checks come once the last piece has been taken: only a caller that
+        exhausts the generator has had them. (A text whose tokens a cache holds is not
+        read here: check_nul_files.)"""
+        out = np.empty(min(piece, self.size), dtype)
+        pos = end = filled = 0
         cur, carry, nuls = None, [b""], None
         h = hashlib.sha256() if expect_sha256 is not None else None
         for b, f, off in self.chunks(progress):
@@ -255,15 +266,20 @@ class TextSource:
                 self._check(carry, b, f, off, False)
                 nuls.add(b, off)
                 end = off + len(b)
-            np.add(np.frombuffer(b, np.uint8), offset_by, out=out[pos:pos + len(b)],
-                   casting="unsafe")
-            pos += len(b)
+            raw = np.frombuffer(b, np.uint8)
+            while raw.shape[0]:
+                take = min(raw.shape[0], out.shape[0] - filled)
+                np.add(raw[:take], offset_by, out=out[filled:filled + take], casting="unsafe")
+                raw, filled, pos = raw[take:], filled + take, pos + take
+                if filled == out.shape[0]:
+                    yield out
+                    filled = 0
+                    out = out[:min(out.shape[0], self.size - pos)] if pos < self.size else out
         if cur is not None:
             self._check(carry, b"", cur, end, True)
             nuls.check()
         if pos != self.size or (h is not None and h.hexdigest() != expect_sha256):
             raise DataChanged(f"the data changed while it was read ({self.label})")
-        return out
 
 
 def _mb(n):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -110,46 +111,125 @@ def _read_only(words: np.ndarray) -> np.ndarray:
 CHECKSUM_CHUNK = 1 << 20  # bytes (a multiple of 64) folded a call, then seen by `each`
 
 
+class Checksum:
+    """The token file's checksum, fed in parts (update) as the bytes come: eight 64-bit
+    lanes over the 64-byte blocks of all the bytes given, the tail zero-padded to a
+    block, folded in pairs with the length (digest). How the bytes are split into parts
+    changes nothing."""
+
+    def __init__(self):
+        self.acc = np.array([int(_P1) * (i + 1) & ((1 << 64) - 1) for i in range(_LANES)],
+                            np.uint64)
+        self.n = 0
+        self.carry = np.zeros(0, np.uint8)  # the bytes given past the last whole block
+
+    def update(self, arr: np.ndarray, each=None):
+        """Fold in a contiguous array's bytes. each(part), if given, sees its elements a
+        chunk at a time as they are folded, while they are in cache (open_tokens' bound on
+        the ids: one pass over a file of gigabytes, not two)."""
+        flat = arr.reshape(-1)
+        step = max(CHECKSUM_CHUNK // flat.itemsize, 1)
+        for e0 in range(0, flat.shape[0], step):
+            part = flat[e0:e0 + step]
+            self._fold(part.view(np.uint8))
+            if each is not None:
+                each(part)
+
+    def _fold(self, raw: np.ndarray):
+        self.n += raw.shape[0]
+        if self.carry.shape[0]:  # complete the block the last bytes began
+            lead = min(64 - self.carry.shape[0], raw.shape[0])
+            self.carry, raw = np.concatenate([self.carry, raw[:lead]]), raw[lead:]
+            if self.carry.shape[0] < 64:
+                return
+            _lanes(_read_only(self.carry.view(np.uint64)), self.acc)
+        body = raw.shape[0] // 64 * 64
+        if body:
+            blocks = raw[:body]
+            if blocks.ctypes.data % 8:  # (after a carry: uint64 loads want 8-byte alignment)
+                blocks = blocks.copy()
+            _lanes(_read_only(blocks.view(np.uint64)), self.acc)
+        self.carry = raw[body:].copy()
+
+    def digest(self) -> bytes:
+        tail = np.zeros(64, np.uint8)
+        tail[:self.carry.shape[0]] = self.carry
+        acc = self.acc.copy()
+        _lanes(_read_only(tail.view(np.uint64)), acc)
+        out = b""
+        for i in range(0, _LANES, 2):
+            out += _mix(int(acc[i]) ^ ((int(acc[i + 1]) * int(_P3) + self.n)
+                                       & ((1 << 64) - 1))).to_bytes(8, "little")
+        return out
+
+
 def checksum(arr: np.ndarray, each=None) -> bytes:
-    """32 bytes from the bytes of a contiguous array: eight 64-bit lanes over its
-    64-byte blocks (the tail zero-padded to a block), folded in pairs with the length.
-    each(part), if given, sees the array's elements a chunk at a time as they are folded,
-    while they are in cache (open_tokens' bound on the ids: one pass over a file of
-    gigabytes, not two)."""
-    flat = arr.reshape(-1)
-    raw = flat.view(np.uint8)
-    n, item = raw.shape[0], flat.itemsize
-    acc = np.array([int(_P1) * (i + 1) & ((1 << 64) - 1) for i in range(_LANES)], np.uint64)
-    body = n // 64 * 64
-    for b0 in range(0, body, CHECKSUM_CHUNK):  # (whole blocks a call: the same lanes)
-        b1 = min(body, b0 + CHECKSUM_CHUNK)
-        _lanes(_read_only(raw[b0:b1].view(np.uint64)), acc)
-        if each is not None:
-            each(flat[b0 // item:b1 // item])
-    tail = np.zeros(64, np.uint8)
-    tail[:n - body] = raw[body:]
-    _lanes(_read_only(tail.view(np.uint64)), acc)
-    if each is not None and n > body:
-        each(flat[body // item:])
-    out = b""
-    for i in range(0, _LANES, 2):
-        out += _mix(int(acc[i]) ^ ((int(acc[i + 1]) * int(_P3) + n) & ((1 << 64) - 1))
-                    ).to_bytes(8, "little")
-    return out
+    """32 bytes from the bytes of a contiguous array (Checksum); each: as Checksum.update's."""
+    c = Checksum()
+    c.update(arr, each)
+    return c.digest()
 
 
-def _write(path: Path, parts):
-    write_atomic(path, parts, what="the token cache", make_parent=True)
+def _write(path: Path, parts, finish=None):
+    write_atomic(path, parts, what="the token cache", make_parent=True, finish=finish)
 
 
 def write_tokens(path: Path, tokens: np.ndarray, text_sha256: str, identity: str):
-    dt = np.dtype(tokens.dtype).newbyteorder("<")
-    tokens = np.ascontiguousarray(tokens, dtype=dt)
-    header = (MAGIC + int(dt.itemsize).to_bytes(8, "little")
-              + int(tokens.shape[0]).to_bytes(8, "little") + bytes.fromhex(text_sha256)
-              + bytes.fromhex(identity) + checksum(tokens))
-    header += b"\0" * (HEADER - len(header))
-    _write(path, [header, memoryview(tokens).cast("B")])
+    write_token_parts(path, [tokens], tokens.dtype.itemsize, text_sha256, identity)
+
+
+def write_token_parts(path: Path, parts, item: int, text_sha256: str, identity: str):
+    """A token file of the ids of `parts` (an iterable of id arrays, item bytes an id),
+    one after another, written atomically as they come (the header last, over its place:
+    the ids are counted and checksummed as they pass): a text too large to hold as ids
+    is written a piece at a time. A failure, or an error raised by `parts`, leaves no
+    file."""
+    body, finish, _ = _token_file(parts, item, text_sha256, identity)
+    _write(path, body, finish)
+
+
+def spool_tokens(parts, item: int, text_sha256: str, identity: str, folder=None):
+    """The ids of `parts` (as write_token_parts') in an unnamed temporary file in
+    `folder` (default: the system's temporary folder), memory-mapped: the tokens of a
+    text too large to hold in memory where no token cache is written (an MPI rank other
+    than rank 0; a run with no cache folder). The file goes when the array does."""
+    body, finish, count = _token_file(parts, item, text_sha256, identity)
+    try:
+        with tempfile.TemporaryFile(dir=folder) as f:
+            for part in body:
+                f.write(part)
+            finish(f)
+            f.flush()
+            dtype = "<u2" if item == 2 else "<u4"
+            return (np.memmap(f, dtype=dtype, mode="r", offset=HEADER, shape=(count[0],))
+                    if count[0] else np.zeros(0, dtype))
+    except OSError as e:
+        raise HslmError(f"cannot write the text's tokens to a temporary file in "
+                        f"{folder or tempfile.gettempdir()}: {e.strerror or e}") from None
+
+
+def _token_file(parts, item: int, text_sha256: str, identity: str):
+    """(the file's parts, finish(f), [ids counted]) for write_atomic: a header's room,
+    then each array's ids as little-endian bytes; finish writes the header over its room
+    once the ids have been counted and checksummed."""
+    dtype = np.dtype("<u2" if item == 2 else "<u4")
+    check, count = Checksum(), [0]
+
+    def body():
+        yield bytes(HEADER)
+        for ids in parts:
+            ids = np.ascontiguousarray(ids, dtype=dtype)
+            check.update(ids)
+            count[0] += ids.shape[0]
+            yield memoryview(ids.reshape(-1).view(np.uint8))
+
+    def finish(f):
+        header = (MAGIC + int(item).to_bytes(8, "little") + int(count[0]).to_bytes(8, "little")
+                  + bytes.fromhex(text_sha256) + bytes.fromhex(identity) + check.digest())
+        f.seek(0)
+        f.write(header + b"\0" * (HEADER - len(header)))
+
+    return body(), finish, count
 
 
 def read_header(path: Path):

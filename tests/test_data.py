@@ -1,5 +1,7 @@
 """Tokenizer, corpus and split."""
+import hashlib
 import time
+from pathlib import Path
 import numpy as np
 
 from hslm.rng import Stream
@@ -7,6 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from hslm.data import FIRST_MERGE, Corpus, Tokenizer, builtin_text
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -252,23 +256,108 @@ def test_a_tokenizer_is_read_without_making_its_pieces():
     assert len(tok.piece(FIRST_MERGE + 20)) == 1 << 21
 
 
-def test_a_text_past_4_gib_is_refused_before_it_is_read(tmp_path, monkeypatch):
-    """The whole text was hashed before its size was judged: a 1 TB sparse file read for
-    hours before the refusal."""
+def _in_pieces(monkeypatch, large=5000, piece=3000):
+    """A text of `large` bytes or more is tokenized in pieces of `piece` bytes (4 GiB and
+    1 GiB in hslm: small here, so the path runs in a test)."""
+    from hslm import data
+    monkeypatch.setattr(data, "LARGE_TEXT", large)
+    monkeypatch.setattr(data, "PIECE_BYTES", piece)
+
+
+def _piecewise_tokens(text: bytes, piece: int, vocab: int):
+    """What the definition says (docs/model.md, Data): the merges learned from the first
+    piece, each piece encoded by itself, the tokens joined. Written with bpe.run on
+    slices, apart from the reading and writing of hslm.data."""
+    from hslm import bpe
+    parts = [np.frombuffer(text[o:o + piece], np.uint8).astype(np.uint16) + 4
+             for o in range(0, len(text), piece)]
+    merges, n = bpe.run(parts[0], vocab)
+    out = [parts[0][:n]]
+    for ids in parts[1:]:
+        out.append(ids[:bpe.run(ids, vocab, merges)[1]])
+    return merges, np.concatenate(out)
+
+
+LARGE_TEXT_BYTES = (ROOT / "README.md").read_bytes()[:20000]
+
+
+def test_a_text_past_4_gib_is_tokenized_in_pieces_learned_from_the_first(tmp_path, monkeypatch):
+    """A text of 4 GiB or more had been refused: it is cut into 1 GiB pieces, the merges
+    learned from the first, each encoded by itself and written to the token file as it is
+    made; the file is memory-mapped and a later run reads it. Two files joined, so a
+    piece begins inside the second."""
+    from hslm import bpe, data
+    from hslm.textsource import TextSource
+    _in_pieces(monkeypatch)
+    (tmp_path / "a.txt").write_bytes(LARGE_TEXT_BYTES[:9000])
+    (tmp_path / "b.txt").write_bytes(LARGE_TEXT_BYTES[9000:])
+    files = [tmp_path / "a.txt", tmp_path / "b.txt"]
+    merges, want = _piecewise_tokens(LARGE_TEXT_BYTES[:9000] + b"\n\n" + LARGE_TEXT_BYTES[9000:],
+                                     3000, 300)
+    cache = tmp_path / "cache"
+    c = Corpus(TextSource(files), 300, 9, "t", cache_dir=cache)
+    assert np.array_equal(c.tokenizer.merges, merges)
+    assert isinstance(c.tokens, np.memmap) and np.array_equal(c.tokens, want)
+    assert sorted(f.name[:4] for f in cache.iterdir() if f.suffix != ".json" or
+                  f.name.startswith("bpe-")) == ["bpe-", "toke"]
+    # the next run maps the cache: nothing learned or encoded
+    monkeypatch.setattr(bpe, "run", lambda *a, **k: pytest.fail("tokenized again"))
+    again = Corpus(TextSource(files), 300, 9, "t", cache_dir=cache)
+    assert np.array_equal(again.tokens, want) and again.text_sha256 == c.text_sha256
+    # control: one piece (the text under the bound) is learned and encoded whole
+    monkeypatch.undo()
+    _in_pieces(monkeypatch, large=len(LARGE_TEXT_BYTES) + 3)
+    whole = Corpus(TextSource(files), 300, 9, "t", cache_dir=tmp_path / "whole")
+    assert whole.tokenizer.identity != c.tokenizer.identity
+    assert not np.array_equal(whole.tokens[:len(want)], want)
+    # without a cache folder, and on an MPI rank that writes none: an unnamed temporary file
+    _in_pieces(monkeypatch)
+    for writer in (True, False):
+        monkeypatch.setattr(data.distributed, "is_writer", lambda w=writer: w)
+        out = tmp_path / f"other{writer}"
+        got = Corpus(TextSource(files), 300, 9, "t", cache_dir=None if writer else out)
+        assert isinstance(got.tokens, np.memmap) and np.array_equal(got.tokens, want)
+        assert not out.exists() or not list(out.glob("*.tok"))
+
+
+def test_a_large_texts_pieces_are_checked_as_one_text_and_a_failure_leaves_no_file(
+        tmp_path, monkeypatch):
+    """A character split by a piece's end is one character (the UTF-8 check runs over
+    the pieces' bytes as one stream); a bad byte in a later piece is refused with its
+    offset, and a text that is not the one hashed (changed while read) is refused once
+    its last piece is read: no token file, no temporary file left. And a file of NUL
+    bytes the hashing pass saw is refused before any piece is read."""
     from hslm import data
     from hslm.errors import HslmError
-    from hslm.textsource import TextSource
-    big = tmp_path / "big.txt"
-    monkeypatch.setattr(data, "hash_text", lambda *a, **k: pytest.fail("the text was read"))
-    for size in (1 << 32, (1 << 32) - 1):  # (the message had said "at most 4 GiB" of the 2nd)
-        with open(big, "wb") as f:
-            f.truncate(size)  # (sparse: no disk used)
-        with pytest.raises(HslmError, match=f"is {size:,} bytes; at most 4,294,967,294 "):
-            Corpus(TextSource(paths=[big]), 729, 27, "big")
-    small = tmp_path / "small.txt"
-    small.write_text("hello")
-    with pytest.raises(pytest.fail.Exception, match="the text was read"):  # (the control)
-        Corpus(TextSource(paths=[small]), 729, 27, "small")
+    from hslm.textsource import DataChanged, TextSource
+    _in_pieces(monkeypatch)
+    text = LARGE_TEXT_BYTES[:2999] + "é".encode() + LARGE_TEXT_BYTES[:5000]  # é at 2999-3000
+    f = tmp_path / "t.txt"
+    f.write_bytes(text)
+    cache = tmp_path / "cache"
+    got = Corpus(TextSource([f]), 300, 9, "t", cache_dir=cache)
+    assert np.array_equal(got.tokens, _piecewise_tokens(text, 3000, 300)[1])
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(text[:7000] + b"\xff" + text[7000:])
+    with pytest.raises(HslmError, match=f"data file {bad} is not UTF-8 text \\(byte 0xff at "
+                                        "offset 7000\\)"):
+        Corpus(TextSource([bad]), 300, 9, "t", cache_dir=tmp_path / "c2")
+    assert not (tmp_path / "c2").exists() or list((tmp_path / "c2").iterdir()) == []
+    sha = hashlib.sha256(text).hexdigest()
+    src = TextSource([f])
+    with pytest.raises(DataChanged):
+        data.corpus_tokens(src, hashlib.sha256(b"other").hexdigest(), 300,
+                           cache_dir=tmp_path / "c3")
+    assert not (tmp_path / "c3").exists() or list((tmp_path / "c3").iterdir()) == []
+    tokenizer, arr = data.corpus_tokens(src, sha, 300, cache_dir=tmp_path / "c3")  # control
+    assert np.array_equal(arr, got.tokens)
+    nul = tmp_path / "nul.txt"
+    nul.write_bytes(b"\0" * 6000)
+    src = TextSource([nul])
+    sha = src.scan()
+    monkeypatch.setattr(TextSource, "read_pieces", lambda *a, **k: pytest.fail("read"))
+    with pytest.raises(HslmError, match="is 100.0% NUL bytes"):
+        data.corpus_tokens(src, sha, 300, cache_dir=tmp_path / "c4")
 
 
 def test_a_data_folder_refuses_what_is_not_a_regular_file_and_orders_names_by_nfc(tmp_path):

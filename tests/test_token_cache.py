@@ -311,6 +311,43 @@ def test_the_checksum_sees_every_byte_and_the_length():
     assert len(seen) == 12 and all(len(c) == 32 for c in seen)
 
 
+def test_the_checksum_fed_in_parts_is_the_checksum_of_the_whole():
+    """A large text's token file is checksummed as its pieces' tokens come (Checksum):
+    parts of any length, 64-byte blocks split across them, give the whole's checksum,
+    and `each` sees every element once, in order. The control: a part left out."""
+    rng = np.random.default_rng(5)
+    base = rng.integers(0, 65535, 50_000, dtype=np.uint16)
+    want = token_cache.checksum(base)
+    for cuts in ([0, 50_000], [0, 1, 32, 33, 50_000], [0, 31, 31, 12_345, 49_999, 50_000],
+                 [0] + sorted(rng.integers(0, 50_000, 9).tolist()) + [50_000]):
+        c, seen = token_cache.Checksum(), []
+        for a, b in zip(cuts, cuts[1:]):
+            c.update(base[a:b], seen.append)
+        assert c.digest() == want, cuts
+        assert np.array_equal(np.concatenate(seen), base)
+    c = token_cache.Checksum()
+    c.update(base[:100])
+    c.update(base[101:])
+    assert c.digest() != want
+
+
+def test_a_large_text_whose_cache_cannot_be_written_is_one_line_saying_why(tmp_path,
+                                                                          monkeypatch):
+    """A small text goes on without its token cache (a warning); a text of 4 GiB or more
+    is trained from its token file, so a cache that cannot be written is an error that
+    says so, and leaves nothing."""
+    from hslm import data
+    monkeypatch.setattr(data, "LARGE_TEXT", 5000)
+    monkeypatch.setattr(data, "PIECE_BYTES", 3000)
+    (tmp_path / "t.txt").write_text(varied_text())
+    with pytest.raises(HslmError, match="cannot write the token cache .*: a text of .* bytes "
+                                        r"\(4 GiB or more\) is trained from its token cache; "
+                                        "give a --cache-dir with room for it"):
+        Corpus.load(tmp_path / "t.txt", 300, 9, cache_dir=Path("/proc/hslm-not-writable"))
+    c = Corpus.load(tmp_path / "t.txt", 300, 9, cache_dir=tmp_path / "c")  # the control
+    assert isinstance(c.tokens, np.memmap)
+
+
 def test_the_text_sha256_is_remembered_by_stat_and_rehashed_when_it_changes(tmp_path,
                                                                              monkeypatch):
     from hslm import data
