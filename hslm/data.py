@@ -9,6 +9,8 @@ training text gives exactly the sequence the training produced.
 """
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import gzip
 import hashlib
 import heapq
@@ -379,16 +381,65 @@ def _tokenize(ids, vocab: int, tokenizer, what: str, show: bool):
     return (Tokenizer(vocab, merges) if learn else tokenizer), n
 
 
+def _encoded_pieces(pieces, vocab: int, tokenizer, k: int, show: bool):
+    """The tokens of each of `pieces` (the second to the k-th of a large text), encoded by
+    the tokenizer and yielded in order. The pieces are independent, so as many are
+    encoded at once, each in a thread of its own (the kernel runs without the GIL), as
+    the cores and the memory allow (one on each MPI rank, whose ranks share the cores);
+    the next piece is read while they run. Ctrl-C stops every one within a fraction of
+    a second."""
+    from .precompile import available_cores
+    from .validate import available_memory
+    per_piece = bpe.memory_needed(vocab, PIECE_BYTES, learn=False)
+    workers = 1 if distributed.current() is not None else max(1, min(
+        available_cores(), k - 1, available_memory() // per_piece))
+    total = (k - 1) * len(tokenizer.merges)
+    ph = Phase(f"encoding pieces 2 to {k}" + (f", {workers} at a time" if workers > 1 else ""),
+               total, "merges", show=show)
+    ctls, running = [], collections.deque()
+
+    def encode(ids, ctl):
+        return ids[:bpe.run(ids, vocab, tokenizer.merges, ctl=ctl)[1]]
+
+    def oldest():  # (waited on in short turns, so that Ctrl-C reaches this thread)
+        while True:
+            try:
+                tokens = running[0].result(timeout=0.1)
+            except concurrent.futures.TimeoutError:
+                ph.update(sum(int(c[1]) for c in ctls))
+                continue
+            running.popleft()
+            return tokens
+
+    pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="hslm-bpe")
+    try:
+        for ids in pieces:
+            if len(running) == workers:
+                yield oldest()
+            ctls.append(np.zeros(4, np.int64))
+            running.append(pool.submit(encode, ids, ctls[-1]))
+            del ids
+        while running:
+            yield oldest()
+    except BaseException:
+        for ctl in ctls:  # every kernel stops at its next check
+            ctl[0] = 1
+        raise
+    finally:
+        pool.shutdown(wait=True)
+    ph.close(done=total)
+
+
 def _large_corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer, cache_dir, check,
                          show: bool):
     """corpus_tokens for a text of LARGE_TEXT bytes or more, whose ids are more than the
     tokenizer's 32-bit positions reach (and than memory holds, at some size): it is cut
     into pieces of PIECE_BYTES (the last shorter), the merges are learned from the first
-    piece alone, and each piece is encoded by itself (no token spans two pieces), read,
-    encoded and written to the token file one after another, which is then
-    memory-mapped. Without a token cache (no cache folder; an MPI rank other than 0)
-    the tokens go to an unnamed temporary file instead; a cache that cannot be written
-    is an error here, as the tokens have nowhere else to go."""
+    piece alone, and each piece is encoded by itself (no token spans two pieces; several
+    at once: _encoded_pieces), their tokens written to the token file in order as they
+    come, which is then memory-mapped. Without a token cache (no cache folder; an MPI
+    rank other than 0) the tokens go to an unnamed temporary file instead; a cache that
+    cannot be written is an error here, as the tokens have nowhere else to go."""
     # (a file of NUL bytes the hashing pass saw is refused now, not after hours of pieces;
     # a small text judges it after its UTF-8, so that UTF-16 reads "not UTF-8 text")
     src.check_nul_files()
@@ -396,40 +447,42 @@ def _large_corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer, cache
     item = np.dtype(bpe.ids_dtype(vocab)).itemsize
     pieces = src.read_pieces(bpe.ids_dtype(vocab), BYTE0, PIECE_BYTES, expect_sha256=sha)
     learn = tokenizer is None
-    first = next(pieces)
-    tokenizer, n = _tokenize(first, vocab, tokenizer, f"piece 1 of {k}: " + (
+    first = [next(pieces)]
+    tokenizer, n = _tokenize(first[0], vocab, tokenizer, f"piece 1 of {k}: " + (
         "learning the tokenizer" if learn else "encoding"), show)
-
     text_failed = []  # (an error of the text's own, raised through the writer as it is)
 
-    def tokens():  # (each piece read into the array the last one was written from)
+    def tokens():
         try:
-            yield first[:n]
-            for i, ids in enumerate(pieces, 2):
-                yield ids[:_tokenize(ids, vocab, tokenizer, f"piece {i} of {k}: encoding",
-                                     show)[1]]
-        except BaseException:
+            yield first.pop()[:n]
+            yield from _encoded_pieces(pieces, vocab, tokenizer, k, show)
+        except Exception:
             text_failed.append(True)
             raise
 
-    if cache_dir is None or not distributed.is_writer():
-        arr = token_cache.spool_tokens(tokens(), item, sha, tokenizer.identity)
-    else:
-        path = token_cache.tokens_path(cache_dir, sha, tokenizer.identity)
-        try:
-            token_cache.write_token_parts(path, tokens(), item, sha, tokenizer.identity)
-            if learn:
-                token_cache.write_tokenizer(token_cache.tokenizer_path(cache_dir, sha, vocab),
-                                            sha, tokenizer.to_json(), tokenizer.identity)
-        except HslmError as e:
-            if text_failed:
-                raise
-            raise HslmError(f"{e}: a text of {src.size:,} bytes (4 GiB or more) is trained "
-                            "from its token cache; give a --cache-dir with room for it") from None
-        arr = token_cache.open_tokens(path, sha, tokenizer.identity, tokenizer.vocab)
-        if arr is None:
-            raise HslmError(f"the token cache {path} cannot be read back (a folder whose "
-                            "files cannot be memory-mapped?); give another --cache-dir")
+    parts = tokens()
+    try:
+        if cache_dir is None or not distributed.is_writer():
+            arr = token_cache.spool_tokens(parts, item, sha, tokenizer.identity)
+        else:
+            path = token_cache.tokens_path(cache_dir, sha, tokenizer.identity)
+            try:
+                token_cache.write_token_parts(path, parts, item, sha, tokenizer.identity)
+                if learn:
+                    token_cache.write_tokenizer(token_cache.tokenizer_path(cache_dir, sha, vocab),
+                                                sha, tokenizer.to_json(), tokenizer.identity)
+            except HslmError as e:
+                if text_failed:
+                    raise
+                raise HslmError(f"{e}: a text of {src.size:,} bytes (4 GiB or more) is trained "
+                                "from its token cache; give a --cache-dir with room for it"
+                                ) from None
+            arr = token_cache.open_tokens(path, sha, tokenizer.identity, tokenizer.vocab)
+            if arr is None:
+                raise HslmError(f"the token cache {path} cannot be read back (a folder whose "
+                                "files cannot be memory-mapped?); give another --cache-dir")
+    finally:  # (a write that failed leaves it unfinished: its pieces' threads stop, joined)
+        parts.close()
     if check is not None:
         check(arr.shape[0], tokenizer)
     return tokenizer, arr

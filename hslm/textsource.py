@@ -239,8 +239,7 @@ class TextSource:
     def read_pieces(self, dtype, offset_by: int, piece: int, progress=None,
                     expect_sha256=None):
         """The joined bytes as ids (byte + offset_by) of dtype, `piece` bytes at a time
-        (the last piece shorter): each yielded in the same array, which the next piece
-        overwrites. Checks that every file is UTF-8 text (else an error naming the file
+        (the last piece shorter), each in a fresh array. Checks that every file is UTF-8 text (else an error naming the file
         and the offset of the first bad byte) and not an eighth or more NUL bytes
         (FileNuls), and, given expect_sha256 (the text's hash taken before, or
         remembered), that these are the bytes it was taken of: a file rewritten in
@@ -274,7 +273,8 @@ class TextSource:
                 if filled == out.shape[0]:
                     yield out
                     filled = 0
-                    out = out[:min(out.shape[0], self.size - pos)] if pos < self.size else out
+                    out = np.empty(min(piece, self.size - pos), dtype) if pos < self.size \
+                        else out
         if cur is not None:
             self._check(carry, b"", cur, end, True)
             nuls.check()

@@ -348,6 +348,36 @@ def test_a_large_text_whose_cache_cannot_be_written_is_one_line_saying_why(tmp_p
     assert isinstance(c.tokens, np.memmap)
 
 
+def test_a_large_text_whose_cache_fills_the_disk_stops_its_encoding_threads(tmp_path,
+                                                                          monkeypatch):
+    """The pieces after the first are encoded several at once (here 3 threads); a write
+    that fails part-way (a full disk) stops them and ends their threads before the error
+    reaches the user, and the tokens come in order when it does not (the control)."""
+    import threading
+
+    from hslm import data, precompile
+    monkeypatch.setattr(data, "LARGE_TEXT", 5000)
+    monkeypatch.setattr(data, "PIECE_BYTES", 3000)
+    monkeypatch.setattr(precompile, "available_cores", lambda: 3)
+    (tmp_path / "t.txt").write_text(varied_text())
+    whole = Corpus.load(tmp_path / "t.txt", 300, 9, cache_dir=tmp_path / "c")
+    real = token_cache._write
+
+    def full_disk(path, parts, finish=None):
+        for i, _ in enumerate(parts):
+            if i == 3:
+                raise HslmError(f"cannot write the token cache {path}: No space left on device")
+    monkeypatch.setattr(token_cache, "_write", full_disk)
+    with pytest.raises(HslmError, match="No space left on device: a text of") as raised:
+        Corpus.load(tmp_path / "t.txt", 300, 9, cache_dir=tmp_path / "d")
+    # (while the error is held, as the CLI holds it to print it: the threads were stopped
+    # by the write's failure, not by the error's frames being freed)
+    assert not [t for t in threading.enumerate() if t.name.startswith("hslm-bpe")], raised
+    monkeypatch.setattr(token_cache, "_write", real)
+    again = Corpus.load(tmp_path / "t.txt", 300, 9, cache_dir=tmp_path / "e")
+    assert np.array_equal(again.tokens, whole.tokens) and len(whole.tokens) > 0
+
+
 def test_the_text_sha256_is_remembered_by_stat_and_rehashed_when_it_changes(tmp_path,
                                                                              monkeypatch):
     from hslm import data
