@@ -390,9 +390,10 @@ def _encoded_pieces(pieces, vocab: int, tokenizer, k: int, show: bool):
     a second."""
     from .precompile import available_cores
     from .validate import available_memory
-    per_piece = bpe.memory_needed(vocab, PIECE_BYTES, learn=False)
+    per_piece = bpe.memory_needed(vocab, PIECE_BYTES, learn=False)  # (its ids included)
+    ahead = PIECE_BYTES * np.dtype(bpe.ids_dtype(vocab)).itemsize  # the piece read meanwhile
     workers = 1 if distributed.current() is not None else max(1, min(
-        available_cores(), k - 1, available_memory() // per_piece))
+        available_cores(), k - 1, (available_memory() - ahead) // per_piece))
     total = (k - 1) * len(tokenizer.merges)
     ph = Phase(f"encoding pieces 2 to {k}" + (f", {workers} at a time" if workers > 1 else ""),
                total, "merges", show=show)
