@@ -507,8 +507,10 @@ def hash_text(src: TextSource, cache_dir=None, rehash=False):
         if sha is not None:
             return sha, True, None
     started = time.time_ns()
-    ph = Phase("hashing the text", src.size, show=src.size >= SHOW_FROM)
-    sha = src.scan(ph)
+    large = src.size >= LARGE_TEXT  # (checked as UTF-8 now, not a piece at a time later)
+    ph = Phase("hashing and checking the text" if large else "hashing the text", src.size,
+               show=src.size >= SHOW_FROM)
+    sha = src.scan(ph, utf8=large)
     ph.close()
     settled = (key is not None and distributed.is_writer() and src.stat_key() == key
                and all(max(f[2], f[3]) < started - SETTLE_NS for f in key))

@@ -184,20 +184,30 @@ class TextSource:
                     if progress:
                         progress.update(done)
 
-    def scan(self, progress=None) -> str:
+    def scan(self, progress=None, utf8=False) -> str:
         """sha256 of the joined bytes (checking that the files did not change size), noting
-        the first file an eighth or more NUL bytes, for check_nul_files."""
+        the first file an eighth or more NUL bytes, for check_nul_files; with utf8, also
+        refusing a file that is not UTF-8 text, as read_pieces does (a text of gigabytes
+        read in pieces would otherwise be refused only when its bad byte's piece came,
+        after the pieces before it had been learned from and encoded)."""
         h = hashlib.sha256()
-        total = 0
-        nuls = None  # (the file's whose chunks pass)
+        total = end = 0
+        nuls, carry = None, [b""]  # (the file's whose chunks pass)
         for b, f, off in self.chunks(progress):
             h.update(b)
             total += len(b)
             if f is not None:
                 if nuls is None or nuls.file is not f:
+                    if utf8 and nuls is not None:
+                        self._check(carry, b"", nuls.file, end, True)
                     self._note(nuls)
-                    nuls = FileNuls(f)
+                    nuls, carry = FileNuls(f), [b""]
+                if utf8:
+                    self._check(carry, b, f, off, False)
                 nuls.add(b, off)
+                end = off + len(b)
+        if utf8 and nuls is not None:
+            self._check(carry, b"", nuls.file, end, True)
         self._note(nuls)
         if total != self.size:
             raise HslmError(f"the data changed while it was read ({self.label})")

@@ -324,7 +324,7 @@ def test_a_large_texts_pieces_are_checked_as_one_text_and_a_failure_leaves_no_fi
         tmp_path, monkeypatch):
     """A character split by a piece's end is one character (the UTF-8 check runs over
     the pieces' bytes as one stream); a bad byte in a later piece is refused with its
-    offset, and a text that is not the one hashed (changed while read) is refused once
+    offset, by the hashing pass (before any piece is learned from) and by the reading, and a text that is not the one hashed (changed while read) is refused once
     its last piece is read: no token file, no temporary file left. And a file of NUL
     bytes the hashing pass saw is refused before any piece is read."""
     from hslm import data
@@ -339,9 +339,14 @@ def test_a_large_texts_pieces_are_checked_as_one_text_and_a_failure_leaves_no_fi
     assert np.array_equal(got.tokens, _piecewise_tokens(text, 3000, 300)[1])
     bad = tmp_path / "bad.txt"
     bad.write_bytes(text[:7000] + b"\xff" + text[7000:])
-    with pytest.raises(HslmError, match=f"data file {bad} is not UTF-8 text \\(byte 0xff at "
-                                        "offset 7000\\)"):
-        Corpus(TextSource([bad]), 300, 9, "t", cache_dir=tmp_path / "c2")
+    message = f"data file {bad} is not UTF-8 text \\(byte 0xff at offset 7000\\)"
+    with monkeypatch.context() as m:  # refused by the hashing pass, before any piece
+        m.setattr(TextSource, "read_pieces", lambda *a, **k: pytest.fail("read in pieces"))
+        with pytest.raises(HslmError, match=message):
+            Corpus(TextSource([bad]), 300, 9, "t", cache_dir=tmp_path / "c2")
+    with pytest.raises(HslmError, match=message):  # and by read_pieces where it is reached
+        data.corpus_tokens(TextSource([bad]), hashlib.sha256(bad.read_bytes()).hexdigest(),
+                           300, cache_dir=tmp_path / "c2")
     assert not (tmp_path / "c2").exists() or list((tmp_path / "c2").iterdir()) == []
     sha = hashlib.sha256(text).hexdigest()
     src = TextSource([f])
