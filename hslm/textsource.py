@@ -249,13 +249,13 @@ class TextSource:
     def read_pieces(self, dtype, offset_by: int, piece: int, progress=None,
                     expect_sha256=None):
         """The joined bytes as ids (byte + offset_by) of dtype, `piece` bytes at a time
-        (the last piece shorter), each in a fresh array. Checks that every file is UTF-8 text (else an error naming the file
-        and the offset of the first bad byte) and not an eighth or more NUL bytes
-        (FileNuls), and, given expect_sha256 (the text's hash taken before, or
-        remembered), that these are the bytes it was taken of: a file rewritten in
-        between at the same size would otherwise be trained on under the other text's
-        name. The last checks come once the last piece has been taken: only a caller that
-        exhausts the generator has had them. (A text whose tokens a cache holds is not
+        (the last piece shorter), each in a fresh array. Checks that every file is UTF-8
+        text (else an error naming the file and the offset of the first bad byte) and not
+        an eighth or more NUL bytes (FileNuls), and, given expect_sha256 (the text's hash
+        taken before, or remembered), that these are the bytes it was taken of: a file
+        rewritten in between at the same size would otherwise be trained on under the
+        other text's name. The last checks come once the last piece has been taken: only
+        a caller that exhausts the generator has had them. (A text whose tokens a cache holds is not
         read here: check_nul_files.)"""
         out = np.empty(min(piece, self.size), dtype)
         pos = end = filled = 0

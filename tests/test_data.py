@@ -324,8 +324,9 @@ def test_a_large_texts_pieces_are_checked_as_one_text_and_a_failure_leaves_no_fi
         tmp_path, monkeypatch):
     """A character split by a piece's end is one character (the UTF-8 check runs over
     the pieces' bytes as one stream); a bad byte in a later piece is refused with its
-    offset, by the hashing pass (before any piece is learned from) and by the reading, and a text that is not the one hashed (changed while read) is refused once
-    its last piece is read: no token file, no temporary file left. And a file of NUL
+    offset, by the hashing pass (before any piece is learned from) and by the reading,
+    and a text that is not the one hashed (changed while read) is refused once its last
+    piece is read: no token file, no temporary file left. And a file of NUL
     bytes the hashing pass saw is refused before any piece is read."""
     from hslm import data
     from hslm.errors import HslmError
