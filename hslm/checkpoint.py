@@ -227,7 +227,7 @@ def new_file_in(dir_fd, name: str) -> int:
 
 def _write_atomic_in(dir_fd, files, what: str, finish=None):
     """write_atomic_files with every name taken in the open folder dir_fd (finish: as
-    write_atomic's, for each file)."""
+    write_atomic's, called for each file: write_atomic's one)."""
     tmps = [f".{path.name}.tmp{os.getpid()}" for path, _ in files]
     path = files[0][0]
     try:
@@ -237,6 +237,7 @@ def _write_atomic_in(dir_fd, files, what: str, finish=None):
             with open(fd, "wb") as f:
                 for part in parts:
                     f.write(part)
+                    del part  # (a part of gigabytes is not held while the next is made)
                 if finish is not None:
                     finish(f)
                 f.flush()

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from . import bpe, distributed, token_cache
+from .checkpoint import make_folders, probe_new_file
 from .errors import HslmError, warn
 from .validate import check_fits
 from .textsource import SHOW_FROM, DataChanged, Phase, TextSource, run_interruptible
@@ -385,9 +386,10 @@ def _encoded_pieces(pieces, vocab: int, tokenizer, k: int, show: bool):
     """The tokens of each of `pieces` (the second to the k-th of a large text), encoded by
     the tokenizer and yielded in order. The pieces are independent, so as many are
     encoded at once, each in a thread of its own (the kernel runs without the GIL), as
-    the cores and the memory allow (one on each MPI rank, whose ranks share the cores);
-    the next piece is read while they run. Ctrl-C stops every one within a fraction of
-    a second."""
+    the cores and the memory allow, with the next piece read while they run; one at a
+    time where the memory holds no more than one (read once the last is written), and on
+    each MPI rank (whose ranks share the cores and the memory). Ctrl-C stops every one
+    within a fraction of a second."""
     from .precompile import available_cores
     from .validate import available_memory
     per_piece = bpe.memory_needed(vocab, PIECE_BYTES, learn=False)  # (its ids included)
@@ -420,6 +422,8 @@ def _encoded_pieces(pieces, vocab: int, tokenizer, k: int, show: bool):
             ctls.append(np.zeros(4, np.int64))
             running.append(pool.submit(encode, ids, ctls[-1]))
             del ids
+            if workers == 1:  # (no piece read ahead: written before the next is read)
+                yield oldest()
         while running:
             yield oldest()
     except BaseException:
@@ -438,12 +442,40 @@ def _large_corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer, cache
     into pieces of PIECE_BYTES (the last shorter), the merges are learned from the first
     piece alone, and each piece is encoded by itself (no token spans two pieces; several
     at once: _encoded_pieces), their tokens written to the token file in order as they
-    come, which is then memory-mapped. Without a token cache (no cache folder; an MPI
-    rank other than 0) the tokens go to an unnamed temporary file instead; a cache that
-    cannot be written is an error here, as the tokens have nowhere else to go."""
+    come, which is then memory-mapped (and check(n, tokenizer) asked of them). Without a
+    token cache (no cache folder; an MPI rank other than 0) the tokens go to an unnamed
+    temporary file instead. A cache folder that cannot be written is an error here, as
+    the tokens have nowhere else to go: judged before the first piece is learned from,
+    and a folder made for the cache is removed again if the tokens fail."""
     # (a file of NUL bytes the hashing pass saw is refused now, not after hours of pieces;
     # a small text judges it after its UTF-8, so that UTF-16 reads "not UTF-8 text")
     src.check_nul_files()
+    writes = cache_dir is not None and distributed.is_writer()
+    why = (f"a text of {src.size:,} bytes, tokenized in pieces, is trained from its token "
+           "cache")
+    made = writes and not os.path.lexists(cache_dir)
+    try:
+        if writes:
+            try:
+                make_folders(cache_dir)
+                probe_new_file(cache_dir, f".hslm-write-test-{os.getpid()}")
+            except OSError as e:
+                raise HslmError(f"cannot write the token cache in {cache_dir}: "
+                                f"{e.strerror or e}; {why}: give a --cache-dir where it can "
+                                "be written") from None
+        return _tokens_in_pieces(src, sha, vocab, tokenizer, cache_dir if writes else None,
+                                 check, show, why)
+    except BaseException:
+        if made:
+            try:
+                os.rmdir(cache_dir)  # (only where it is still empty)
+            except OSError:
+                pass
+        raise
+
+
+def _tokens_in_pieces(src, sha, vocab, tokenizer, cache_dir, check, show, why):
+    """_large_corpus_tokens' work, into cache_dir's token file (None: a temporary file)."""
     k = -(-src.size // PIECE_BYTES)
     item = np.dtype(bpe.ids_dtype(vocab)).itemsize
     pieces = src.read_pieces(bpe.ids_dtype(vocab), BYTE0, PIECE_BYTES, expect_sha256=sha)
@@ -463,7 +495,7 @@ def _large_corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer, cache
 
     parts = tokens()
     try:
-        if cache_dir is None or not distributed.is_writer():
+        if cache_dir is None:
             arr = token_cache.spool_tokens(parts, item, sha, tokenizer.identity)
         else:
             path = token_cache.tokens_path(cache_dir, sha, tokenizer.identity)
@@ -475,9 +507,7 @@ def _large_corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer, cache
             except HslmError as e:
                 if text_failed:
                     raise
-                raise HslmError(f"{e}: a text of {src.size:,} bytes (4 GiB or more) is trained "
-                                "from its token cache; give a --cache-dir with room for it"
-                                ) from None
+                raise HslmError(f"{e}; {why}: give a --cache-dir with room for it") from None
             arr = token_cache.open_tokens(path, sha, tokenizer.identity, tokenizer.vocab)
             if arr is None:
                 raise HslmError(f"the token cache {path} cannot be read back (a folder whose "
@@ -510,7 +540,7 @@ def hash_text(src: TextSource, cache_dir=None, rehash=False):
     large = src.size >= LARGE_TEXT  # (checked as UTF-8 now, not a piece at a time later)
     ph = Phase("hashing and checking the text" if large else "hashing the text", src.size,
                show=src.size >= SHOW_FROM)
-    sha = src.scan(ph, utf8=large)
+    sha = src.scan(ph, utf8=True) if large else src.scan(ph)
     ph.close()
     settled = (key is not None and distributed.is_writer() and src.stat_key() == key
                and all(max(f[2], f[3]) < started - SETTLE_NS for f in key))

@@ -198,6 +198,7 @@ def spool_tokens(parts, item: int, text_sha256: str, identity: str, folder=None)
         with tempfile.TemporaryFile(dir=folder) as f:
             for part in body:
                 f.write(part)
+                del part  # (as write_atomic: not held while the next part is made)
             finish(f)
             f.flush()
             dtype = "<u2" if item == 2 else "<u4"
@@ -212,6 +213,8 @@ def _token_file(parts, item: int, text_sha256: str, identity: str):
     """(the file's parts, finish(f), [ids counted]) for write_atomic: a header's room,
     then each array's ids as little-endian bytes; finish writes the header over its room
     once the ids have been counted and checksummed."""
+    if item not in (2, 4):
+        raise ValueError(f"token ids are 2 or 4 bytes, not {item}")
     dtype = np.dtype("<u2" if item == 2 else "<u4")
     check, count = Checksum(), [0]
 
@@ -222,6 +225,7 @@ def _token_file(parts, item: int, text_sha256: str, identity: str):
             check.update(ids)
             count[0] += ids.shape[0]
             yield memoryview(ids.reshape(-1).view(np.uint8))
+            del ids  # (not held while the next part is made: a piece is gigabytes)
 
     def finish(f):
         header = (MAGIC + int(item).to_bytes(8, "little") + int(count[0]).to_bytes(8, "little")

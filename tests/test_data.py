@@ -354,7 +354,7 @@ def test_a_large_texts_pieces_are_checked_as_one_text_and_a_failure_leaves_no_fi
     with pytest.raises(DataChanged):
         data.corpus_tokens(src, hashlib.sha256(b"other").hexdigest(), 300,
                            cache_dir=tmp_path / "c3")
-    assert not (tmp_path / "c3").exists() or list((tmp_path / "c3").iterdir()) == []
+    assert not (tmp_path / "c3").exists()  # (the folder made for the cache is removed)
     tokenizer, arr = data.corpus_tokens(src, sha, 300, cache_dir=tmp_path / "c3")  # control
     assert np.array_equal(arr, got.tokens)
     nul = tmp_path / "nul.txt"

@@ -340,10 +340,13 @@ def test_a_large_text_whose_cache_cannot_be_written_is_one_line_saying_why(tmp_p
     monkeypatch.setattr(data, "LARGE_TEXT", 5000)
     monkeypatch.setattr(data, "PIECE_BYTES", 3000)
     (tmp_path / "t.txt").write_text(varied_text())
-    with pytest.raises(HslmError, match="cannot write the token cache .*: a text of .* bytes "
-                                        r"\(4 GiB or more\) is trained from its token cache; "
-                                        "give a --cache-dir with room for it"):
-        Corpus.load(tmp_path / "t.txt", 300, 9, cache_dir=Path("/proc/hslm-not-writable"))
+    with monkeypatch.context() as m:  # (judged before the first piece is learned from)
+        m.setattr(bpe, "run", lambda *a, **k: pytest.fail("learned before the refusal"))
+        with pytest.raises(HslmError, match="cannot write the token cache in /proc/hslm-not-"
+                                            "writable: .*; a text of .* bytes, tokenized in "
+                                            "pieces, is trained from its token cache: give a "
+                                            "--cache-dir where it can be written"):
+            Corpus.load(tmp_path / "t.txt", 300, 9, cache_dir=Path("/proc/hslm-not-writable"))
     c = Corpus.load(tmp_path / "t.txt", 300, 9, cache_dir=tmp_path / "c")  # the control
     assert isinstance(c.tokens, np.memmap)
 
@@ -368,7 +371,7 @@ def test_a_large_text_whose_cache_fills_the_disk_stops_its_encoding_threads(tmp_
             if i == 3:
                 raise HslmError(f"cannot write the token cache {path}: No space left on device")
     monkeypatch.setattr(token_cache, "_write", full_disk)
-    with pytest.raises(HslmError, match="No space left on device: a text of") as raised:
+    with pytest.raises(HslmError, match="No space left on device; a text of") as raised:
         Corpus.load(tmp_path / "t.txt", 300, 9, cache_dir=tmp_path / "d")
     # (while the error is held, as the CLI holds it to print it: the threads were stopped
     # by the write's failure, not by the error's frames being freed)
@@ -376,6 +379,36 @@ def test_a_large_text_whose_cache_fills_the_disk_stops_its_encoding_threads(tmp_
     monkeypatch.setattr(token_cache, "_write", real)
     again = Corpus.load(tmp_path / "t.txt", 300, 9, cache_dir=tmp_path / "e")
     assert np.array_equal(again.tokens, whole.tokens) and len(whole.tokens) > 0
+
+
+@pytest.mark.parametrize("cores", [1, 2])
+def test_one_piece_at_a_time_reads_none_ahead(tmp_path, monkeypatch, cores):
+    """Where one piece is encoded at a time (memory for one, or an MPI rank), the next is
+    read only once the last is written: reading it ahead had held a third piece's ids
+    beyond the memory judged. With two at a time, one is read ahead (the control)."""
+    from hslm import data, precompile, textsource
+    monkeypatch.setattr(data, "LARGE_TEXT", 5000)
+    monkeypatch.setattr(data, "PIECE_BYTES", 3000)
+    monkeypatch.setattr(precompile, "available_cores", lambda: cores)
+    (tmp_path / "t.txt").write_text(varied_text(2000))
+    log, read_pieces = [], textsource.TextSource.read_pieces
+
+    def logged_reads(*a, **k):
+        for ids in read_pieces(*a, **k):
+            log.append("read")
+            yield ids
+
+    def logged_writes(path, parts, finish=None):
+        for _ in parts if Path(path).suffix == ".tok" else ():
+            log.append("written")
+    monkeypatch.setattr(textsource.TextSource, "read_pieces", logged_reads)
+    monkeypatch.setattr(token_cache, "_write", logged_writes)
+    with pytest.raises(HslmError, match="cannot be read back"):  # (nothing was written)
+        Corpus.load(tmp_path / "t.txt", 300, 9, cache_dir=tmp_path / "c")
+    pieces = log.count("read")
+    assert pieces > 3 and log.count("written") == pieces + 1  # (the header's room first)
+    reads_in_a_row = max(len(run.split()) for run in " ".join(log).split("written"))
+    assert reads_in_a_row == (1 if cores == 1 else 3), log  # (3: two encoded, one read)
 
 
 def test_the_text_sha256_is_remembered_by_stat_and_rehashed_when_it_changes(tmp_path,
