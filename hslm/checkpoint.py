@@ -174,6 +174,29 @@ def write_atomic_files(files, what: str = "checkpoint", make_parent: bool = Fals
         os.close(folder_fd)
 
 
+def first_missing_folder(folder: Path):
+    """The topmost of folder and the folders above it that is not there yet (what
+    make_folders would make first), or None where folder is there."""
+    top = Path(folder)
+    if top.exists():
+        return None
+    while not top.parent.exists():
+        top = top.parent
+    return top
+
+
+def remove_empty_folders(folder: Path, top: Path):
+    """Remove folder, then each one above it up to top, while each is empty: what a
+    failed command made (first_missing_folder) and nothing else has written to."""
+    for f in (Path(folder), *Path(folder).parents):
+        try:
+            os.rmdir(f)  # (only if empty)
+        except OSError:
+            return
+        if f == top:
+            return
+
+
 def make_folders(folder: Path):
     """mkdir -p, each folder made durable where it is named: a file renamed into a new
     folder is only as durable as the folder's own entry in its parent (that parent

@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from . import bpe, distributed, token_cache
-from .checkpoint import make_folders, probe_new_file
+from .checkpoint import (first_missing_folder, make_folders, probe_new_file,
+                         remove_empty_folders)
 from .errors import HslmError, warn
 from .validate import check_fits
 from .textsource import SHOW_FROM, DataChanged, Phase, TextSource, run_interruptible
@@ -445,37 +446,36 @@ def _large_corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer, cache
     come, which is then memory-mapped (and check(n, tokenizer) asked of them). Without a
     token cache (no cache folder; an MPI rank other than 0) the tokens go to an unnamed
     temporary file instead. A cache folder that cannot be written is an error here, as
-    the tokens have nowhere else to go: judged before the first piece is learned from,
-    and a folder made for the cache is removed again if the tokens fail."""
+    the tokens have nowhere else to go: judged before the first piece is learned from
+    (and the temporary file opened), and the folders made for the cache are removed
+    again if the tokens fail."""
     # (a file of NUL bytes the hashing pass saw is refused now, not after hours of pieces;
     # a small text judges it after its UTF-8, so that UTF-16 reads "not UTF-8 text")
     src.check_nul_files()
-    writes = cache_dir is not None and distributed.is_writer()
-    why = (f"a text of {src.size:,} bytes, tokenized in pieces, is trained from its token "
-           "cache")
-    made = writes and not os.path.lexists(cache_dir)
+    why = f"a text of {src.size:,} bytes, tokenized in pieces, is trained from its token cache"
+    if cache_dir is None or not distributed.is_writer():
+        return _tokens_in_pieces(src, sha, vocab, tokenizer, token_cache.open_spool(), check,
+                                 show, why)
+    top = first_missing_folder(cache_dir)
     try:
-        if writes:
-            try:
-                make_folders(cache_dir)
-                probe_new_file(cache_dir, f".hslm-write-test-{os.getpid()}")
-            except OSError as e:
-                raise HslmError(f"cannot write the token cache in {cache_dir}: "
-                                f"{e.strerror or e}; {why}: give a --cache-dir where it can "
-                                "be written") from None
-        return _tokens_in_pieces(src, sha, vocab, tokenizer, cache_dir if writes else None,
-                                 check, show, why)
+        try:
+            if os.path.lexists(cache_dir) and not os.path.isdir(cache_dir):
+                raise NotADirectoryError(0, "not a folder")
+            make_folders(cache_dir)
+            probe_new_file(cache_dir, f".hslm-write-test-{os.getpid()}")
+        except OSError as e:
+            raise HslmError(f"cannot write the token cache in {cache_dir}: {e.strerror or e}; "
+                            f"{why}: give a --cache-dir where it can be written") from None
+        return _tokens_in_pieces(src, sha, vocab, tokenizer, Path(cache_dir), check, show, why)
     except BaseException:
-        if made:
-            try:
-                os.rmdir(cache_dir)  # (only where it is still empty)
-            except OSError:
-                pass
+        if top is not None:  # (only folders still empty: another run's are kept)
+            remove_empty_folders(Path(cache_dir), top)
         raise
 
 
-def _tokens_in_pieces(src, sha, vocab, tokenizer, cache_dir, check, show, why):
-    """_large_corpus_tokens' work, into cache_dir's token file (None: a temporary file)."""
+def _tokens_in_pieces(src, sha, vocab, tokenizer, into, check, show, why):
+    """_large_corpus_tokens' work, into the token cache folder `into` or, where `into` is
+    an open spool file (token_cache.open_spool), that file."""
     k = -(-src.size // PIECE_BYTES)
     item = np.dtype(bpe.ids_dtype(vocab)).itemsize
     pieces = src.read_pieces(bpe.ids_dtype(vocab), BYTE0, PIECE_BYTES, expect_sha256=sha)
@@ -495,14 +495,14 @@ def _tokens_in_pieces(src, sha, vocab, tokenizer, cache_dir, check, show, why):
 
     parts = tokens()
     try:
-        if cache_dir is None:
-            arr = token_cache.spool_tokens(parts, item, sha, tokenizer.identity)
+        if not isinstance(into, Path):
+            arr = token_cache.spool_tokens(into, parts, item, sha, tokenizer.identity)
         else:
-            path = token_cache.tokens_path(cache_dir, sha, tokenizer.identity)
+            path = token_cache.tokens_path(into, sha, tokenizer.identity)
             try:
                 token_cache.write_token_parts(path, parts, item, sha, tokenizer.identity)
                 if learn:
-                    token_cache.write_tokenizer(token_cache.tokenizer_path(cache_dir, sha, vocab),
+                    token_cache.write_tokenizer(token_cache.tokenizer_path(into, sha, vocab),
                                                 sha, tokenizer.to_json(), tokenizer.identity)
             except HslmError as e:
                 if text_failed:
@@ -514,6 +514,8 @@ def _tokens_in_pieces(src, sha, vocab, tokenizer, cache_dir, check, show, why):
                                 "files cannot be memory-mapped?); give another --cache-dir")
     finally:  # (a write that failed leaves it unfinished: its pieces' threads stop, joined)
         parts.close()
+        if not isinstance(into, Path):
+            into.close()  # (the mapped array keeps the file while it lives)
     if check is not None:
         check(arr.shape[0], tokenizer)
     return tokenizer, arr
@@ -540,7 +542,7 @@ def hash_text(src: TextSource, cache_dir=None, rehash=False):
     large = src.size >= LARGE_TEXT  # (checked as UTF-8 now, not a piece at a time later)
     ph = Phase("hashing and checking the text" if large else "hashing the text", src.size,
                show=src.size >= SHOW_FROM)
-    sha = src.scan(ph, utf8=True) if large else src.scan(ph)
+    sha = src.scan(ph, utf8=large)
     ph.close()
     settled = (key is not None and distributed.is_writer() and src.stat_key() == key
                and all(max(f[2], f[3]) < started - SETTLE_NS for f in key))

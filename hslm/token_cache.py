@@ -188,14 +188,24 @@ def write_token_parts(path: Path, parts, item: int, text_sha256: str, identity: 
     _write(path, body, finish)
 
 
-def spool_tokens(parts, item: int, text_sha256: str, identity: str, folder=None):
-    """The ids of `parts` (as write_token_parts') in an unnamed temporary file in
-    `folder` (default: the system's temporary folder), memory-mapped: the tokens of a
-    text too large to hold in memory where no token cache is written (an MPI rank other
-    than rank 0; a run with no cache folder). The file goes when the array does."""
+def open_spool(folder=None):
+    """An unnamed temporary file for spool_tokens, in `folder` (default: the system's
+    temporary folder), opened before the work whose tokens it will hold."""
+    try:
+        return tempfile.TemporaryFile(dir=folder)
+    except OSError as e:
+        raise HslmError(f"cannot write the text's tokens to a temporary file in "
+                        f"{folder or tempfile.gettempdir()}: {e.strerror or e}") from None
+
+
+def spool_tokens(spool, parts, item: int, text_sha256: str, identity: str):
+    """The ids of `parts` (as write_token_parts') written to `spool` (open_spool's) and
+    memory-mapped: the tokens of a text too large to hold in memory where no token cache
+    is written (an MPI rank other than rank 0; a run with no cache folder). The file
+    goes when the array does."""
     body, finish, count = _token_file(parts, item, text_sha256, identity)
     try:
-        with tempfile.TemporaryFile(dir=folder) as f:
+        with spool as f:
             for part in body:
                 f.write(part)
                 del part  # (as write_atomic: not held while the next part is made)
@@ -205,8 +215,8 @@ def spool_tokens(parts, item: int, text_sha256: str, identity: str, folder=None)
             return (np.memmap(f, dtype=dtype, mode="r", offset=HEADER, shape=(count[0],))
                     if count[0] else np.zeros(0, dtype))
     except OSError as e:
-        raise HslmError(f"cannot write the text's tokens to a temporary file in "
-                        f"{folder or tempfile.gettempdir()}: {e.strerror or e}") from None
+        raise HslmError(f"cannot write the text's tokens to a temporary file: "
+                        f"{e.strerror or e}") from None
 
 
 def _token_file(parts, item: int, text_sha256: str, identity: str):

@@ -743,7 +743,7 @@ class HeldFolder:
         if self.lock.holds(out):
             shutil.rmtree(out, ignore_errors=True)
         if out != self.created:
-            _remove_empty_folders(out.parent, self.created)
+            ckpt.remove_empty_folders(out.parent, self.created)
 
 
 def hold_out_dir(out: Path) -> HeldFolder:
@@ -752,32 +752,16 @@ def hold_out_dir(out: Path) -> HeldFolder:
     into it are written under its lock."""
     if not distributed.is_writer():
         return HeldFolder(distributed.NO_LOCK, None)
-    top = Path(out)
-    if top.exists():
-        top = None
-    else:
-        while not top.parent.exists():
-            top = top.parent
+    top = ckpt.first_missing_folder(out)
     try:
         lock = prepare_out_dir(out)
     except BaseException:  # (its lock file could not be written, say: a full disk; the
         # lock removed its file then). Only empty folders: another run may have made and
         # locked this one since top was judged, and be refused to us here
         if top is not None:
-            _remove_empty_folders(Path(out), top)
+            ckpt.remove_empty_folders(Path(out), top)
         raise
     return HeldFolder(lock, top)
-
-
-def _remove_empty_folders(folder: Path, top: Path):
-    """Remove folder, then each one above it up to top, while each is empty."""
-    for f in (folder, *folder.parents):
-        try:
-            os.rmdir(f)  # (only if empty)
-        except OSError:
-            return
-        if f == top:
-            return
 
 
 @contextmanager

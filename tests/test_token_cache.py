@@ -335,8 +335,12 @@ def test_a_large_text_whose_cache_cannot_be_written_is_one_line_saying_why(tmp_p
                                                                           monkeypatch):
     """A small text goes on without its token cache (a warning); a text of 4 GiB or more
     is trained from its token file, so a cache that cannot be written is an error that
-    says so, and leaves nothing."""
+    says so, before the first piece is learned from (as is a temporary file that cannot
+    be made, without a cache folder), and leaves nothing."""
+    import tempfile
+
     from hslm import data
+    from hslm.textsource import TextSource
     monkeypatch.setattr(data, "LARGE_TEXT", 5000)
     monkeypatch.setattr(data, "PIECE_BYTES", 3000)
     (tmp_path / "t.txt").write_text(varied_text())
@@ -347,8 +351,22 @@ def test_a_large_text_whose_cache_cannot_be_written_is_one_line_saying_why(tmp_p
                                             "pieces, is trained from its token cache: give a "
                                             "--cache-dir where it can be written"):
             Corpus.load(tmp_path / "t.txt", 300, 9, cache_dir=Path("/proc/hslm-not-writable"))
+        (tmp_path / "a-file").write_text("")
+        with pytest.raises(HslmError, match="cannot write the token cache in .*a-file: not a "
+                                            "folder; a text of"):
+            Corpus.load(tmp_path / "t.txt", 300, 9, cache_dir=tmp_path / "a-file")
+        with pytest.raises(HslmError, match="cannot write the text's tokens to a temporary "
+                                            "file in /proc/hslm-no-tmp: "):
+            m.setattr(tempfile, "tempdir", "/proc/hslm-no-tmp")  # (no cache folder)
+            Corpus.load(tmp_path / "t.txt", 300, 9, cache_dir=None)
     c = Corpus.load(tmp_path / "t.txt", 300, 9, cache_dir=tmp_path / "c")  # the control
     assert isinstance(c.tokens, np.memmap)
+    # a run that fails removes the folders it made for the cache, and only those
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(HslmError, match="the data changed"):
+        data.corpus_tokens(TextSource([tmp_path / "t.txt"]), "0" * 64, 300,
+                           cache_dir=tmp_path / "kept" / "a" / "b")
+    assert [p.name for p in tmp_path.joinpath("kept").iterdir()] == []
 
 
 def test_a_large_text_whose_cache_fills_the_disk_stops_its_encoding_threads(tmp_path,
@@ -423,7 +441,8 @@ def test_the_text_sha256_is_remembered_by_stat_and_rehashed_when_it_changes(tmp_
     scans = []
     real_scan = textsource.TextSource.scan
     monkeypatch.setattr(textsource.TextSource, "scan",
-                        lambda self, progress=None: scans.append(1) or real_scan(self, progress))
+                        lambda self, progress=None, utf8=False: scans.append(1)
+                        or real_scan(self, progress, utf8))
     again = Corpus.load(f, 300, 27, cache_dir=tmp_path / "c")
     assert scans == [] and again.text_sha256 == first.text_sha256
     monkeypatch.setenv(data.REHASH_ENV, "1")                  # forced: hashed in full
@@ -501,8 +520,8 @@ def test_a_text_rewritten_between_its_hash_and_its_reading_is_refused(tmp_path, 
     other = TEXT.replace("return", "RETURN")
     real_scan = textsource.TextSource.scan
 
-    def scan_then_rewrite(self, progress=None):
-        sha = real_scan(self, progress)
+    def scan_then_rewrite(self, progress=None, utf8=False):
+        sha = real_scan(self, progress, utf8)
         f.write_text(other, encoding="utf-8")  # after the hash, before the tokenizer reads
         return sha
 
@@ -562,7 +581,7 @@ def test_a_resume_whose_remembered_sha256_is_of_other_bytes_hashes_the_text_agai
     scans = []
     real_scan = textsource.TextSource.scan
     monkeypatch.setattr(textsource.TextSource, "scan",
-                        lambda self, ph: scans.append(1) or real_scan(self, ph))
+                        lambda self, ph, utf8=False: scans.append(1) or real_scan(self, ph, utf8))
     with pytest.raises(HslmError, match="differs from the one the checkpoint was trained on"):
         Corpus.load(f, 300, 27, cache_dir=tmp_path / "c3", expect_sha256=stale)
     assert len(scans) == 1
