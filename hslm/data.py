@@ -473,6 +473,28 @@ def _large_corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer, cache
         raise
 
 
+DISK_ROOM_SLACK = 0.9  # the share of the estimate that must be free (pieces differ a little)
+
+
+def _check_disk_room(into, estimate: float, why: str):
+    """Refuse, once the first piece's tokens are counted, a disk without room for the
+    token file they let estimate (its tokens a byte times the text's bytes): it would
+    fail hours later, at the piece that fills it. Only where the estimate exceeds the
+    room by more than the pieces' likely difference, so a text that fits is not refused;
+    one that does not, but passes, fails at its write as before."""
+    from .validate import gib
+    try:
+        st = os.statvfs(into) if isinstance(into, Path) else os.fstatvfs(into.fileno())
+    except (OSError, AttributeError):  # (no statvfs on this system: the write will tell)
+        return
+    free = st.f_bavail * st.f_frsize
+    if free < DISK_ROOM_SLACK * estimate:
+        where = into if isinstance(into, Path) else "the temporary folder"
+        raise HslmError(f"the text's token file needs about {gib(estimate)} (as its first "
+                        f"piece's tokens go), but {where} has {gib(free)} free; {why}: give "
+                        "a --cache-dir with room for it")
+
+
 def _tokens_in_pieces(src, sha, vocab, tokenizer, into, check, show, why):
     """_large_corpus_tokens' work, into the token cache folder `into` or, where `into` is
     an open spool file (token_cache.open_spool), that file."""
@@ -483,6 +505,7 @@ def _tokens_in_pieces(src, sha, vocab, tokenizer, into, check, show, why):
     first = [next(pieces)]
     tokenizer, n = _tokenize(first[0], vocab, tokenizer, f"piece 1 of {k}: " + (
         "learning the tokenizer" if learn else "encoding"), show)
+    _check_disk_room(into, n / first[0].shape[0] * src.size * item, why)
     text_failed = []  # (an error of the text's own, raised through the writer as it is)
 
     def tokens():

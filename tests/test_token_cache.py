@@ -399,6 +399,33 @@ def test_a_large_text_whose_cache_fills_the_disk_stops_its_encoding_threads(tmp_
     assert np.array_equal(again.tokens, whole.tokens) and len(whole.tokens) > 0
 
 
+def test_a_large_text_whose_tokens_cannot_fit_the_disk_is_refused_after_its_first_piece(
+        tmp_path, monkeypatch):
+    """The first piece's tokens say how large the token file will be: a disk without
+    room for it is refused then, not hours later at the piece that fills it (in the cache
+    folder, and in the temporary folder without one). The control: room enough."""
+    import os
+    from collections import namedtuple
+
+    from hslm import data
+    monkeypatch.setattr(data, "LARGE_TEXT", 5000)
+    monkeypatch.setattr(data, "PIECE_BYTES", 3000)
+    (tmp_path / "t.txt").write_text(varied_text())
+    fs = namedtuple("fs", "f_bavail f_frsize")
+    for blocks, cache in [(2, tmp_path / "c"), (2, None), (1000, tmp_path / "d")]:
+        monkeypatch.setattr(os, "statvfs", lambda path: fs(blocks, 4096))
+        monkeypatch.setattr(os, "fstatvfs", lambda fd: fs(blocks, 4096))
+        if blocks == 2:
+            with pytest.raises(HslmError, match=r"the text's token file needs about 0.0 GiB "
+                               r"\(as its first piece's tokens go\), but .* has 0.0 GiB "
+                               "free; a text of"):
+                Corpus.load(tmp_path / "t.txt", 300, 9, cache_dir=cache)
+        else:
+            assert isinstance(Corpus.load(tmp_path / "t.txt", 300, 9, cache_dir=cache).tokens,
+                              np.memmap)
+    assert not (tmp_path / "c").exists()
+
+
 @pytest.mark.parametrize("cores", [1, 2])
 def test_one_piece_at_a_time_reads_none_ahead(tmp_path, monkeypatch, cores):
     """Where one piece is encoded at a time (memory for one, or an MPI rank), the next is
