@@ -295,6 +295,11 @@ def test_a_signal_while_the_command_starts_gives_one_line_not_a_traceback(tmp_pa
         if "Traceback" in err:  # only if it landed before hslm's first line could take it
             assert early_start_up(err), (delay, err)
             continue
+        if (proc.returncode, err) == (1, "KeyboardInterrupt\n"):
+            # Python's own start, in C before any Python frame ran (so no traceback, and
+            # nothing of hslm's, whose lines would be in one): seen once, in a fresh-clone
+            # CI run, at 0.05 s
+            continue
         word = "interrupted" if sig == signal.SIGINT else "terminated"
         # ended by the signal itself: before Python installed its handler (no output),
         # while kernels compile (the README: SIGTERM then ends the run of the signal), or
