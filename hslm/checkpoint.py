@@ -174,6 +174,13 @@ def write_atomic_files(files, what: str = "checkpoint", make_parent: bool = Fals
         os.close(folder_fd)
 
 
+def make_writable_folder(folder: Path):
+    """mkdir -p folder (make_folders) and write a file in it (probe_new_file), or raise
+    OSError: a folder a run is to write in, judged before the run's work."""
+    make_folders(folder)
+    probe_new_file(folder, f".hslm-write-test-{os.getpid()}")
+
+
 def first_missing_folder(folder: Path):
     """The topmost of folder and the folders above it that is not there yet (what
     make_folders would make first), or None where folder is there."""

@@ -23,10 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from . import bpe, distributed, token_cache
-from .checkpoint import (first_missing_folder, make_folders, probe_new_file,
-                         remove_empty_folders)
+from .checkpoint import first_missing_folder, make_writable_folder, remove_empty_folders
 from .errors import HslmError, warn
-from .validate import check_fits
+from .validate import available_memory, check_fits, gib
 from .textsource import SHOW_FROM, DataChanged, Phase, TextSource, run_interruptible
 
 N_SPECIAL = 4
@@ -392,7 +391,6 @@ def _encoded_pieces(pieces, vocab: int, tokenizer, k: int, show: bool):
     each MPI rank (whose ranks share the cores and the memory). Ctrl-C stops every one
     within a fraction of a second."""
     from .precompile import available_cores
-    from .validate import available_memory
     per_piece = bpe.memory_needed(vocab, PIECE_BYTES, learn=False)  # (its ids included)
     ahead = PIECE_BYTES * np.dtype(bpe.ids_dtype(vocab)).itemsize  # the piece read meanwhile
     workers = 1 if distributed.current() is not None else max(1, min(
@@ -461,8 +459,7 @@ def _large_corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer, cache
         try:
             if os.path.lexists(cache_dir) and not os.path.isdir(cache_dir):
                 raise NotADirectoryError(0, "not a folder")
-            make_folders(cache_dir)
-            probe_new_file(cache_dir, f".hslm-write-test-{os.getpid()}")
+            make_writable_folder(cache_dir)
         except OSError as e:
             raise HslmError(f"cannot write the token cache in {cache_dir}: {e.strerror or e}; "
                             f"{why}: give a --cache-dir where it can be written") from None
@@ -482,7 +479,6 @@ def _check_disk_room(into, estimate: float, why: str):
     fail hours later, at the piece that fills it. Only where the estimate exceeds the
     room by more than the pieces' likely difference, so a text that fits is not refused;
     one that does not, but passes, fails at its write as before."""
-    from .validate import gib
     try:
         st = os.statvfs(into) if isinstance(into, Path) else os.fstatvfs(into.fileno())
     except (OSError, AttributeError):  # (no statvfs on this system: the write will tell)

@@ -71,33 +71,74 @@ class DataChanged(HslmError):
     """The text's bytes changed while hslm read them (or are not those a hash named)."""
 
 
-class FileNuls:
-    """One file's NUL bytes as its chunks pass, for the one rule on them (check): a file
-    of which an eighth or more is NUL bytes is UTF-8 only to the letter, UTF-16 without a
-    byte order mark (every other byte NUL for Latin text) or binary data, which had been
-    trained on without a word."""
+class FileCheck:
+    """One file's checks as its chunks pass: its UTF-8 (where asked: the bytes of a
+    character split between chunks carried to the next) and its NUL bytes, for the one
+    rule on them (check_nuls): a file of which an eighth or more is NUL bytes is UTF-8
+    only to the letter, UTF-16 without a byte order mark (every other byte NUL for Latin
+    text) or binary data, which had been trained on without a word."""
 
-    def __init__(self, file):
-        self.file, self.count, self.first, self.size = file, 0, -1, 0
+    def __init__(self, file, utf8: bool):
+        self.file, self.utf8, self.carry = file, utf8, b""
+        self.count, self.first, self.size = 0, -1, 0
 
     def add(self, b: bytes, off: int):
         """The file's chunk b, at offset off. (A search for a first NUL first: in a text
         with none, as most are, it runs at memory speed, where counting took 0.8 s a GB,
         60% on the hashing pass's time.)"""
+        if self.utf8:
+            self._decode(b, off, False)
         first = b.find(0)
         if first >= 0:
             self.count += b.count(0)
             self.first = off + first if self.first < 0 else self.first
         self.size = off + len(b)
 
-    def too_many(self) -> bool:
+    def end(self):
+        """The file's last chunk has passed: a character left unfinished is not UTF-8."""
+        if self.utf8:
+            self._decode(b"", self.size, True)
+
+    def _decode(self, b: bytes, off: int, final: bool):
+        data = self.carry + b
+        start = off - len(self.carry)
+        try:
+            _, used = codecs.utf_8_decode(data, "strict", final)
+        except UnicodeDecodeError as e:
+            raise HslmError(f"data file {self.file} is not UTF-8 text (byte "
+                            f"0x{data[e.start]:02x} at offset {start + e.start})") from None
+        self.carry = data[used:]
+
+    def too_many_nuls(self) -> bool:
         return self.count > 0 and self.count * 8 >= self.size
 
-    def check(self):
-        if self.too_many():
+    def check_nuls(self):
+        if self.too_many_nuls():
             raise HslmError(f"data file {self.file} is {self.count / self.size:.1%} NUL bytes "
                             f"(the first at offset {self.first}): UTF-16 text or binary data, "
                             "not UTF-8 text")
+
+
+class _FileChecks:
+    """The FileCheck of each file in turn as the text's chunks pass (add); ended(check) is
+    called with each file's once its last chunk has passed and its UTF-8 is judged."""
+
+    def __init__(self, utf8: bool, ended):
+        self.utf8, self.ended, self.cur = utf8, ended, None
+
+    def add(self, b: bytes, f, off: int):
+        if f is None:  # (the separator between files)
+            return
+        if self.cur is None or self.cur.file is not f:
+            self.close()
+            self.cur = FileCheck(f, self.utf8)
+        self.cur.add(b, off)
+
+    def close(self):
+        if self.cur is not None:
+            self.cur.end()
+            self.ended(self.cur)
+            self.cur = None
 
 
 class TextSource:
@@ -191,43 +232,20 @@ class TextSource:
         read in pieces would otherwise be refused only when its bad byte's piece came,
         after the pieces before it had been learned from and encoded)."""
         h = hashlib.sha256()
-        total = end = 0
-        nuls, carry = None, [b""]  # (the file's whose chunks pass)
+        total = 0
+        files = _FileChecks(utf8, self._note)
         for b, f, off in self.chunks(progress):
             h.update(b)
             total += len(b)
-            if f is not None:
-                if nuls is None or nuls.file is not f:
-                    if utf8 and nuls is not None:
-                        self._check(carry, b"", nuls.file, end, True)
-                    self._note(nuls)
-                    nuls, carry = FileNuls(f), [b""]
-                if utf8:
-                    self._check(carry, b, f, off, False)
-                nuls.add(b, off)
-                end = off + len(b)
-        if utf8 and nuls is not None:
-            self._check(carry, b"", nuls.file, end, True)
-        self._note(nuls)
+            files.add(b, f, off)
+        files.close()
         if total != self.size:
             raise HslmError(f"the data changed while it was read ({self.label})")
         return h.hexdigest()
 
-    def _note(self, nuls):
-        if self.nul_file is None and nuls is not None and nuls.too_many():
-            self.nul_file = nuls
-
-    @staticmethod
-    def _check(carry, b, f, off, final):
-        data = carry[0] + b
-        start = off - len(carry[0])
-        try:
-            _, used = codecs.utf_8_decode(data, "strict", final)
-        except UnicodeDecodeError as e:
-            raise HslmError(f"data file {f} is not UTF-8 text (byte 0x{data[e.start]:02x} at "
-                            f"offset {start + e.start})") from None
-        carry[0] = data[used:]
-        return off + len(b)
+    def _note(self, check):
+        if self.nul_file is None and check.too_many_nuls():
+            self.nul_file = check
 
     def check_nul_files(self):
         """For a text whose tokens a cache holds (not read again: read_ids makes this check
@@ -237,7 +255,7 @@ class TextSource:
         UTF-8 needs no such check: a cache is only made of a text that is, and so is
         each of its files, joined by ASCII.)"""
         if self.nul_file is not None:
-            self.nul_file.check()
+            self.nul_file.check_nuls()
 
     def read_ids(self, dtype, offset_by: int, progress=None, expect_sha256=None) -> np.ndarray:
         """The joined bytes as ids (byte + offset_by) in a fresh array of dtype, with
@@ -251,30 +269,22 @@ class TextSource:
         """The joined bytes as ids (byte + offset_by) of dtype, `piece` bytes at a time
         (the last piece shorter), each in a fresh array. Checks that every file is UTF-8
         text (else an error naming the file and the offset of the first bad byte) and not
-        an eighth or more NUL bytes (FileNuls), and, given expect_sha256 (the text's hash
+        an eighth or more NUL bytes (FileCheck), and, given expect_sha256 (the text's hash
         taken before, or remembered), that these are the bytes it was taken of: a file
         rewritten in between at the same size would otherwise be trained on under the
         other text's name. The last checks come once the last piece has been taken: only
-        a caller that exhausts the generator has had them. (A text whose tokens a cache holds is not
-        read here: check_nul_files.)"""
+        a caller that exhausts the generator has had them. (A text whose tokens a cache
+        holds is not read here: check_nul_files.)"""
         out = np.empty(min(piece, self.size), dtype)
-        pos = end = filled = 0
-        cur, carry, nuls = None, [b""], None
+        pos = filled = 0
+        files = _FileChecks(True, FileCheck.check_nuls)
         h = hashlib.sha256() if expect_sha256 is not None else None
         for b, f, off in self.chunks(progress):
             if h is not None:
                 h.update(b)
             if pos + len(b) > self.size:
                 raise HslmError(f"the data changed while it was read ({self.label})")
-            if f is not None:
-                if f is not cur:
-                    if cur is not None:
-                        self._check(carry, b"", cur, end, True)
-                        nuls.check()
-                    cur, carry, nuls = f, [b""], FileNuls(f)
-                self._check(carry, b, f, off, False)
-                nuls.add(b, off)
-                end = off + len(b)
+            files.add(b, f, off)
             raw = np.frombuffer(b, np.uint8)
             while raw.shape[0]:
                 take = min(raw.shape[0], out.shape[0] - filled)
@@ -285,9 +295,7 @@ class TextSource:
                     filled = 0
                     out = np.empty(min(piece, self.size - pos), dtype) if pos < self.size \
                         else out
-        if cur is not None:
-            self._check(carry, b"", cur, end, True)
-            nuls.check()
+        files.close()
         if pos != self.size or (h is not None and h.hexdigest() != expect_sha256):
             raise DataChanged(f"the data changed while it was read ({self.label})")
 

@@ -216,8 +216,7 @@ def prepare_out_dir(out: Path):
     from .lock import FolderLock
     check_out_dir(out)
     try:
-        ckpt.make_folders(out)
-        ckpt.probe_new_file(out, f".hslm-write-test-{os.getpid()}")
+        ckpt.make_writable_folder(out)
     except OSError as e:
         raise HslmError(f"output folder {out} cannot be written: {e.strerror or e}") from None
     lock = FolderLock(out).acquire()
