@@ -35,8 +35,11 @@ the stream for every merge:
   whose count is no longer current is dropped when it surfaces.
 
 Memory: 2 bytes (tok) + about 1.4 x 1.25 bytes (pool) per corpus byte on text, plus
-tables of vocab^2 entries. Encoding with given merges uses the same kernel (merges
-forced in their order), which is exactly applying each merge in one pass, in order.
+tables of vocab^2 entries. Encoding with given merges (apply_by_spans, below) needs no
+counts: it encodes the text a span at a time in tables that stay in the core's caches,
+the spans joined at cuts proved to be boundaries of the whole text's tokens; the same
+kernel with the merges forced in their order (exactly applying each merge in one pass,
+in order) is its fallback, and a large vocabulary's.
 
 The kernel runs without the GIL and watches ctl[0]: a caller that sets it to 1
 gets the kernel back within a fraction of a second (the result is then unusable).
@@ -438,6 +441,255 @@ def bpe_kernel(tok, V, merges, n_merges, learn, counts, seg_len, pool, ctl):
     return m, w, peak
 
 
+# ------------------------------------------------ applying given merges, a span at a time
+# Applying merges needs no pair counts, only each merge's occurrences, in its turn. Over
+# the whole text bpe_kernel's position lists are gigabytes, written and read at scattered
+# places (about 130 ns a byte of text); a span of SPAN_BYTES is encoded alone in tables
+# that stay in the core's caches (a bucket of places per merge), and the spans are joined
+# at cuts that are proved to be token boundaries of the whole text's stream:
+#
+# * if the stream of merges applied to a text never joins two tokens across a place q,
+#   each merge's pass acts on the two sides as it would on each alone (a pair that spans
+#   q is never taken, and the left-to-right pass starts afresh at q), so the text's
+#   tokens are the tokens of [.., q) alone followed by those of [q, ..) alone. Tokens
+#   only grow, so a token boundary of an encoded span was one after every merge, and the
+#   span's tokens left of it are those of that part alone.
+# * whether the stream joins across q follows from the two tokens that end up beside q
+#   (x ending the left part, y starting the right part) and the merges alone: after
+#   merge m the token ending at q is the node of x's right spine (x, its second part,
+#   that one's second part, ...) made last by merge m or before, and likewise the token
+#   starting at q is on y's left spine. Merge m = (a, b) joins across q when the tokens
+#   beside q before it are a and b, unless a == b and the left one was taken first by the
+#   pair on its left (the token ending at q is then merge m's own): _cut_holds.
+# So a span's tokens are kept up to a boundary in its last TAIL_BYTES whose cut holds
+# with the first token of the next span, which starts there; a span with no such
+# boundary is encoded over more text. bpe_kernel's forced merges, the same tokens, are
+# the fallback (a span past LONGEST_SPAN: no such text has been seen).
+SPAN_BYTES = 1 << 16
+TAIL_BYTES = 1 << 10
+CUT_TRIES = 8           # boundaries tried for a span's cut before it is made longer
+LONGEST_SPAN = 1 << 20
+RANK_TABLE_MOST = 1 << 26   # bytes of the pair -> merge table; a larger vocabulary: bpe_kernel
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _spine_at(t, step, side, merges):
+    """The token on t's left (side 0) or right (side 1) spine that holds that end of t
+    after merge `step` (-1: before the first)."""
+    while t >= FIRST_MERGE and t - FIRST_MERGE > step:
+        t = merges[t - FIRST_MERGE, side]
+    return t
+
+
+@njit(cache=True, nogil=True)
+def _cut_holds(x, y, merges, rank, V):
+    """True when merges applied in order to a text never join across a place where,
+    applied to each side alone, token x ends the left side and token y starts the right
+    (the comment above)."""
+    s = x
+    while True:
+        t = y
+        while True:
+            m = rank[s * V + t]
+            if m >= 0 and _spine_at(x, m - 1, 1, merges) == s \
+                    and _spine_at(y, m - 1, 0, merges) == t \
+                    and not (s == t and _spine_at(x, m, 1, merges) == FIRST_MERGE + m):
+                return False
+            if t < FIRST_MERGE:
+                break
+            t = merges[t - FIRST_MERGE, 0]
+        if s < FIRST_MERGE:
+            break
+        s = merges[s - FIRST_MERGE, 1]
+    return True
+
+
+@njit(cache=True, nogil=True)
+def _encode_span(tok, s, e, merges, rank, V, ids, nxt, prv, head, npos, nnext, gather,
+                 out_tok, out_pos):
+    """The merges applied in order to tok[s:e] alone: returns the token count c, with
+    out_tok[:c] the tokens and out_pos[:c] their starts (from s). A bucket of places per
+    merge (places pushed as their pair is made; an entry whose pair has changed since
+    is passed over); merge m's places taken left to right where its two ids are one
+    (the only pairs whose occurrences overlap). The pairs a merge makes hold its new id,
+    so they are merged later, never by a merge already done."""
+    n = e - s
+    M = merges.shape[0]
+    for m in range(M):
+        head[m] = -1
+    for i in range(n):
+        ids[i] = tok[s + i]
+        nxt[i] = i + 1
+        prv[i] = i - 1
+    nn = 0
+    for i in range(n - 1):
+        r = rank[ids[i] * V + ids[i + 1]]
+        if r >= 0:
+            npos[nn] = i
+            nnext[nn] = head[r]
+            head[r] = nn
+            nn += 1
+    for m in range(M):
+        h = head[m]
+        if h < 0:
+            continue
+        a = merges[m, 0]
+        b = merges[m, 1]
+        N = FIRST_MERGE + m
+        g = 0
+        while h >= 0:
+            gather[g] = npos[h]
+            g += 1
+            h = nnext[h]
+        if a == b:
+            gather[:g].sort()
+        for u in range(g):
+            i = gather[u]
+            j = nxt[i]
+            if ids[i] != a or j >= n or ids[j] != b:
+                continue
+            ids[i] = N
+            ids[j] = -1
+            k = nxt[j]
+            nxt[i] = k
+            if k < n:
+                prv[k] = i
+                r = rank[N * V + ids[k]]
+                if r >= 0:
+                    npos[nn] = i
+                    nnext[nn] = head[r]
+                    head[r] = nn
+                    nn += 1
+            q = prv[i]
+            if q >= 0:
+                r = rank[ids[q] * V + N]
+                if r >= 0:
+                    npos[nn] = q
+                    nnext[nn] = head[r]
+                    head[r] = nn
+                    nn += 1
+    c = 0
+    i = 0
+    while i < n:
+        out_tok[c] = ids[i]
+        out_pos[c] = i
+        c += 1
+        i = nxt[i]
+    return c
+
+
+@njit(cache=True, nogil=True)
+def _unencode(tok, w, p, merges):
+    """tok[:p] back to the byte ids that tok[:w], its tokens, stand for (last first: a
+    token's bytes end at or after the place it is read from)."""
+    stack = np.empty(64, np.int64)
+    j = p
+    for u in range(w - 1, -1, -1):
+        stack[0] = tok[u]
+        top = 1
+        while top > 0:
+            top -= 1
+            t = stack[top]
+            if t < FIRST_MERGE:
+                j -= 1
+                tok[j] = t
+                continue
+            if top + 2 > stack.shape[0]:
+                bigger = np.empty(2 * stack.shape[0], np.int64)
+                bigger[:top] = stack[:top]
+                stack = bigger
+            stack[top] = merges[t - FIRST_MERGE, 0]
+            stack[top + 1] = merges[t - FIRST_MERGE, 1]
+            top += 2
+
+
+@njit(cache=True, nogil=True)
+def apply_by_spans(tok, V, merges, rank, span, tail, longest, ctl):
+    """The merges applied in order to tok (ids), in place, a span at a time (the comment
+    above): returns the token count; -1 when stopped through ctl[0] (tok is then
+    unusable); -2 when a span would pass `longest` bytes, with tok as it came (the
+    caller applies the merges by bpe_kernel). ctl[1]: merges' share of the text done,
+    as bpe_kernel's count of merges."""
+    n = tok.shape[0]
+    M = merges.shape[0]
+    if n == 0:
+        return 0
+    cap = min(n, max(longest, span)) + 1
+    ids = np.empty(cap, np.int32)
+    nxt = np.empty(cap, np.int32)
+    prv = np.empty(cap, np.int32)
+    head = np.empty(max(M, 1), np.int32)
+    npos = np.empty(3 * cap + 16, np.int32)
+    nnext = np.empty(3 * cap + 16, np.int32)
+    gather = np.empty(3 * cap + 16, np.int32)
+    a_tok = np.empty(cap, np.int32)
+    a_pos = np.empty(cap, np.int32)
+    b_tok = np.empty(cap, np.int32)
+    b_pos = np.empty(cap, np.int32)
+    w = 0        # tokens written: tok[:w], the tokens of tok[:p] as it came
+    p = 0
+    x = -1       # the token ending at p (none at 0)
+    e = min(n, span)
+    c = _encode_span(tok, p, e, merges, rank, V, ids, nxt, prv, head, npos, nnext, gather,
+                     a_tok, a_pos)
+    while e < n:
+        if ctl[0] != 0:
+            return -1
+        ctl[1] = M * p // n
+        lo = max(1, e - p - tail)
+        k = c - 1  # the first boundary in the span's last `tail` bytes (or its last)
+        while k > 1 and a_pos[k - 1] >= lo:
+            k -= 1
+        found = False
+        e2 = e
+        c2 = 0
+        tries = 0
+        while 1 <= k < c and tries < CUT_TRIES:
+            q = p + a_pos[k]
+            e2 = min(n, q + span)
+            c2 = _encode_span(tok, q, e2, merges, rank, V, ids, nxt, prv, head, npos, nnext,
+                              gather, b_tok, b_pos)
+            if _cut_holds(a_tok[k - 1], b_tok[0], merges, rank, V):
+                found = True
+                break
+            k += 1
+            tries += 1
+        if found:
+            for u in range(k):
+                tok[w + u] = a_tok[u]
+            w += k
+            x = a_tok[k - 1]
+            p += a_pos[k]
+            e = e2
+            c = c2
+            a_tok, b_tok = b_tok, a_tok
+            a_pos, b_pos = b_pos, a_pos
+            continue
+        if e - p >= longest:  # (no cut: the text's bytes back, for bpe_kernel)
+            _unencode(tok, w, p, merges)
+            return -2
+        e = min(n, p + min(longest, 2 * (e - p)))  # the span over more text
+        c = _encode_span(tok, p, e, merges, rank, V, ids, nxt, prv, head, npos, nnext,
+                         gather, a_tok, a_pos)
+        if x >= 0 and not _cut_holds(x, a_tok[0], merges, rank, V):
+            _unencode(tok, w, p, merges)  # (the cut behind held with the shorter span's
+            return -2                      # first token, not with this one's)
+    for u in range(c):
+        tok[w + u] = a_tok[u]
+    ctl[1] = M
+    return w + c
+
+
+def rank_table(merges, vocab: int):
+    """[vocab^2] int32: the merge of pair (x, y) at x * vocab + y, or -1 (the first where a
+    pair repeats, as applying them in order takes it)."""
+    merges = np.asarray(merges, np.int64).reshape(-1, 2)
+    rank = np.full(vocab * vocab, -1, np.int32)
+    at = (merges[:, 0] * vocab + merges[:, 1])[::-1]
+    rank[at] = np.arange(merges.shape[0], dtype=np.int32)[::-1]
+    return rank
+
+
 # position lists with their room, per corpus byte (see run): about 1.5 on English-like text,
 # 2.45 measured on 106 MB of random Unicode (2.0 had been assumed)
 POOL_BYTES_PER_BYTE = 2.5
@@ -467,6 +719,14 @@ def run(tok: np.ndarray, vocab: int, merges=None, slack=0.25, ctl=None, info=Non
         raise ValueError("texts of 4 GiB or more are not supported")
     ctl = np.zeros(4, np.int64) if ctl is None else ctl
     learn = merges is None
+    if not learn and 4 * vocab * vocab <= RANK_TABLE_MOST:
+        buf = np.ascontiguousarray(merges, dtype=np.int64).reshape(-1, 2)
+        w = apply_by_spans(tok, vocab, buf, rank_table(buf, vocab), SPAN_BYTES, TAIL_BYTES,
+                           LONGEST_SPAN, ctl)
+        if w == -1:
+            raise KeyboardInterrupt
+        if w >= 0:
+            return buf, w
     if learn:
         buf = np.zeros((max(vocab - FIRST_MERGE, 0), 2), np.int64)
         n_merges = buf.shape[0]

@@ -182,3 +182,116 @@ def test_the_position_lists_fit_their_memory_estimate_on_text():
         bpe.run(tok, vocab, info=info)
         assert info["pool_bytes"] <= bpe.POOL_BYTES_PER_BYTE * n, (vocab, info, n)
         assert bpe.memory_needed(vocab, n) >= 2 * n + info["pool_bytes"]
+
+
+# ------------------------------------------------------------ given merges, span by span
+def kernel_encode(ids, merges, vocab, monkeypatch):
+    """bpe_kernel's forced merges (the whole text at once): the spans' reference."""
+    with monkeypatch.context() as m:
+        m.setattr(bpe, "RANK_TABLE_MOST", -1)
+        tok = ids.copy()
+        _, w = bpe.run(tok, vocab, merges=merges)
+    return tok[:w]
+
+
+def by_spans(ids, merges, vocab, span, tail, longest, ctl=None):
+    """apply_by_spans on a copy of ids: (its return value, the copy)."""
+    tok = ids.copy()
+    w = bpe.apply_by_spans(tok, vocab, merges, bpe.rank_table(merges, vocab), span, tail,
+                           longest, np.zeros(4, np.int64) if ctl is None else ctl)
+    return w, tok
+
+
+def _ids(data: bytes):
+    return np.frombuffer(data, np.uint8).astype(np.uint16) + 4
+
+
+ADVERSE = {"runs": b"a" * 400 + b"b" + b"a" * 201, "pairs": (b"ab" * 300)[:-1] + b"a" * 5,
+           "repeats": (b"abc" * 100 + b"aab" * 50) * 2, "mirrored": b"aaab" * 60 + b"baaa" * 60,
+           "indents": b"\n    \n" * 40 + b"  " * 150 + b"def x():\n" * 20}
+
+
+@pytest.mark.parametrize("data", ADVERSE.values(), ids=ADVERSE.keys())
+def test_a_cut_holds_exactly_where_the_two_sides_alone_give_the_whole_texts_tokens(
+        data, monkeypatch):
+    """At every place q of a text: the tokens of [0, q) alone followed by those of [q, n)
+    alone are the text's tokens if and only if _cut_holds(last token of the left, first
+    of the right). Both kinds of place occur (the check is not always true: a cut it
+    refuses gives other tokens), on texts of runs and repeats, whose pairs overlap."""
+    vocab = 300
+    merges, _ = bpe.run(_ids(data), vocab)
+    rank = bpe.rank_table(merges, vocab)
+    whole = kernel_encode(_ids(data), merges, vocab, monkeypatch)
+    seen = set()
+    for q in range(1, len(data)):
+        left = kernel_encode(_ids(data[:q]), merges, vocab, monkeypatch)
+        right = kernel_encode(_ids(data[q:]), merges, vocab, monkeypatch)
+        same = np.array_equal(np.concatenate([left, right]), whole)
+        assert bpe._cut_holds(int(left[-1]), int(right[0]), merges, rank, vocab) == same, q
+        seen.add(same)
+    assert seen == {True, False}
+
+
+@pytest.mark.parametrize("span,tail", [(256, 32), (4096, 512), (1 << 16, 1 << 10)])
+def test_spans_give_the_whole_texts_tokens_on_the_builtin_corpus(span, tail, monkeypatch):
+    """hslm-3's merges (vocabulary 729) applied by spans of a few hundred bytes to the
+    default size (about 1,800 to 7 cuts over the 466 KB): the tokens learning made, and
+    bpe_kernel's."""
+    data = builtin_text().encode("utf-8")
+    tok = _ids(data)
+    merges, n = bpe.run(tok, 729)
+    w, got = by_spans(_ids(data), merges, 729, span, tail, 1 << 20)
+    assert w == n and np.array_equal(got[:w], tok[:n])
+    assert np.array_equal(kernel_encode(_ids(data), merges, 729, monkeypatch), tok[:n])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from([b"ab", b"abc", b"a \n", bytes(range(256))]), st.data())
+def test_spans_of_any_size_give_the_whole_texts_tokens_or_the_text_back(alphabet, data):
+    """Random texts of a few letters (runs, repeats), merges learned from them or from
+    another text, spans, tails and longest spans of any size: the tokens of applying the
+    merges to the whole text; or, where a span would grow past the longest (-2), the
+    text's ids as they came."""
+    draw = data.draw
+    text = bytes(draw(st.lists(st.sampled_from(alphabet), max_size=600)))
+    if draw(st.booleans()):
+        text = text * draw(st.integers(1, 4))
+    other = bytes(draw(st.lists(st.sampled_from(alphabet), max_size=300)))
+    vocab = draw(st.integers(261, 330))
+    merges, _ = bpe.run(_ids(text if draw(st.booleans()) else other), vocab)
+    span = draw(st.integers(1, 300))
+    tail = draw(st.integers(0, span))
+    longest = draw(st.integers(1, 1500))
+    w, got = by_spans(_ids(text), merges, vocab, span, tail, longest)
+    if w == -2:
+        assert np.array_equal(got, _ids(text))
+    else:
+        assert got[:w].tolist() == ref_encode(text, merges).tolist()
+
+
+def test_run_falls_back_to_the_whole_text_where_no_cut_is_found(monkeypatch):
+    """Spans too short to find a cut in (a long run of one byte whose tokens are longer
+    than the span): bpe.run gets the text back and applies the merges by bpe_kernel,
+    the same tokens. Control: apply_by_spans itself gives up there (-2)."""
+    data = b"x" * 5000 + b"yx" * 300
+    merges, n = bpe.run(_ids(data), 280)
+    want = ref_encode(data, merges)
+    w, _ = by_spans(_ids(data), merges, 280, 4, 1, 8)
+    assert w == -2
+    monkeypatch.setattr(bpe, "SPAN_BYTES", 4)
+    monkeypatch.setattr(bpe, "TAIL_BYTES", 1)
+    monkeypatch.setattr(bpe, "LONGEST_SPAN", 8)
+    tok = _ids(data)
+    _, w = bpe.run(tok, 280, merges=merges)
+    assert tok[:w].tolist() == want.tolist()
+
+
+def test_spans_stop_when_asked():
+    """ctl[0] set: apply_by_spans returns -1 at its next span, and bpe.run raises
+    KeyboardInterrupt (the way Ctrl-C reaches a kernel running without the GIL)."""
+    data = builtin_text().encode("utf-8")
+    merges, _ = bpe.run(_ids(data), 300)
+    ctl = np.ones(4, np.int64)
+    assert by_spans(_ids(data), merges, 300, 1 << 12, 1 << 8, 1 << 20, ctl)[0] == -1
+    with pytest.raises(KeyboardInterrupt):
+        bpe.run(_ids(data), 300, merges=merges, ctl=np.ones(4, np.int64))
