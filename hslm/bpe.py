@@ -470,6 +470,10 @@ TAIL_BYTES = 1 << 10
 CUT_TRIES = 8           # boundaries tried for a span's cut before it is made longer
 LONGEST_SPAN = 1 << 20
 RANK_TABLE_MOST = 1 << 26   # bytes of the pair -> merge table; a larger vocabulary: bpe_kernel
+# A shorter text is encoded by bpe_kernel, which a run's tokenizer has compiled already:
+# apply_by_spans compiles in 7-8 s (the 2-core Xeon), and saves about 100 ns a byte, so
+# a prompt, or eval's text of a few MB, would spend longer compiling it than encoding.
+SPANS_FROM = 1 << 24
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -719,7 +723,7 @@ def run(tok: np.ndarray, vocab: int, merges=None, slack=0.25, ctl=None, info=Non
         raise ValueError("texts of 4 GiB or more are not supported")
     ctl = np.zeros(4, np.int64) if ctl is None else ctl
     learn = merges is None
-    if not learn and 4 * vocab * vocab <= RANK_TABLE_MOST:
+    if not learn and tok.shape[0] >= SPANS_FROM and 4 * vocab * vocab <= RANK_TABLE_MOST:
         buf = np.ascontiguousarray(merges, dtype=np.int64).reshape(-1, 2)
         w = apply_by_spans(tok, vocab, buf, rank_table(buf, vocab), SPAN_BYTES, TAIL_BYTES,
                            LONGEST_SPAN, ctl)

@@ -269,29 +269,60 @@ def test_spans_of_any_size_give_the_whole_texts_tokens_or_the_text_back(alphabet
         assert got[:w].tolist() == ref_encode(text, merges).tolist()
 
 
+def spy_on_spans(monkeypatch):
+    """bpe.apply_by_spans, recording what each call returned."""
+    returned, inner = [], bpe.apply_by_spans
+
+    def spy(*args):
+        returned.append(inner(*args))
+        return returned[-1]
+    monkeypatch.setattr(bpe, "apply_by_spans", spy)
+    return returned
+
+
+def test_run_encodes_by_spans_from_spans_from_bytes_on(monkeypatch):
+    """bpe.run applies merges by spans to a text of SPANS_FROM bytes or more (here 1 KB),
+    by bpe_kernel (compiled already by a run's tokenizer) to a shorter one, and where
+    the pair table would pass RANK_TABLE_MOST (here 4 x 300^2 bytes): the same tokens."""
+    data = builtin_text().encode("utf-8")[:3000]
+    merges, _ = bpe.run(_ids(data), 300)
+    returned = spy_on_spans(monkeypatch)
+    monkeypatch.setattr(bpe, "SPANS_FROM", 1000)
+    for size, table_most, spans in [(3000, 4 * 300 ** 2, True), (999, 4 * 300 ** 2, False),
+                                    (3000, 4 * 300 ** 2 - 1, False)]:
+        monkeypatch.setattr(bpe, "RANK_TABLE_MOST", table_most)
+        tok = _ids(data[:size])
+        _, w = bpe.run(tok, 300, merges=merges)
+        assert tok[:w].tolist() == ref_encode(data[:size], merges).tolist()
+        assert returned == ([w] if spans else []), (size, table_most)
+        returned.clear()
+
+
 def test_run_falls_back_to_the_whole_text_where_no_cut_is_found(monkeypatch):
     """Spans too short to find a cut in (a long run of one byte whose tokens are longer
-    than the span): bpe.run gets the text back and applies the merges by bpe_kernel,
-    the same tokens. Control: apply_by_spans itself gives up there (-2)."""
+    than the span): apply_by_spans gives the text back (-2) and bpe.run applies the
+    merges by bpe_kernel, the same tokens."""
     data = b"x" * 5000 + b"yx" * 300
     merges, n = bpe.run(_ids(data), 280)
-    want = ref_encode(data, merges)
-    w, _ = by_spans(_ids(data), merges, 280, 4, 1, 8)
-    assert w == -2
-    monkeypatch.setattr(bpe, "SPAN_BYTES", 4)
-    monkeypatch.setattr(bpe, "TAIL_BYTES", 1)
-    monkeypatch.setattr(bpe, "LONGEST_SPAN", 8)
+    returned = spy_on_spans(monkeypatch)
+    for name, value in [("SPANS_FROM", 0), ("SPAN_BYTES", 4), ("TAIL_BYTES", 1),
+                        ("LONGEST_SPAN", 8)]:
+        monkeypatch.setattr(bpe, name, value)
     tok = _ids(data)
     _, w = bpe.run(tok, 280, merges=merges)
-    assert tok[:w].tolist() == want.tolist()
+    assert returned == [-2]
+    assert tok[:w].tolist() == ref_encode(data, merges).tolist()
 
 
-def test_spans_stop_when_asked():
+def test_spans_stop_when_asked(monkeypatch):
     """ctl[0] set: apply_by_spans returns -1 at its next span, and bpe.run raises
     KeyboardInterrupt (the way Ctrl-C reaches a kernel running without the GIL)."""
     data = builtin_text().encode("utf-8")
     merges, _ = bpe.run(_ids(data), 300)
     ctl = np.ones(4, np.int64)
     assert by_spans(_ids(data), merges, 300, 1 << 12, 1 << 8, 1 << 20, ctl)[0] == -1
+    monkeypatch.setattr(bpe, "SPANS_FROM", 0)
+    returned = spy_on_spans(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         bpe.run(_ids(data), 300, merges=merges, ctl=np.ones(4, np.int64))
+    assert returned == [-1]
