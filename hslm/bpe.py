@@ -41,10 +41,11 @@ the spans joined at cuts proved to be boundaries of the whole text's tokens; the
 kernel with the merges forced in their order (exactly applying each merge in one pass,
 in order) is its fallback, and a large vocabulary's.
 
-The kernel runs without the GIL and watches ctl[0]: a caller that sets it to 1
-gets the kernel back within a fraction of a second (the result is then unusable).
-ctl[1] reports merges done, ctl[2] the phase (0 indexing, 1 merging, 2 output), ctl[3]
-the compactions of the position lists so far.
+The kernels run without the GIL and watch ctl[0]: a caller that sets it to 1 gets
+the kernel back within a fraction of a second (the result is then unusable). ctl[1]
+reports merges done (apply_by_spans: the share of the text done, in merges), and
+bpe_kernel ctl[2] its phase (0 indexing, 1 merging, 2 output) and ctl[3] the compactions
+of the position lists so far.
 """
 from __future__ import annotations
 
@@ -471,9 +472,10 @@ CUT_TRIES = 8           # boundaries tried for a span's cut before it is made lo
 LONGEST_SPAN = 1 << 20
 RANK_TABLE_MOST = 1 << 26   # bytes of the pair -> merge table; a larger vocabulary: bpe_kernel
 # A shorter text is encoded by bpe_kernel, which a run's tokenizer has compiled already:
-# apply_by_spans compiles in 7-8 s (the 2-core Xeon), and saves about 100 ns a byte, so
-# a prompt, or eval's text of a few MB, would spend longer compiling it than encoding.
-SPANS_FROM = 1 << 24
+# apply_by_spans compiles in 7-8 s (the 2-core Xeon) and saves about 100 ns a byte, so
+# below some 70 MB a first use spends longer compiling it than it saves (a text is
+# encoded once: its tokens are cached), and a prompt would wait seconds for it.
+SPANS_FROM = 1 << 26
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -613,11 +615,13 @@ def apply_by_spans(tok, V, merges, rank, span, tail, longest, ctl):
     above): returns the token count; -1 when stopped through ctl[0] (tok is then
     unusable); -2 when a span would pass `longest` bytes, with tok as it came (the
     caller applies the merges by bpe_kernel). ctl[1]: merges' share of the text done,
-    as bpe_kernel's count of merges."""
+    as bpe_kernel's count of merges. span >= 1."""
     n = tok.shape[0]
     M = merges.shape[0]
     if n == 0:
         return 0
+    if span < 1:
+        raise ValueError("apply_by_spans: a span is 1 byte or more")
     cap = min(n, max(longest, span)) + 1
     ids = np.empty(cap, np.int32)
     nxt = np.empty(cap, np.int32)
@@ -641,14 +645,14 @@ def apply_by_spans(tok, V, merges, rank, span, tail, longest, ctl):
             return -1
         ctl[1] = M * p // n
         lo = max(1, e - p - tail)
-        k = c - 1  # the first boundary in the span's last `tail` bytes (or its last)
-        while k > 1 and a_pos[k - 1] >= lo:
-            k -= 1
+        k = c - 1  # the first boundary in the span's last `tail` bytes (or its last),
+        while k > 1 and a_pos[k - 1] >= lo:  # then the ones before it: the further from
+            k -= 1                            # the span's end, the likelier to hold
         found = False
         e2 = e
         c2 = 0
         tries = 0
-        while 1 <= k < c and tries < CUT_TRIES:
+        while k >= 1 and tries < CUT_TRIES:
             q = p + a_pos[k]
             e2 = min(n, q + span)
             c2 = _encode_span(tok, q, e2, merges, rank, V, ids, nxt, prv, head, npos, nnext,
@@ -656,7 +660,7 @@ def apply_by_spans(tok, V, merges, rank, span, tail, longest, ctl):
             if _cut_holds(a_tok[k - 1], b_tok[0], merges, rank, V):
                 found = True
                 break
-            k += 1
+            k -= 1
             tries += 1
         if found:
             for u in range(k):
@@ -718,25 +722,28 @@ def run(tok: np.ndarray, vocab: int, merges=None, slack=0.25, ctl=None, info=Non
     """learn (merges None: returns (merges int64 [m, 2], n_tokens)) or apply merges
     (returns (merges, n_tokens)); tok (ids_dtype) is changed in place. slack: the
     position lists' room, as a share of their first size. info (a dict), if given,
-    gets "pool_bytes": the largest the position lists' pool was."""
+    gets "pool_bytes": the largest the position lists' pool was (bpe_kernel's; slack is
+    its too). Merges given are applied by spans to a text of SPANS_FROM bytes or more."""
     if tok.shape[0] >= 2 ** 32 - 1:
         raise ValueError("texts of 4 GiB or more are not supported")
     ctl = np.zeros(4, np.int64) if ctl is None else ctl
     learn = merges is None
-    if not learn and tok.shape[0] >= SPANS_FROM and 4 * vocab * vocab <= RANK_TABLE_MOST:
+    if learn:
+        buf = np.zeros((max(vocab - FIRST_MERGE, 0), 2), np.int64)
+    else:
         buf = np.ascontiguousarray(merges, dtype=np.int64).reshape(-1, 2)
+        made = FIRST_MERGE + np.arange(buf.shape[0])[:, None]  # (the kernels index their
+        if buf.shape[0] > vocab - FIRST_MERGE or (buf < BYTE0).any() or (buf >= made).any():
+            raise ValueError("merges must join bytes and earlier merges, within the "
+                             "vocabulary")  # tables by these ids, unchecked)
+    n_merges = buf.shape[0]
+    if not learn and tok.shape[0] >= SPANS_FROM and 4 * vocab * vocab <= RANK_TABLE_MOST:
         w = apply_by_spans(tok, vocab, buf, rank_table(buf, vocab), SPAN_BYTES, TAIL_BYTES,
                            LONGEST_SPAN, ctl)
         if w == -1:
             raise KeyboardInterrupt
         if w >= 0:
             return buf, w
-    if learn:
-        buf = np.zeros((max(vocab - FIRST_MERGE, 0), 2), np.int64)
-        n_merges = buf.shape[0]
-    else:
-        buf = np.ascontiguousarray(merges, dtype=np.int64).reshape(-1, 2)
-        n_merges = buf.shape[0]
     counts, seg_len = _list_sizes(tok, vocab, ctl)
     if ctl[0] != 0:
         raise KeyboardInterrupt

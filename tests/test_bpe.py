@@ -326,3 +326,15 @@ def test_spans_stop_when_asked(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         bpe.run(_ids(data), 300, merges=merges, ctl=np.ones(4, np.int64))
     assert returned == [-1]
+
+
+@pytest.mark.parametrize("merges,vocab", [([[4, 4], [260, 261]], 300), ([[4, 3]], 300),
+                                          ([[4, 4], [5, 5]], 261), ([[4, 300]], 400)])
+def test_run_refuses_merges_its_tables_cannot_index(merges, vocab):
+    """A merge of an id not made yet, of a special id, more merges than the vocabulary
+    holds: ValueError before any kernel indexes its tables by them (neither checks its
+    indices). Control: the same shapes with valid merges encode."""
+    tok = _ids(b"aaaa bbbb")
+    with pytest.raises(ValueError, match="merges must join"):
+        bpe.run(tok, vocab, merges=np.array(merges, np.int64))
+    assert bpe.run(_ids(b"aaaa bbbb"), 300, merges=np.array([[4, 4], [5, 260]], np.int64))[1] > 0
