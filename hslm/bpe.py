@@ -49,6 +49,8 @@ of the position lists so far.
 """
 from __future__ import annotations
 
+import concurrent.futures
+
 import numpy as np
 from numba import njit
 
@@ -588,25 +590,34 @@ def _encode_span(tok, s, e, merges, rank, V, ids, nxt, prv, head, npos, nnext, g
 def _unencode(tok, w, p, merges):
     """tok[:p] back to the byte ids that tok[:w], its tokens, stand for (last first: a
     token's bytes end at or after the place it is read from)."""
-    stack = np.empty(64, np.int64)
     j = p
     for u in range(w - 1, -1, -1):
-        stack[0] = tok[u]
-        top = 1
-        while top > 0:
-            top -= 1
-            t = stack[top]
-            if t < FIRST_MERGE:
-                j -= 1
-                tok[j] = t
-                continue
-            if top + 2 > stack.shape[0]:
-                bigger = np.empty(2 * stack.shape[0], np.int64)
-                bigger[:top] = stack[:top]
-                stack = bigger
-            stack[top] = merges[t - FIRST_MERGE, 0]
-            stack[top + 1] = merges[t - FIRST_MERGE, 1]
-            top += 2
+        t = tok[u]
+        _unencode_one(t, tok, j, merges)
+        j -= _token_bytes(t, merges)
+
+
+@njit(cache=True, nogil=True)
+def _token_bytes(t, merges):
+    """How many bytes token t stands for."""
+    n = 0
+    stack = np.empty(64, np.int64)
+    stack[0] = t
+    top = 1
+    while top > 0:
+        top -= 1
+        x = stack[top]
+        if x < FIRST_MERGE:
+            n += 1
+            continue
+        if top + 2 > stack.shape[0]:
+            bigger = np.empty(2 * stack.shape[0], np.int64)
+            bigger[:top] = stack[:top]
+            stack = bigger
+        stack[top] = merges[x - FIRST_MERGE, 0]
+        stack[top + 1] = merges[x - FIRST_MERGE, 1]
+        top += 2
+    return n
 
 
 @njit(cache=True, nogil=True)
@@ -688,6 +699,147 @@ def apply_by_spans(tok, V, merges, rank, span, tail, longest, ctl):
     return w + c
 
 
+# A text is cut into parts of at least PART_BYTES_LEAST, encoded at once by threads of
+# their own (apply_by_spans on each part alone), and joined by join_parts: around each
+# place where two parts meet, the bytes of some of the left part's last tokens and the
+# right part's first (JOIN_REACH bytes each way, more where that fails) are encoded
+# alone, and that window's tokens replace theirs where both its ends hold as cuts
+# (_cut_holds, with the tokens kept beside them). A part's tokens are the tokens of its
+# bytes alone, and those between two of its token boundaries the tokens of those bytes
+# alone (the rule above), so every place the result is joined at is a checked cut.
+PART_BYTES_LEAST = 1 << 24
+JOIN_REACH = 1 << 12
+
+
+@njit(cache=True, nogil=True)
+def join_parts(tok, starts, counts, V, merges, rank, reach):
+    """tok[starts[t]:starts[t] + counts[t]] holding the tokens of part t, the ids
+    tok[starts[t]:starts[t + 1]] alone (starts[T] = the text's length): the text's
+    tokens written to tok[:w]; returns w, or -2 with every part's ids as they came
+    (no window's cuts held as it grew over a part: the caller then encodes the whole
+    text otherwise)."""
+    T = counts.shape[0]
+    M = merges.shape[0]
+    L = np.ones(V, np.int64)  # each id's bytes
+    for m in range(M):
+        L[FIRST_MERGE + m] = L[merges[m, 0]] + L[merges[m, 1]]
+    keep_from = np.zeros(T, np.int64)  # part t's tokens kept: [keep_from[t], keep_to[t])
+    keep_to = counts.astype(np.int64)
+    win_tok = np.empty(0, tok.dtype)   # the windows' tokens, one after another
+    win_end = np.zeros(T, np.int64)
+    nwin = 0
+    ctl = np.zeros(4, np.int64)
+    for t in range(T - 1):
+        sl, sr = starts[t], starts[t + 1]
+        r = reach
+        while True:
+            i = counts[t]
+            b = 0
+            while i > keep_from[t] + 1 and b < r:  # (one token of the part kept, at least)
+                i -= 1
+                b += L[tok[sl + i]]
+            j = 0
+            f = 0
+            while j < counts[t + 1] - 1 and f < r:
+                f += L[tok[sr + j]]
+                j += 1
+            window = np.empty(b + f, tok.dtype)
+            q = b + f
+            for u in range(j - 1, -1, -1):  # the right part's bytes, then the left's
+                _unencode_one(tok[sr + u], window, q, merges)
+                q -= L[tok[sr + u]]
+            for u in range(counts[t] - 1, i - 1, -1):
+                _unencode_one(tok[sl + u], window, q, merges)
+                q -= L[tok[sl + u]]
+            c = apply_by_spans(window, V, merges, rank, b + f, 0, b + f, ctl) if b + f else 0
+            if c > 0 and keep_from[t] < i and j < counts[t + 1] \
+                    and _cut_holds(tok[sl + i - 1], window[0], merges, rank, V) \
+                    and _cut_holds(window[c - 1], tok[sr + j], merges, rank, V):
+                break
+            if (i <= keep_from[t] + 1 and j >= counts[t + 1] - 1) or c < 0:
+                for u in range(T):  # (no part joined yet: each is as its kernel left it)
+                    _unencode(tok[starts[u]:starts[u + 1]], counts[u],
+                              starts[u + 1] - starts[u], merges)
+                return -2
+            r *= 2
+        keep_to[t] = i
+        keep_from[t + 1] = j
+        if nwin + c > win_tok.shape[0]:
+            bigger = np.empty(2 * (nwin + c), tok.dtype)
+            bigger[:nwin] = win_tok[:nwin]
+            win_tok = bigger
+        win_tok[nwin:nwin + c] = window[:c]
+        nwin += c
+        win_end[t] = nwin
+    w = 0  # (each part's kept tokens lie at or after where they go: moved forwards)
+    for t in range(T):
+        for u in range(keep_from[t], keep_to[t]):
+            tok[w] = tok[starts[t] + u]
+            w += 1
+        if t < T - 1:
+            for u in range(win_end[t - 1] if t > 0 else 0, win_end[t]):
+                tok[w] = win_tok[u]
+                w += 1
+    return w
+
+
+@njit(cache=True, nogil=True)
+def _unencode_one(t, out, end, merges):
+    """Token t's byte ids written to out, ending before `end`."""
+    stack = np.empty(64, np.int64)
+    stack[0] = t
+    top = 1
+    j = end
+    while top > 0:
+        top -= 1
+        x = stack[top]
+        if x < FIRST_MERGE:
+            j -= 1
+            out[j] = x
+            continue
+        if top + 2 > stack.shape[0]:
+            bigger = np.empty(2 * stack.shape[0], np.int64)
+            bigger[:top] = stack[:top]
+            stack = bigger
+        stack[top] = merges[x - FIRST_MERGE, 0]
+        stack[top + 1] = merges[x - FIRST_MERGE, 1]
+        top += 2
+
+
+def by_spans(tok, vocab, merges, rank, parts, ctl, sizes=None):
+    """apply_by_spans on tok, or on `parts` parts of it at once (a thread each) joined by
+    join_parts: the token count; -1 stopped through ctl[0]; -2 with tok as it came.
+    sizes: (span, tail, longest span, join reach), by default the module's."""
+    span, tail, longest, reach = sizes or (SPAN_BYTES, TAIL_BYTES, LONGEST_SPAN, JOIN_REACH)
+    if parts == 1:
+        return apply_by_spans(tok, vocab, merges, rank, span, tail, longest, ctl)
+    n = tok.shape[0]
+    starts = np.array([n * t // parts for t in range(parts + 1)], np.int64)
+    ctls = [np.array([ctl[0], 0, 0, 0], np.int64) for _ in range(parts)]  # (stopped already)
+    with concurrent.futures.ThreadPoolExecutor(parts, thread_name_prefix="hslm-bpe") as pool:
+        running = [pool.submit(apply_by_spans, tok[starts[t]:starts[t + 1]], vocab, merges,
+                               rank, span, tail, longest, ctls[t]) for t in range(parts)]
+        while True:
+            done, left = concurrent.futures.wait(running, timeout=0.05)
+            if not left:
+                break
+            if ctl[0] != 0 or any(f.exception() for f in done):
+                for c in ctls:  # (each part stops at its next span; the pool waits)
+                    c[0] = 1
+                break
+            ctl[1] = sum(int(c[1]) for c in ctls) // parts
+        counts = np.array([f.result() for f in running], np.int64)
+    if ctl[0] != 0 or (counts == -1).any():
+        return -1
+    if (counts == -2).any():
+        for t in range(parts):  # (every part's ids back, for bpe_kernel)
+            if counts[t] >= 0:
+                _unencode(tok[starts[t]:starts[t + 1]], counts[t], starts[t + 1] - starts[t],
+                          merges)
+        return -2
+    return join_parts(tok, starts, counts, vocab, merges, rank, reach)
+
+
 def rank_table(merges, vocab: int):
     """[vocab^2] int32: the merge of pair (x, y) at x * vocab + y, or -1 (the first where a
     pair repeats, as applying them in order takes it)."""
@@ -718,12 +870,14 @@ def ids_dtype(vocab: int):
     return np.uint16 if vocab <= 65535 else np.uint32
 
 
-def run(tok: np.ndarray, vocab: int, merges=None, slack=0.25, ctl=None, info=None):
+def run(tok: np.ndarray, vocab: int, merges=None, slack=0.25, ctl=None, info=None,
+        threads=1):
     """learn (merges None: returns (merges int64 [m, 2], n_tokens)) or apply merges
     (returns (merges, n_tokens)); tok (ids_dtype) is changed in place. slack: the
     position lists' room, as a share of their first size. info (a dict), if given,
     gets "pool_bytes": the largest the position lists' pool was (bpe_kernel's; slack is
-    its too). Merges given are applied by spans to a text of SPANS_FROM bytes or more."""
+    its too). Merges given are applied by spans to a text of SPANS_FROM bytes or more, in
+    up to `threads` parts at once."""
     if tok.shape[0] >= 2 ** 32 - 1:
         raise ValueError("texts of 4 GiB or more are not supported")
     ctl = np.zeros(4, np.int64) if ctl is None else ctl
@@ -738,8 +892,8 @@ def run(tok: np.ndarray, vocab: int, merges=None, slack=0.25, ctl=None, info=Non
                              "vocabulary")  # tables by these ids, unchecked)
     n_merges = buf.shape[0]
     if not learn and tok.shape[0] >= SPANS_FROM and 4 * vocab * vocab <= RANK_TABLE_MOST:
-        w = apply_by_spans(tok, vocab, buf, rank_table(buf, vocab), SPAN_BYTES, TAIL_BYTES,
-                           LONGEST_SPAN, ctl)
+        parts = max(1, min(threads, tok.shape[0] // PART_BYTES_LEAST))
+        w = by_spans(tok, vocab, buf, rank_table(buf, vocab), parts, ctl)
         if w == -1:
             raise KeyboardInterrupt
         if w >= 0:

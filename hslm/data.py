@@ -369,12 +369,17 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
 def _tokenize(ids, vocab: int, tokenizer, what: str, show: bool):
     """(tokenizer, n): the merges learned from ids (tokenizer None) or the tokenizer's
     applied to them, in place: ids[:n] are then the tokens. Ctrl-C stops it promptly."""
+    from .precompile import available_cores
     ctl = np.zeros(4, np.int64)
     learn = tokenizer is None
     total = vocab - FIRST_MERGE if learn else len(tokenizer.merges)
     ph = Phase(what, total, "merges", show=show)
+    # (encoding runs in parts at once, a core each; learning is one pass. MPI: the ranks
+    # share the cores)
+    threads = 1 if distributed.current() is not None else available_cores()
     merges, n = run_interruptible(
-        lambda: bpe.run(ids, vocab, None if learn else tokenizer.merges, ctl=ctl), ctl,
+        lambda: bpe.run(ids, vocab, None if learn else tokenizer.merges, ctl=ctl,
+                        threads=threads), ctl,
         lambda: ph.update(int(ctl[1])))
     # (the merges made: learning makes fewer than asked where the text repeats no pair;
     # Corpus's warning, or its error, says so)
@@ -400,8 +405,10 @@ def _encoded_pieces(pieces, vocab: int, tokenizer, k: int, show: bool):
                total, "merges", show=show)
     ctls, running = [], collections.deque()
 
-    def encode(ids, ctl):
-        return ids[:bpe.run(ids, vocab, tokenizer.merges, ctl=ctl)[1]]
+    threads = 1 if distributed.current() is not None else max(1, available_cores() // workers)
+
+    def encode(ids, ctl):  # (the cores the pieces at once leave: a piece's parts at once)
+        return ids[:bpe.run(ids, vocab, tokenizer.merges, ctl=ctl, threads=threads)[1]]
 
     def oldest():  # (waited on in short turns, so that Ctrl-C reaches this thread)
         while True:

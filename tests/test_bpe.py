@@ -338,3 +338,60 @@ def test_run_refuses_merges_its_tables_cannot_index(merges, vocab):
     with pytest.raises(ValueError, match="merges must join"):
         bpe.run(tok, vocab, merges=np.array(merges, np.int64))
     assert bpe.run(_ids(b"aaaa bbbb"), 300, merges=np.array([[4, 4], [5, 260]], np.int64))[1] > 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([b"ab", b"abc", b"a \n", bytes(range(256))]), st.data())
+def test_parts_encoded_at_once_and_joined_give_the_whole_texts_tokens_or_the_text_back(
+        alphabet, data):
+    """A text cut into 2-9 parts encoded at once (a thread each, spans of any size) and
+    joined by windows of any reach: the tokens of applying the merges to the whole text,
+    or (-2, a part or a window with no cut) the text's ids as they came."""
+    draw = data.draw
+    text = bytes(draw(st.lists(st.sampled_from(alphabet), min_size=2, max_size=900)))
+    if draw(st.booleans()):
+        text = text * draw(st.integers(1, 4))
+    vocab = draw(st.integers(261, 330))
+    merges, _ = bpe.run(_ids(text), vocab)
+    parts = draw(st.integers(2, min(9, len(text))))
+    span = draw(st.integers(1, 300))
+    sizes = (span, draw(st.integers(0, span)), draw(st.integers(1, 1500)),
+             draw(st.integers(1, 200)))
+    tok = _ids(text)
+    w = bpe.by_spans(tok, vocab, merges, bpe.rank_table(merges, vocab), parts,
+                     np.zeros(4, np.int64), sizes)
+    if w == -2:
+        assert np.array_equal(tok, _ids(text))
+    else:
+        assert tok[:w].tolist() == ref_encode(text, merges).tolist()
+
+
+def test_parts_give_the_whole_texts_tokens_on_the_builtin_corpus(monkeypatch):
+    """hslm-3's merges on the built-in corpus through bpe.run with 2 and 7 threads (parts
+    of 64 KB at least, windows of 16 bytes each way at first): the tokens learning made.
+    Each part was encoded (a spy counts the calls), and the joins held (no fallback)."""
+    data = builtin_text().encode("utf-8")
+    tok = _ids(data)
+    merges, n = bpe.run(tok, 729)
+    returned = spy_on_spans(monkeypatch)
+    for name, value in [("SPANS_FROM", 0), ("PART_BYTES_LEAST", 1 << 16), ("JOIN_REACH", 16)]:
+        monkeypatch.setattr(bpe, name, value)
+    for threads in (2, 7):
+        got = _ids(data)
+        _, w = bpe.run(got, 729, merges=merges, threads=threads)
+        assert w == n and np.array_equal(got[:w], tok[:n])
+        assert len(returned) == threads and min(returned) > 0
+        returned.clear()
+
+
+def test_parts_stop_when_asked(monkeypatch):
+    """ctl[0] set while parts are encoded at once: bpe.run raises KeyboardInterrupt, every
+    part having stopped (each returned -1)."""
+    data = builtin_text().encode("utf-8")
+    merges, _ = bpe.run(_ids(data), 300)
+    monkeypatch.setattr(bpe, "SPANS_FROM", 0)
+    monkeypatch.setattr(bpe, "PART_BYTES_LEAST", 1 << 16)
+    returned = spy_on_spans(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        bpe.run(_ids(data), 300, merges=merges, ctl=np.ones(4, np.int64), threads=3)
+    assert returned == [-1, -1, -1]
