@@ -592,32 +592,7 @@ def _unencode(tok, w, p, merges):
     token's bytes end at or after the place it is read from)."""
     j = p
     for u in range(w - 1, -1, -1):
-        t = tok[u]
-        _unencode_one(t, tok, j, merges)
-        j -= _token_bytes(t, merges)
-
-
-@njit(cache=True, nogil=True)
-def _token_bytes(t, merges):
-    """How many bytes token t stands for."""
-    n = 0
-    stack = np.empty(64, np.int64)
-    stack[0] = t
-    top = 1
-    while top > 0:
-        top -= 1
-        x = stack[top]
-        if x < FIRST_MERGE:
-            n += 1
-            continue
-        if top + 2 > stack.shape[0]:
-            bigger = np.empty(2 * stack.shape[0], np.int64)
-            bigger[:top] = stack[:top]
-            stack = bigger
-        stack[top] = merges[x - FIRST_MERGE, 0]
-        stack[top + 1] = merges[x - FIRST_MERGE, 1]
-        top += 2
-    return n
+        j = _unencode_one(tok[u], tok, j, merges)
 
 
 @njit(cache=True, nogil=True)
@@ -746,11 +721,9 @@ def join_parts(tok, starts, counts, V, merges, rank, reach):
             window = np.empty(b + f, tok.dtype)
             q = b + f
             for u in range(j - 1, -1, -1):  # the right part's bytes, then the left's
-                _unencode_one(tok[sr + u], window, q, merges)
-                q -= L[tok[sr + u]]
+                q = _unencode_one(tok[sr + u], window, q, merges)
             for u in range(counts[t] - 1, i - 1, -1):
-                _unencode_one(tok[sl + u], window, q, merges)
-                q -= L[tok[sl + u]]
+                q = _unencode_one(tok[sl + u], window, q, merges)
             c = apply_by_spans(window, V, merges, rank, b + f, 0, b + f, ctl) if b + f else 0
             if c > 0 and keep_from[t] < i and j < counts[t + 1] \
                     and _cut_holds(tok[sl + i - 1], window[0], merges, rank, V) \
@@ -785,7 +758,8 @@ def join_parts(tok, starts, counts, V, merges, rank, reach):
 
 @njit(cache=True, nogil=True)
 def _unencode_one(t, out, end, merges):
-    """Token t's byte ids written to out, ending before `end`."""
+    """Token t's byte ids written to out, ending before `end`; returns where they start
+    (t is read first, so out may be the array it came from)."""
     stack = np.empty(64, np.int64)
     stack[0] = t
     top = 1
@@ -804,6 +778,7 @@ def _unencode_one(t, out, end, merges):
         stack[top] = merges[x - FIRST_MERGE, 0]
         stack[top + 1] = merges[x - FIRST_MERGE, 1]
         top += 2
+    return j
 
 
 def by_spans(tok, vocab, merges, rank, parts, ctl, sizes=None):
