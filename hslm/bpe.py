@@ -37,9 +37,10 @@ the stream for every merge:
 Memory: 2 bytes (tok) + about 1.4 x 1.25 bytes (pool) per corpus byte on text, plus
 tables of vocab^2 entries. Encoding with given merges (apply_by_spans, below) needs no
 counts: it encodes the text a span at a time in tables that stay in the core's caches,
-the spans joined at cuts proved to be boundaries of the whole text's tokens; the same
-kernel with the merges forced in their order (exactly applying each merge in one pass,
-in order) is its fallback, and a large vocabulary's.
+in parts at once (by_spans, join_parts), the spans and parts joined at cuts proved to be
+boundaries of the whole text's tokens; the same kernel with the merges forced in their
+order (exactly applying each merge in one pass, in order) is its fallback, and a short
+text's and a large vocabulary's.
 
 The kernels run without the GIL and watch ctl[0]: a caller that sets it to 1 gets
 the kernel back within a fraction of a second (the result is then unusable). ctl[1]
@@ -687,11 +688,12 @@ JOIN_REACH = 1 << 12
 
 
 @njit(cache=True, nogil=True)
-def join_parts(tok, starts, counts, V, merges, rank, reach):
+def join_parts(tok, starts, counts, V, merges, rank, reach, longest, ctl):
     """tok[starts[t]:starts[t] + counts[t]] holding the tokens of part t, the ids
     tok[starts[t]:starts[t + 1]] alone (starts[T] = the text's length): the text's
-    tokens written to tok[:w]; returns w, or -2 with every part's ids as they came
-    (no window's cuts held as it grew over a part: the caller then encodes the whole
+    tokens written to tok[:w]; returns w; -1 when stopped through ctl[0] (tok is then
+    unusable); -2 with every part's ids as they came where a window with no cut would
+    pass `longest` bytes or cover the parts beside it (the caller then encodes the whole
     text otherwise)."""
     T = counts.shape[0]
     M = merges.shape[0]
@@ -703,11 +705,12 @@ def join_parts(tok, starts, counts, V, merges, rank, reach):
     win_tok = np.empty(0, tok.dtype)   # the windows' tokens, one after another
     win_end = np.zeros(T, np.int64)
     nwin = 0
-    ctl = np.zeros(4, np.int64)
     for t in range(T - 1):
         sl, sr = starts[t], starts[t + 1]
         r = reach
         while True:
+            if ctl[0] != 0:
+                return -1
             i = counts[t]
             b = 0
             while i > keep_from[t] + 1 and b < r:  # (one token of the part kept, at least)
@@ -718,21 +721,23 @@ def join_parts(tok, starts, counts, V, merges, rank, reach):
             while j < counts[t + 1] - 1 and f < r:
                 f += L[tok[sr + j]]
                 j += 1
+            if b + f > longest or (b + f == 0):
+                _unencode_parts(tok, starts, counts, merges)
+                return -2
             window = np.empty(b + f, tok.dtype)
             q = b + f
             for u in range(j - 1, -1, -1):  # the right part's bytes, then the left's
                 q = _unencode_one(tok[sr + u], window, q, merges)
             for u in range(counts[t] - 1, i - 1, -1):
                 q = _unencode_one(tok[sl + u], window, q, merges)
-            c = apply_by_spans(window, V, merges, rank, b + f, 0, b + f, ctl) if b + f else 0
-            if c > 0 and keep_from[t] < i and j < counts[t + 1] \
-                    and _cut_holds(tok[sl + i - 1], window[0], merges, rank, V) \
+            c = apply_by_spans(window, V, merges, rank, b + f, 0, b + f, ctl)
+            if c < 0:
+                return -1
+            if _cut_holds(tok[sl + i - 1], window[0], merges, rank, V) \
                     and _cut_holds(window[c - 1], tok[sr + j], merges, rank, V):
                 break
-            if (i <= keep_from[t] + 1 and j >= counts[t + 1] - 1) or c < 0:
-                for u in range(T):  # (no part joined yet: each is as its kernel left it)
-                    _unencode(tok[starts[u]:starts[u + 1]], counts[u],
-                              starts[u + 1] - starts[u], merges)
+            if i <= keep_from[t] + 1 and j >= counts[t + 1] - 1:
+                _unencode_parts(tok, starts, counts, merges)
                 return -2
             r *= 2
         keep_to[t] = i
@@ -744,16 +749,40 @@ def join_parts(tok, starts, counts, V, merges, rank, reach):
         win_tok[nwin:nwin + c] = window[:c]
         nwin += c
         win_end[t] = nwin
-    w = 0  # (each part's kept tokens lie at or after where they go: moved forwards)
+    # The tokens moved to the front in place where each part's kept tokens lie at or
+    # after where they go; a window can hold more tokens than those it replaces (bytes
+    # a | b c d, merges (a, b), (b, c), (bc, d): [a][bcd] as two parts, [ab][c][d] as
+    # one), which a part of few merges before it may not make up for: through `out` then.
+    w = 0
+    in_place = True
+    for t in range(T):
+        if w > starts[t] + keep_from[t]:
+            in_place = False
+        w += keep_to[t] - keep_from[t] + (win_end[t] - (win_end[t - 1] if t > 0 else 0)
+                                          if t < T - 1 else 0)
+    out = tok if in_place else np.empty(w, tok.dtype)
+    w = 0
     for t in range(T):
         for u in range(keep_from[t], keep_to[t]):
-            tok[w] = tok[starts[t] + u]
+            out[w] = tok[starts[t] + u]
             w += 1
         if t < T - 1:
             for u in range(win_end[t - 1] if t > 0 else 0, win_end[t]):
-                tok[w] = win_tok[u]
+                out[w] = win_tok[u]
                 w += 1
+    if not in_place:
+        tok[:w] = out
+    ctl[1] = M
     return w
+
+
+@njit(cache=True, nogil=True)
+def _unencode_parts(tok, starts, counts, merges):
+    """Each part's ids back from its tokens (join_parts' and by_spans' -2)."""
+    for t in range(counts.shape[0]):
+        if counts[t] >= 0:
+            _unencode(tok[starts[t]:starts[t + 1]], counts[t], starts[t + 1] - starts[t],
+                      merges)
 
 
 @njit(cache=True, nogil=True)
@@ -806,13 +835,10 @@ def by_spans(tok, vocab, merges, rank, parts, ctl, sizes=None):
         counts = np.array([f.result() for f in running], np.int64)
     if ctl[0] != 0 or (counts == -1).any():
         return -1
-    if (counts == -2).any():
-        for t in range(parts):  # (every part's ids back, for bpe_kernel)
-            if counts[t] >= 0:
-                _unencode(tok[starts[t]:starts[t + 1]], counts[t], starts[t + 1] - starts[t],
-                          merges)
+    if (counts == -2).any():  # (every part's ids back, for bpe_kernel)
+        _unencode_parts(tok, starts, counts, merges)
         return -2
-    return join_parts(tok, starts, counts, vocab, merges, rank, reach)
+    return join_parts(tok, starts, counts, vocab, merges, rank, reach, longest, ctl)
 
 
 def rank_table(merges, vocab: int):

@@ -395,3 +395,20 @@ def test_parts_stop_when_asked(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         bpe.run(_ids(data), 300, merges=merges, ctl=np.ones(4, np.int64), threads=3)
     assert returned == [-1, -1, -1]
+
+
+def test_a_window_with_more_tokens_than_it_replaces_is_joined_without_overwriting():
+    """Bytes 'xyz' (no merge) then 'abcd' | 'q' in two parts, merges (a, b), (b, c),
+    (bc, d): the right part is [bcd]... and the window around the join encodes to
+    [ab][c][d], one token more than it replaces, with too few merges before it to make
+    room: the result is built aside, not over the right part's tokens still to be read
+    (it had lost the 'q' and written 'd' twice; found in review)."""
+    A = [ord(ch) + 4 for ch in "abcd"]
+    merges = np.array([[A[0], A[1]], [A[1], A[2]], [261, A[3]]], np.int64)
+    text = b"xyzabcdq"
+    for parts, reach in [(2, 1), (2, 2), (3, 1), (4, 1)]:
+        tok = _ids(text)
+        w = bpe.by_spans(tok, 263, merges, bpe.rank_table(merges, 263), parts,
+                         np.zeros(4, np.int64), (100, 0, 100, reach))
+        assert w == -2 and np.array_equal(tok, _ids(text)) or \
+            tok[:w].tolist() == ref_encode(text, merges).tolist(), (parts, reach)
