@@ -44,9 +44,9 @@ text's and a large vocabulary's.
 
 The kernels run without the GIL and watch ctl[0]: a caller that sets it to 1 gets
 the kernel back within a fraction of a second (the result is then unusable). ctl[1]
-reports merges done (apply_by_spans: the share of the text done, in merges), and
-bpe_kernel ctl[2] its phase (0 indexing, 1 merging, 2 output) and ctl[3] the compactions
-of the position lists so far.
+reports merges done (the span encoders: the share of the text done, in merges); ctl[2]
+bpe_kernel's phase (0 indexing, 1 merging, 2 output) and ctl[3] its compactions of the
+position lists so far.
 """
 from __future__ import annotations
 
@@ -475,7 +475,7 @@ CUT_TRIES = 8           # boundaries tried for a span's cut before it is made lo
 LONGEST_SPAN = 1 << 20
 RANK_TABLE_MOST = 1 << 26   # bytes of the pair -> merge table; a larger vocabulary: bpe_kernel
 # A shorter text is encoded by bpe_kernel, which a run's tokenizer has compiled already:
-# apply_by_spans compiles in 7-8 s (the 2-core Xeon) and saves about 100 ns a byte, so
+# the span encoders compile in 7-11 s (the 2-core Xeon) and save about 100 ns a byte, so
 # below some 70 MB a first use spends longer compiling it than it saves (a text is
 # encoded once: its tokens are cached), and a prompt would wait seconds for it.
 SPANS_FROM = 1 << 26
@@ -513,6 +513,15 @@ def _cut_holds(x, y, merges, rank, V):
     return True
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _push(head, npos, nnext, nn, r, i):
+    """Place i into merge r's bucket as entry nn; returns the next entry's index."""
+    npos[nn] = i
+    nnext[nn] = head[r]
+    head[r] = nn
+    return nn + 1
+
+
 @njit(cache=True, nogil=True)
 def _encode_span(tok, s, e, merges, rank, V, ids, nxt, prv, head, npos, nnext, gather,
                  out_tok, out_pos):
@@ -534,10 +543,7 @@ def _encode_span(tok, s, e, merges, rank, V, ids, nxt, prv, head, npos, nnext, g
     for i in range(n - 1):
         r = rank[ids[i] * V + ids[i + 1]]
         if r >= 0:
-            npos[nn] = i
-            nnext[nn] = head[r]
-            head[r] = nn
-            nn += 1
+            nn = _push(head, npos, nnext, nn, r, i)
     for m in range(M):
         h = head[m]
         if h < 0:
@@ -565,18 +571,12 @@ def _encode_span(tok, s, e, merges, rank, V, ids, nxt, prv, head, npos, nnext, g
                 prv[k] = i
                 r = rank[N * V + ids[k]]
                 if r >= 0:
-                    npos[nn] = i
-                    nnext[nn] = head[r]
-                    head[r] = nn
-                    nn += 1
+                    nn = _push(head, npos, nnext, nn, r, i)
             q = prv[i]
             if q >= 0:
                 r = rank[ids[q] * V + N]
                 if r >= 0:
-                    npos[nn] = q
-                    nnext[nn] = head[r]
-                    head[r] = nn
-                    nn += 1
+                    nn = _push(head, npos, nnext, nn, r, q)
     c = 0
     i = 0
     while i < n:
@@ -588,12 +588,24 @@ def _encode_span(tok, s, e, merges, rank, V, ids, nxt, prv, head, npos, nnext, g
 
 
 @njit(cache=True, nogil=True)
-def _unencode(tok, w, p, merges):
-    """tok[:p] back to the byte ids that tok[:w], its tokens, stand for (last first: a
-    token's bytes end at or after the place it is read from)."""
-    j = p
-    for u in range(w - 1, -1, -1):
-        j = _unencode_one(tok[u], tok, j, merges)
+def _unencode(tokens, out, end, merges):
+    """The byte ids of `tokens` written to out, ending before `end`, the last token's
+    first (so out may be the array the tokens lie at the front of: a token's bytes end
+    at or after the place it is read from); returns where they start."""
+    stack = np.empty(merges.shape[0] + 1, np.int64)  # (a token's merges nest M deep at most)
+    for u in range(tokens.shape[0] - 1, -1, -1):
+        stack[0] = tokens[u]
+        top = 1
+        while top > 0:
+            top -= 1
+            x = stack[top]
+            while x >= FIRST_MERGE:  # its first part kept for later, its second walked
+                stack[top] = merges[x - FIRST_MERGE, 0]
+                top += 1
+                x = merges[x - FIRST_MERGE, 1]
+            end -= 1
+            out[end] = x
+    return end
 
 
 @njit(cache=True, nogil=True)
@@ -650,8 +662,7 @@ def apply_by_spans(tok, V, merges, rank, span, tail, longest, ctl):
             k -= 1
             tries += 1
         if found:
-            for u in range(k):
-                tok[w + u] = a_tok[u]
+            tok[w:w + k] = a_tok[:k]
             w += k
             x = a_tok[k - 1]
             p += a_pos[k]
@@ -661,16 +672,15 @@ def apply_by_spans(tok, V, merges, rank, span, tail, longest, ctl):
             a_pos, b_pos = b_pos, a_pos
             continue
         if e - p >= longest:  # (no cut: the text's bytes back, for bpe_kernel)
-            _unencode(tok, w, p, merges)
+            _unencode(tok[:w], tok, p, merges)
             return -2
         e = min(n, p + min(longest, 2 * (e - p)))  # the span over more text
         c = _encode_span(tok, p, e, merges, rank, V, ids, nxt, prv, head, npos, nnext,
                          gather, a_tok, a_pos)
         if x >= 0 and not _cut_holds(x, a_tok[0], merges, rank, V):
-            _unencode(tok, w, p, merges)  # (the cut behind held with the shorter span's
+            _unencode(tok[:w], tok, p, merges)  # (the cut behind held with the shorter span's
             return -2                      # first token, not with this one's)
-    for u in range(c):
-        tok[w + u] = a_tok[u]
+    tok[w:w + c] = a_tok[:c]
     ctl[1] = M
     return w + c
 
@@ -725,14 +735,9 @@ def join_parts(tok, starts, counts, V, merges, rank, reach, longest, ctl):
                 _unencode_parts(tok, starts, counts, merges)
                 return -2
             window = np.empty(b + f, tok.dtype)
-            q = b + f
-            for u in range(j - 1, -1, -1):  # the right part's bytes, then the left's
-                q = _unencode_one(tok[sr + u], window, q, merges)
-            for u in range(counts[t] - 1, i - 1, -1):
-                q = _unencode_one(tok[sl + u], window, q, merges)
-            c = apply_by_spans(window, V, merges, rank, b + f, 0, b + f, ctl)
-            if c < 0:
-                return -1
+            q = _unencode(tok[sr:sr + j], window, b + f, merges)  # the right part's bytes,
+            _unencode(tok[sl + i:sl + counts[t]], window, q, merges)  # then the left's
+            c = apply_by_spans(window, V, merges, rank, b + f, 0, b + f, ctl)  # (one span)
             if _cut_holds(tok[sl + i - 1], window[0], merges, rank, V) \
                     and _cut_holds(window[c - 1], tok[sr + j], merges, rank, V):
                 break
@@ -781,33 +786,8 @@ def _unencode_parts(tok, starts, counts, merges):
     """Each part's ids back from its tokens (join_parts' and by_spans' -2)."""
     for t in range(counts.shape[0]):
         if counts[t] >= 0:
-            _unencode(tok[starts[t]:starts[t + 1]], counts[t], starts[t + 1] - starts[t],
-                      merges)
-
-
-@njit(cache=True, nogil=True)
-def _unencode_one(t, out, end, merges):
-    """Token t's byte ids written to out, ending before `end`; returns where they start
-    (t is read first, so out may be the array it came from)."""
-    stack = np.empty(64, np.int64)
-    stack[0] = t
-    top = 1
-    j = end
-    while top > 0:
-        top -= 1
-        x = stack[top]
-        if x < FIRST_MERGE:
-            j -= 1
-            out[j] = x
-            continue
-        if top + 2 > stack.shape[0]:
-            bigger = np.empty(2 * stack.shape[0], np.int64)
-            bigger[:top] = stack[:top]
-            stack = bigger
-        stack[top] = merges[x - FIRST_MERGE, 0]
-        stack[top + 1] = merges[x - FIRST_MERGE, 1]
-        top += 2
-    return j
+            _unencode(tok[starts[t]:starts[t] + counts[t]], tok[starts[t]:starts[t + 1]],
+                      starts[t + 1] - starts[t], merges)
 
 
 def by_spans(tok, vocab, merges, rank, parts, ctl, sizes=None):
@@ -876,8 +856,8 @@ def run(tok: np.ndarray, vocab: int, merges=None, slack=0.25, ctl=None, info=Non
     """learn (merges None: returns (merges int64 [m, 2], n_tokens)) or apply merges
     (returns (merges, n_tokens)); tok (ids_dtype) is changed in place. slack: the
     position lists' room, as a share of their first size. info (a dict), if given,
-    gets "pool_bytes": the largest the position lists' pool was (bpe_kernel's; slack is
-    its too). Merges given are applied by spans to a text of SPANS_FROM bytes or more, in
+    gets "pool_bytes": the largest the position lists' pool was (slack and info apply to
+    bpe_kernel only). Merges given are applied by spans to a text of SPANS_FROM bytes or more, in
     up to `threads` parts at once."""
     if tok.shape[0] >= 2 ** 32 - 1:
         raise ValueError("texts of 4 GiB or more are not supported")

@@ -369,14 +369,11 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
 def _tokenize(ids, vocab: int, tokenizer, what: str, show: bool):
     """(tokenizer, n): the merges learned from ids (tokenizer None) or the tokenizer's
     applied to them, in place: ids[:n] are then the tokens. Ctrl-C stops it promptly."""
-    from .precompile import available_cores
     ctl = np.zeros(4, np.int64)
     learn = tokenizer is None
     total = vocab - FIRST_MERGE if learn else len(tokenizer.merges)
     ph = Phase(what, total, "merges", show=show)
-    # (encoding runs in parts at once, a core each; learning is one pass. MPI: the ranks
-    # share the cores)
-    threads = 1 if distributed.current() is not None else available_cores()
+    threads = _cores_to_encode_on()  # (encoding runs in parts at once; learning is one pass)
     merges, n = run_interruptible(
         lambda: bpe.run(ids, vocab, None if learn else tokenizer.merges, ctl=ctl,
                         threads=threads), ctl,
@@ -387,6 +384,13 @@ def _tokenize(ids, vocab: int, tokenizer, what: str, show: bool):
     return (Tokenizer(vocab, merges) if learn else tokenizer), n
 
 
+def _cores_to_encode_on() -> int:
+    """The cores a text's encoding may use: this process's (one on each MPI rank, whose
+    ranks share the cores and the memory)."""
+    from .precompile import available_cores
+    return 1 if distributed.current() is not None else available_cores()
+
+
 def _encoded_pieces(pieces, vocab: int, tokenizer, k: int, show: bool):
     """The tokens of each of `pieces` (the second to the k-th of a large text), encoded by
     the tokenizer and yielded in order. The pieces are independent, so as many are
@@ -395,17 +399,16 @@ def _encoded_pieces(pieces, vocab: int, tokenizer, k: int, show: bool):
     time where the memory holds no more than one (read once the last is written), and on
     each MPI rank (whose ranks share the cores and the memory). Ctrl-C stops every one
     within a fraction of a second."""
-    from .precompile import available_cores
     per_piece = bpe.memory_needed(vocab, PIECE_BYTES, learn=False)  # (its ids included)
     ahead = PIECE_BYTES * np.dtype(bpe.ids_dtype(vocab)).itemsize  # the piece read meanwhile
-    workers = 1 if distributed.current() is not None else max(1, min(
-        available_cores(), k - 1, (available_memory() - ahead) // per_piece))
+    cores = _cores_to_encode_on()
+    workers = max(1, min(cores, k - 1, (available_memory() - ahead) // per_piece))
     total = (k - 1) * len(tokenizer.merges)
     ph = Phase(f"encoding pieces 2 to {k}" + (f", {workers} at a time" if workers > 1 else ""),
                total, "merges", show=show)
     ctls, running = [], collections.deque()
 
-    threads = 1 if distributed.current() is not None else max(1, available_cores() // workers)
+    threads = max(1, cores // workers)
 
     def encode(ids, ctl):  # (the cores the pieces at once leave: a piece's parts at once)
         return ids[:bpe.run(ids, vocab, tokenizer.merges, ctl=ctl, threads=threads)[1]]

@@ -1,5 +1,7 @@
 """The incremental BPE gives exactly the merges and the token stream of the plain
 algorithm (a rescan per merge), kept here as the reference."""
+import time
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -194,7 +196,7 @@ def kernel_encode(ids, merges, vocab, monkeypatch):
     return tok[:w]
 
 
-def by_spans(ids, merges, vocab, span, tail, longest, ctl=None):
+def spans_on_copy(ids, merges, vocab, span, tail, longest, ctl=None):
     """apply_by_spans on a copy of ids: (its return value, the copy)."""
     tok = ids.copy()
     w = bpe.apply_by_spans(tok, vocab, merges, bpe.rank_table(merges, vocab), span, tail,
@@ -240,7 +242,7 @@ def test_spans_give_the_whole_texts_tokens_on_the_builtin_corpus(span, tail, mon
     data = builtin_text().encode("utf-8")
     tok = _ids(data)
     merges, n = bpe.run(tok, 729)
-    w, got = by_spans(_ids(data), merges, 729, span, tail, 1 << 20)
+    w, got = spans_on_copy(_ids(data), merges, 729, span, tail, 1 << 20)
     assert w == n and np.array_equal(got[:w], tok[:n])
     assert np.array_equal(kernel_encode(_ids(data), merges, 729, monkeypatch), tok[:n])
 
@@ -262,7 +264,7 @@ def test_spans_of_any_size_give_the_whole_texts_tokens_or_the_text_back(alphabet
     span = draw(st.integers(1, 300))
     tail = draw(st.integers(0, span))
     longest = draw(st.integers(1, 1500))
-    w, got = by_spans(_ids(text), merges, vocab, span, tail, longest)
+    w, got = spans_on_copy(_ids(text), merges, vocab, span, tail, longest)
     if w == -2:
         assert np.array_equal(got, _ids(text))
     else:
@@ -280,7 +282,7 @@ def spy_on_spans(monkeypatch):
     return returned
 
 
-def test_run_encodes_by_spans_from_spans_from_bytes_on(monkeypatch):
+def test_run_uses_spans_only_for_long_texts_and_small_vocabularies(monkeypatch):
     """bpe.run applies merges by spans to a text of SPANS_FROM bytes or more (here 1 KB),
     by bpe_kernel (compiled already by a run's tokenizer) to a shorter one, and where
     the pair table would pass RANK_TABLE_MOST (here 4 x 300^2 bytes): the same tokens."""
@@ -320,7 +322,7 @@ def test_spans_stop_when_asked(monkeypatch):
     data = builtin_text().encode("utf-8")
     merges, _ = bpe.run(_ids(data), 300)
     ctl = np.ones(4, np.int64)
-    assert by_spans(_ids(data), merges, 300, 1 << 12, 1 << 8, 1 << 20, ctl)[0] == -1
+    assert spans_on_copy(_ids(data), merges, 300, 1 << 12, 1 << 8, 1 << 20, ctl)[0] == -1
     monkeypatch.setattr(bpe, "SPANS_FROM", 0)
     returned = spy_on_spans(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
@@ -374,26 +376,42 @@ def test_parts_give_the_whole_texts_tokens_on_the_builtin_corpus(monkeypatch):
     tok = _ids(data)
     merges, n = bpe.run(tok, 729)
     returned = spy_on_spans(monkeypatch)
+    joined, join = [], bpe.join_parts
+    monkeypatch.setattr(bpe, "join_parts", lambda *args: joined.append(join(*args)) or joined[-1])
     for name, value in [("SPANS_FROM", 0), ("PART_BYTES_LEAST", 1 << 16), ("JOIN_REACH", 16)]:
         monkeypatch.setattr(bpe, name, value)
     for threads in (2, 7):
         got = _ids(data)
         _, w = bpe.run(got, 729, merges=merges, threads=threads)
         assert w == n and np.array_equal(got[:w], tok[:n])
-        assert len(returned) == threads and min(returned) > 0
+        assert len(returned) == threads and min(returned) > 0 and joined == [n]
         returned.clear()
+        joined.clear()
 
 
-def test_parts_stop_when_asked(monkeypatch):
-    """ctl[0] set while parts are encoded at once: bpe.run raises KeyboardInterrupt, every
-    part having stopped (each returned -1)."""
+@pytest.mark.parametrize("stop_first", [True, False])
+def test_parts_stop_when_asked(monkeypatch, stop_first):
+    """ctl[0] set before the parts start, or while they run (as Ctrl-C does: the caller's
+    ctl set once the kernel runs; here each part waits to see it reach its own): bpe.run
+    raises KeyboardInterrupt, every part having stopped (each returned -1)."""
     data = builtin_text().encode("utf-8")
     merges, _ = bpe.run(_ids(data), 300)
     monkeypatch.setattr(bpe, "SPANS_FROM", 0)
     monkeypatch.setattr(bpe, "PART_BYTES_LEAST", 1 << 16)
-    returned = spy_on_spans(monkeypatch)
+    ctl = np.full(4, int(stop_first), np.int64)
+    returned, inner = [], bpe.apply_by_spans
+
+    def part_seeing_the_stop(*args):
+        ctl[0] = 1
+        for _ in range(500):  # (by_spans passes it on within 0.05 s)
+            if args[-1][0]:
+                break
+            time.sleep(0.01)
+        returned.append(inner(*args))
+        return returned[-1]
+    monkeypatch.setattr(bpe, "apply_by_spans", part_seeing_the_stop)
     with pytest.raises(KeyboardInterrupt):
-        bpe.run(_ids(data), 300, merges=merges, ctl=np.ones(4, np.int64), threads=3)
+        bpe.run(_ids(data), 300, merges=merges, ctl=ctl, threads=3)
     assert returned == [-1, -1, -1]
 
 
@@ -410,5 +428,5 @@ def test_a_window_with_more_tokens_than_it_replaces_is_joined_without_overwritin
         tok = _ids(text)
         w = bpe.by_spans(tok, 263, merges, bpe.rank_table(merges, 263), parts,
                          np.zeros(4, np.int64), (100, 0, 100, reach))
-        assert w == -2 and np.array_equal(tok, _ids(text)) or \
+        assert w == -2 and np.array_equal(tok, _ids(text)) and (parts, reach) != (2, 1) or \
             tok[:w].tolist() == ref_encode(text, merges).tolist(), (parts, reach)
