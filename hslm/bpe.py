@@ -712,8 +712,8 @@ def join_parts(tok, starts, counts, V, merges, rank, reach, longest, ctl):
         L[FIRST_MERGE + m] = L[merges[m, 0]] + L[merges[m, 1]]
     keep_from = np.zeros(T, np.int64)  # part t's tokens kept: [keep_from[t], keep_to[t])
     keep_to = counts.astype(np.int64)
-    win_tok = np.empty(0, tok.dtype)   # the windows' tokens, one after another
-    win_end = np.zeros(T, np.int64)
+    win_tok = np.empty(0, tok.dtype)   # the windows' tokens, one after another: the
+    win_at = np.zeros(T + 1, np.int64)  # window after part t is win_tok[win_at[t]:win_at[t + 1]]
     nwin = 0
     for t in range(T - 1):
         sl, sr = starts[t], starts[t + 1]
@@ -753,7 +753,8 @@ def join_parts(tok, starts, counts, V, merges, rank, reach, longest, ctl):
             win_tok = bigger
         win_tok[nwin:nwin + c] = window[:c]
         nwin += c
-        win_end[t] = nwin
+        win_at[t + 1] = nwin
+    win_at[T] = nwin  # (none after the last part)
     # The tokens moved to the front in place where each part's kept tokens lie at or
     # after where they go; a window can hold more tokens than those it replaces (bytes
     # a | b c d, merges (a, b), (b, c), (bc, d): [a][bcd] as two parts, [ab][c][d] as
@@ -763,18 +764,16 @@ def join_parts(tok, starts, counts, V, merges, rank, reach, longest, ctl):
     for t in range(T):
         if w > starts[t] + keep_from[t]:
             in_place = False
-        w += keep_to[t] - keep_from[t] + (win_end[t] - (win_end[t - 1] if t > 0 else 0)
-                                          if t < T - 1 else 0)
+        w += keep_to[t] - keep_from[t] + win_at[t + 1] - win_at[t]
     out = tok if in_place else np.empty(w, tok.dtype)
     w = 0
     for t in range(T):
         for u in range(keep_from[t], keep_to[t]):
             out[w] = tok[starts[t] + u]
             w += 1
-        if t < T - 1:
-            for u in range(win_end[t - 1] if t > 0 else 0, win_end[t]):
-                out[w] = win_tok[u]
-                w += 1
+        for u in range(win_at[t], win_at[t + 1]):
+            out[w] = win_tok[u]
+            w += 1
     if not in_place:
         tok[:w] = out
     ctl[1] = M
