@@ -16,6 +16,7 @@ import hashlib
 import heapq
 import json
 import os
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -24,7 +25,7 @@ import numpy as np
 
 from . import bpe, distributed, token_cache
 from .checkpoint import first_missing_folder, make_writable_folder, remove_empty_folders
-from .errors import HslmError, warn
+from .errors import HslmError, one_line, warn
 from .validate import available_memory, check_fits, gib
 from .textsource import SHOW_FROM, DataChanged, Phase, TextSource, run_interruptible
 
@@ -309,9 +310,74 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
     them, else learned (tokenizer None) or encoded, and then cached. The stream is
     memory-mapped when a cache folder is given. check(n, tokenizer), where given, judges
     the tokens made before they are cached (Corpus: a text too short is refused before
-    its cache folder is made)."""
-    # the run's cache, then the built-in corpus's default tokens shipped with hslm (read
-    # only), so that a machine's first default run has no tokenizer to compile
+    its cache folder is made). This user's processes on the machine that miss the same
+    cache at once (an MPI run's ranks, runs started together) make the tokens one at a
+    time (token_cache.TokenizingLock): the first writes the cache, with every core, and
+    the others, waiting meanwhile, read it."""
+    given = tokenizer
+    tokenizer, arr = _cached_tokens(src, sha, vocab, given, cache_dir)
+    if arr is not None:
+        return tokenizer, arr
+    writes = cache_dir is not None and distributed.on_writers_machine()
+    lock = token_cache.TokenizingLock.for_text(cache_dir, sha, vocab) if writes else None
+    try:
+        if lock is not None and not _take_after_rank_0(lock):
+            _wait_saying_for_whom(lock, cache_dir)
+            tokenizer, arr = _cached_tokens(src, sha, vocab, given, cache_dir)
+            if arr is not None:
+                return tokenizer, arr
+        from .precompile import available_cores
+        held = lock is not None and lock.held
+        if held:
+            lock.note(str(os.getpid()))
+        # (under MPI, one core a rank: the ranks share the machine, unless the others wait)
+        cores = available_cores() if held or distributed.current() is None else 1
+        return _made_tokens(src, sha, vocab, tokenizer, cache_dir if writes else None, check,
+                            cores)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+RANK_0_HEAD_START = 2.0  # seconds (MPI): the other ranks of its machine let rank 0 lock first
+
+
+def _take_after_rank_0(lock) -> bool:
+    """lock.take(), on an MPI rank other than 0 once rank 0 has had RANK_0_HEAD_START
+    seconds to take it first (the ranks reach it together, and rank 0's progress lines
+    are the ones a user sees): whether this process may go on."""
+    if distributed.is_writer():
+        return lock.take()
+    deadline = time.monotonic() + RANK_0_HEAD_START
+    while time.monotonic() < deadline:
+        if lock.noted():  # (another rank holds it)
+            return False
+        time.sleep(0.05)
+    return lock.take()
+
+
+def _wait_saying_for_whom(lock, cache_dir):
+    """lock.wait(), saying once (after a second, when still waiting) for which process."""
+    said = False
+    t0 = time.monotonic()
+    while not lock.take():
+        if not said and time.monotonic() - t0 > 1.0:
+            said = True
+            pid = lock.noted()
+            if distributed.is_writer():
+                print(f"waiting for {'process ' + pid if pid.isdigit() else 'another process'} "
+                      f"(another hslm run, or another MPI rank of this one), which is "
+                      f"tokenizing this text into the token cache {one_line(str(cache_dir))}; "
+                      "its tokens are "
+                      "read from there then", file=sys.stderr, flush=True)
+        time.sleep(0.1)
+
+
+def _cached_tokens(src: TextSource, sha: str, vocab: int, tokenizer, cache_dir):
+    """(tokenizer, tokens) from the cache folder, else from the built-in corpus's default
+    tokens shipped with hslm (read only: a machine's first default run then has no
+    tokenizer to compile); tokens None where neither holds them (the tokenizer, then, the
+    one given, or one learned before from this text for this vocabulary, or None)."""
     folders = [f for f in (cache_dir, BUILTIN_TOKENS) if f is not None]
     for folder in folders:
         if tokenizer is not None:
@@ -330,6 +396,13 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
         if arr is not None:
             src.check_nul_files()  # (as reading it would have; scanned, or remembered as read)
             return tokenizer, arr
+    return tokenizer, None
+
+
+def _made_tokens(src: TextSource, sha: str, vocab: int, tokenizer, cache_dir, check,
+                 cores: int):
+    """corpus_tokens' work on a miss: the text read and tokenized (learned where the
+    tokenizer is None) on `cores` cores, and cached where cache_dir is given."""
     if tokenizer is None:
         check_vocab(vocab)
     large = src.size >= LARGE_TEXT
@@ -339,16 +412,16 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
                f"{vocab:,} on {piece:,} bytes of text")
     show = src.size >= SHOW_FROM
     if large:
-        return _large_corpus_tokens(src, sha, vocab, tokenizer, cache_dir, check, show)
+        return _large_corpus_tokens(src, sha, vocab, tokenizer, cache_dir, check, show, cores)
     ph = Phase("reading and checking the text", src.size, show=show)
     ids = src.read_ids(bpe.ids_dtype(vocab), BYTE0, ph, expect_sha256=sha)
     ph.close()
     learn = tokenizer is None
     tokenizer, n = _tokenize(ids, vocab, tokenizer, "learning the tokenizer" if learn
-                             else "encoding", show)
+                             else "encoding", show, cores)
     if check is not None:
         check(n, tokenizer)
-    if cache_dir is None or not distributed.is_writer():  # MPI: rank 0 alone writes the cache
+    if cache_dir is None:
         return tokenizer, ids[:n].copy()
     path = token_cache.tokens_path(cache_dir, sha, tokenizer.identity)
     try:
@@ -366,17 +439,17 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
     return tokenizer, arr
 
 
-def _tokenize(ids, vocab: int, tokenizer, what: str, show: bool):
+def _tokenize(ids, vocab: int, tokenizer, what: str, show: bool, cores: int):
     """(tokenizer, n): the merges learned from ids (tokenizer None) or the tokenizer's
-    applied to them, in place: ids[:n] are then the tokens. Ctrl-C stops it promptly."""
+    applied to them, in place, on up to `cores` cores (encoding runs in parts at once;
+    learning is one pass): ids[:n] are then the tokens. Ctrl-C stops it promptly."""
     ctl = np.zeros(4, np.int64)
     learn = tokenizer is None
     total = vocab - FIRST_MERGE if learn else len(tokenizer.merges)
     ph = Phase(what, total, "merges", show=show)
-    threads = _cores_to_encode_on()  # (encoding runs in parts at once; learning is one pass)
     merges, n = run_interruptible(
         lambda: bpe.run(ids, vocab, None if learn else tokenizer.merges, ctl=ctl,
-                        threads=threads), ctl,
+                        threads=cores), ctl,
         lambda: ph.update(int(ctl[1])))
     # (the merges made: learning makes fewer than asked where the text repeats no pair;
     # Corpus's warning, or its error, says so)
@@ -384,24 +457,15 @@ def _tokenize(ids, vocab: int, tokenizer, what: str, show: bool):
     return (Tokenizer(vocab, merges) if learn else tokenizer), n
 
 
-def _cores_to_encode_on() -> int:
-    """The cores a text's encoding may use: this process's (one on each MPI rank, whose
-    ranks share the cores and the memory)."""
-    from .precompile import available_cores
-    return 1 if distributed.current() is not None else available_cores()
-
-
-def _encoded_pieces(pieces, vocab: int, tokenizer, k: int, show: bool):
+def _encoded_pieces(pieces, vocab: int, tokenizer, k: int, show: bool, cores: int):
     """The tokens of each of `pieces` (the second to the k-th of a large text), encoded by
     the tokenizer and yielded in order. The pieces are independent, so as many are
     encoded at once, each in a thread of its own (the kernel runs without the GIL), as
-    the cores and the memory allow, with the next piece read while they run; one at a
-    time where the memory holds no more than one (read once the last is written), and on
-    each MPI rank (whose ranks share the cores and the memory). Ctrl-C stops every one
-    within a fraction of a second."""
+    `cores` and the memory allow, with the next piece read while they run; one at a
+    time where the memory holds no more than one (read once the last is written).
+    Ctrl-C stops every one within a fraction of a second."""
     per_piece = bpe.memory_needed(vocab, PIECE_BYTES, learn=False)  # (its ids included)
     ahead = PIECE_BYTES * np.dtype(bpe.ids_dtype(vocab)).itemsize  # the piece read meanwhile
-    cores = _cores_to_encode_on()
     workers = max(1, min(cores, k - 1, (available_memory() - ahead) // per_piece))
     total = (k - 1) * len(tokenizer.merges)
     ph = Phase(f"encoding pieces 2 to {k}" + (f", {workers} at a time" if workers > 1 else ""),
@@ -445,15 +509,15 @@ def _encoded_pieces(pieces, vocab: int, tokenizer, k: int, show: bool):
 
 
 def _large_corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer, cache_dir, check,
-                         show: bool):
+                         show: bool, cores: int):
     """corpus_tokens for a text of LARGE_TEXT bytes or more, whose ids are more than the
     tokenizer's 32-bit positions reach (and than memory holds, at some size): it is cut
     into pieces of PIECE_BYTES (the last shorter), the merges are learned from the first
     piece alone, and each piece is encoded by itself (no token spans two pieces; several
     at once: _encoded_pieces), their tokens written to the token file in order as they
     come, which is then memory-mapped (and check(n, tokenizer) asked of them). Without a
-    token cache (no cache folder; an MPI rank other than 0) the tokens go to an unnamed
-    temporary file instead. A cache folder that cannot be written is an error here, as
+    token cache folder (cache_dir None) the tokens go to an unnamed temporary file
+    instead. A cache folder that cannot be written is an error here, as
     the tokens have nowhere else to go: judged before the first piece is learned from
     (and the temporary file opened), and the folders made for the cache are removed
     again if the tokens fail."""
@@ -461,9 +525,9 @@ def _large_corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer, cache
     # a small text judges it after its UTF-8, so that UTF-16 reads "not UTF-8 text")
     src.check_nul_files()
     why = f"a text of {src.size:,} bytes, tokenized in pieces, is trained from its token cache"
-    if cache_dir is None or not distributed.is_writer():
+    if cache_dir is None:
         return _tokens_in_pieces(src, sha, vocab, tokenizer, token_cache.open_spool(), check,
-                                 show, why)
+                                 show, why, cores)
     top = first_missing_folder(cache_dir)
     try:
         try:
@@ -473,7 +537,8 @@ def _large_corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer, cache
         except OSError as e:
             raise HslmError(f"cannot write the token cache in {cache_dir}: {e.strerror or e}; "
                             f"{why}: give a --cache-dir where it can be written") from None
-        return _tokens_in_pieces(src, sha, vocab, tokenizer, Path(cache_dir), check, show, why)
+        return _tokens_in_pieces(src, sha, vocab, tokenizer, Path(cache_dir), check, show, why,
+                                 cores)
     except BaseException:
         if top is not None:  # (only folders still empty: another run's are kept)
             remove_empty_folders(Path(cache_dir), top)
@@ -501,23 +566,23 @@ def _check_disk_room(into, estimate: float, why: str):
                         "a --cache-dir with room for it")
 
 
-def _tokens_in_pieces(src, sha, vocab, tokenizer, into, check, show, why):
+def _tokens_in_pieces(src, sha, vocab, tokenizer, into, check, show, why, cores):
     """_large_corpus_tokens' work, into the token cache folder `into` or, where `into` is
-    an open spool file (token_cache.open_spool), that file."""
+    an open spool file (token_cache.open_spool), that file, on up to `cores` cores."""
     k = -(-src.size // PIECE_BYTES)
     item = np.dtype(bpe.ids_dtype(vocab)).itemsize
     pieces = src.read_pieces(bpe.ids_dtype(vocab), BYTE0, PIECE_BYTES, expect_sha256=sha)
     learn = tokenizer is None
     first = [next(pieces)]
     tokenizer, n = _tokenize(first[0], vocab, tokenizer, f"piece 1 of {k}: " + (
-        "learning the tokenizer" if learn else "encoding"), show)
+        "learning the tokenizer" if learn else "encoding"), show, cores)
     _check_disk_room(into, n / first[0].shape[0] * src.size * item, why)
     text_failed = []  # (an error of the text's own, raised through the writer as it is)
 
     def tokens():
         try:
             yield first.pop()[:n]
-            yield from _encoded_pieces(pieces, vocab, tokenizer, k, show)
+            yield from _encoded_pieces(pieces, vocab, tokenizer, k, show, cores)
         except Exception:
             text_failed.append(True)
             raise

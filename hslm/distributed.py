@@ -257,6 +257,15 @@ def is_writer() -> bool:
     return _world is None or _world.rank == 0
 
 
+def on_writers_machine() -> bool:
+    """True in one process and on the ranks of rank 0's node (machine). These may write
+    the token cache in rank 0's stead, one at a time (hslm.data.corpus_tokens: the first
+    to come writes it, the others read it); the ranks of other machines make their own
+    tokens and write none (in a folder two machines share, their temporary files could
+    have the same names: a rank's pid on one machine may be another's on the other)."""
+    return _world is None or _world.beside_rank_0
+
+
 class _NoLock:
     dir_fd = None
 
@@ -389,6 +398,7 @@ class World:
             every = comm.allgather(self.node.allgather(self.rank))
             self.renumbered = True
         self._copies(every if self.shared else None)
+        self.beside_rank_0 = 0 in every[self.rank]  # (on rank 0's node: on_writers_machine)
         is_leader = self.node.Get_rank() == 0
         leaders = comm.Split(0 if is_leader else MPI.UNDEFINED, self.rank)
         self.leaders = leaders if is_leader else None

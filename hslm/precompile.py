@@ -38,7 +38,6 @@ import json
 import os
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from .userlock import UserLock, own_file, temporary_folder
 
 # name: the jobs it needs done first. Order is priority: the ternary tile starts the
 # longest chain (tile -> forward or backward), the tokenizer fills a core meanwhile.
@@ -82,48 +83,23 @@ def _cache_lock_path():
     """One lock for every parallel compile of this user's (two first runs at once
     included), in the temporary folder; None when no temporary folder is usable (then
     nothing compiles in parallel: a run needs none of its own)."""
-    try:
-        folder = tempfile.gettempdir()
-    except OSError:  # (FileNotFoundError: "No usable temporary directory found")
+    folder = temporary_folder()
+    if folder is None:
         return None
-    return Path(folder) / f"hslm-numba-cache-{getattr(os, 'getuid', lambda: 0)()}.lock"
+    return folder / f"hslm-numba-cache-{getattr(os, 'getuid', lambda: 0)()}.lock"
 
 
 CACHE_LOCK = _cache_lock_path()
 
 
-def _own_file(path) -> int | None:
-    """A descriptor of path where it is this user's own regular file (made so, 0o600,
-    where nothing is there), else None: the temporary folder's names are known to every
-    user, who could plant a link there (followed, its target had been written), a FIFO
-    (opening it had blocked) or a file of theirs held locked (every first run had waited
-    on it forever)."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
-                     | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0), 0o600)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
-            return fd
-    except OSError:
-        pass
-    os.close(fd)
-    return None
-
-
-class CompileLock:
-    """Which process compiles a kernel cache's missing kernels now, across processes: an
-    exclusive flock on a file in the temporary folder named after the cache's folder
-    (the kernel drops it when its holder dies, however). The file also holds the reason
-    of the compile under way, cleared when its jobs are done: found there by a later run
-    whose lock is free, that compile was interrupted, and its reason still holds (a first
-    run stopped in its compile is followed by a first run, not by "new kernels")."""
-
-    def __init__(self, path: Path):
-        self.path, self.file = Path(path), None
-        self.no_flock = False  # the temporary folder's file system has no flock (take())
+class CompileLock(UserLock):
+    """Which process compiles a kernel cache's missing kernels now, across processes: a
+    UserLock on a file in the temporary folder named after the cache's folder. The file
+    also holds the reason of the compile under way (note), cleared when its jobs are
+    done: found there by a later run whose lock is free, that compile was interrupted,
+    and its reason still holds (a first run stopped in its compile is followed by a first
+    run, not by "new kernels"). take() is True without the lock where the file is
+    unusable: the run compiles on its own, as before the lock."""
 
     @classmethod
     def for_cache(cls) -> "CompileLock | None":
@@ -138,61 +114,6 @@ class CompileLock:
             where = ""
         key = hashlib.sha256(where.encode("utf-8", "surrogateescape")).hexdigest()[:16]
         return cls(CACHE_LOCK.with_name(f"{CACHE_LOCK.stem}-compile-{key}.lock"))
-
-    def take(self) -> bool:
-        """Hold the lock if it is free (True), else False. An unusable file (not this
-        user's own regular file: _own_file; a file system without flock; no fcntl): True,
-        and the run compiles on its own, as before the lock."""
-        try:
-            import fcntl
-        except ImportError:
-            return True
-        fd = _own_file(self.path)
-        if fd is None:
-            return True
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # another process of this user's holds it
-            os.close(fd)
-            return False
-        except OSError:  # (ENOLCK, ENOSYS: a file system without flock; Numba's saves'
-            os.close(fd)  # lock could not be taken either: session() compiles in one process)
-            self.no_flock = True
-            return True
-        self.file = os.fdopen(fd, "r+")
-        return True
-
-    def wait(self, poll: float = 0.1) -> None:
-        """Until the lock is free, then hold it (polled: a signal's handler runs at once)."""
-        while not self.take():
-            time.sleep(poll)
-
-    def noted(self) -> str:
-        """The reason of the compile under way (another process's, while it holds the
-        lock), or of one that was under way when its process ended; "" if none."""
-        fd = _own_file(self.path)
-        if fd is None:
-            return ""
-        try:
-            return os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
-        except OSError:
-            return ""
-        finally:
-            os.close(fd)
-
-    def note(self, reason: str) -> None:
-        """The reason of the compile under way ("" once it is over)."""
-        if self.file is not None:
-            with contextlib.suppress(OSError):
-                self.file.seek(0)
-                self.file.truncate()
-                self.file.write(reason)
-                self.file.flush()
-
-    def release(self) -> None:
-        if self.file is not None:
-            self.file.close()  # (closing drops the flock)
-            self.file = None
 
 
 def jobs_for(speeds, teams: bool = False) -> list[str]:
@@ -319,7 +240,7 @@ def _tokenizer_job(vocab: int) -> None:
 @contextlib.contextmanager
 def _locked_cache_saves(*lock_paths):
     """Numba's cache saves under file locks (see the module's docstring): each of
-    lock_paths that is this user's own file (_own_file), taken in that order: the run's
+    lock_paths that is this user's own file (own_file), taken in that order: the run's
     private one first (every process of the run takes it, whatever the shared one does),
     then the one shared by this user's runs, where it is usable. Numba's
     IndexDataCacheFile is a private class: if it is not there, saves are left as they
@@ -328,7 +249,7 @@ def _locked_cache_saves(*lock_paths):
 
     from numba.core import caching
     cls = getattr(caching, "IndexDataCacheFile", None)
-    fds = [fd for fd in map(_own_file, filter(None, lock_paths)) if fd is not None]
+    fds = [fd for fd in map(own_file, filter(None, lock_paths)) if fd is not None]
     if cls is None or not hasattr(cls, "save") or not fds:
         for fd in fds:
             os.close(fd)

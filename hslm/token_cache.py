@@ -19,10 +19,12 @@ against someone forging a file, and it runs near memory bandwidth where sha256 t
 most of a cached start on a large corpus. `bpe-<text sha256[:16]>-<vocab>.json`
 remembers the tokenizer learned from a text, so a new run on the same text and
 vocabulary skips learning it. `text-sha256.json` remembers the text's sha256 keyed
-by its files' stat (see `recall_text_sha256`).
+by its files' stat (see `recall_text_sha256`). Processes of this user's on one
+machine that need a text's tokens at once make them one at a time (TokenizingLock).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -34,6 +36,7 @@ from numba import njit
 
 from .checkpoint import write_atomic
 from .errors import HslmError, open_regular, read_bytes
+from .userlock import UserLock, temporary_folder
 from .validate import MAX_JSON
 
 MAGIC = b"HSLMTOK2"
@@ -45,6 +48,29 @@ def cache_dir(flag=None, default=None):
     """--cache-dir, else $HSLM_CACHE_DIR, else the default (the run's folder)."""
     d = flag or os.environ.get(ENV) or default
     return Path(d) if d else None
+
+
+class TokenizingLock(UserLock):
+    """Which process makes a text's tokens for a cache folder now, among this user's on
+    the machine (an MPI run's ranks, runs started together): the others wait, then read
+    them from the cache (hslm.data.corpus_tokens), rather than each making them at once
+    with the memory and the cores that takes. A UserLock on a file in the temporary folder
+    named after the folder, the text and the vocabulary; its holder notes its pid there,
+    and removes the file as it lets go."""
+
+    @classmethod
+    def for_text(cls, folder, text_sha256: str, vocab: int) -> "TokenizingLock | None":
+        """The lock (None without a temporary folder: each process then goes on alone)."""
+        tmp = temporary_folder()
+        if tmp is None:
+            return None
+        where = os.path.abspath(folder)
+        with contextlib.suppress(OSError):  # (a folder not there yet: its absolute name)
+            where = os.path.realpath(folder)
+        key = hashlib.sha256(f"{where}\0{text_sha256}\0{vocab}".encode(
+            "utf-8", "surrogateescape")).hexdigest()[:16]
+        return cls(tmp / f"hslm-tokens-{getattr(os, 'getuid', lambda: 0)()}-{key}.lock",
+                   removed=True)
 
 
 def tokens_path(folder: Path, text_sha256: str, identity: str) -> Path:

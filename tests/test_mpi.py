@@ -833,3 +833,55 @@ def test_ranks_whose_commands_end_differently_are_said(tmp_path):
     for node, expect in (("same", 0), ("other", 1)):  # controls: the ranks agree
         code, out, err = run(node, node)
         assert code == expect and err == [], (code, err)
+
+
+SPY_ON_TOKENIZING = """
+import os
+
+from hslm import data, userlock
+
+made = data._made_tokens
+
+
+def spy(*a):
+    with open(os.environ["TOKENIZED_LOG"], "a") as f:
+        rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "?"))
+        f.write(f"{rank} {a[-1]}\\n")  # (the cores it was given)
+    return made(*a)
+
+
+data._made_tokens = spy
+if os.environ.get("NO_FLOCK"):  # a temporary folder without flock: nothing is held
+    userlock.UserLock.take = lambda self: True
+"""
+
+
+@needs_mpi
+@pytest.mark.parametrize("case", ["one machine", "nodes of 2", "no flock"])
+def test_the_ranks_of_rank_0s_machine_make_a_texts_tokens_once(tmp_path, case):
+    """Three ranks miss the token cache of a new text at once. Those on rank 0's machine
+    make the tokens once (rank 0 first: the others give it a head start), with the
+    machine's cores, and the others wait, then read the cache (an MPI run of P ranks on
+    a large text had held P times its memory). A rank on another machine (pretended:
+    nodes of 2) makes its own, on one core. Control: where nothing can be locked, every
+    rank makes them, one core each, as before. The checkpoint is one process's."""
+    (tmp_path / "inj").mkdir()
+    (tmp_path / "inj" / "sitecustomize.py").write_text(SPY_ON_TOKENIZING)
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT_A * 3)
+    log = tmp_path / "made.log"
+    extra = {"TOKENIZED_LOG": str(log),
+             "PYTHONPATH": str(tmp_path / "inj") + os.pathsep + env()["PYTHONPATH"]}
+    if case == "nodes of 2":
+        extra["HSLM_MPI_TEST_NODE_SIZE"] = "2"
+    if case == "no flock":
+        extra["NO_FLOCK"] = "1"
+    args = ["--data", text, "--batch", 3, "--steps", 2]
+    train(tmp_path / "one", *args)
+    train(tmp_path / "mpi", *args, ranks=3, extra_env=extra)
+    same_bytes(tmp_path / "one", tmp_path / "mpi", 2)
+    made = sorted(tuple(line.split()) for line in log.read_text().splitlines())
+    cores = str(len(os.sched_getaffinity(0)))
+    assert made == {"one machine": [("0", cores)], "nodes of 2": [("0", cores), ("2", "1")],
+                    "no flock": [("0", "1"), ("1", "1"), ("2", "1")]}[case], made
+    assert not list(tmp_path.glob("mpi/.*tmp*"))

@@ -688,3 +688,86 @@ def test_a_cache_folder_whose_files_cannot_be_mapped_is_a_warning(tmp_path, monk
     [tokens] = (tmp_path / "fuse").glob("tokens-*.tok")
     lines = describe_tokens(tokens)
     assert f"tokens    {len(mapped.tokens):,} of 2 bytes" in lines and "checksum  ok" in lines
+
+
+def test_a_process_missing_a_cache_another_is_writing_waits_and_reads_it(tmp_path, monkeypatch,
+                                                                           capsys):
+    """Processes that miss the same text's token cache at once (an MPI run's ranks, runs
+    started together) make the tokens one at a time: one that finds another holding the
+    text's TokenizingLock says for which process it waits, and then reads the cache that
+    process wrote rather than making the tokens again (with the memory and cores that
+    takes). The lock's file is gone once it is let go. Control: where the lock cannot be
+    held (a file system without flock), the process makes the tokens itself."""
+    import threading
+
+    from hslm import data, userlock
+    from hslm.textsource import TextSource
+    (tmp_path / "t.txt").write_text(TEXT, encoding="utf-8")
+    sha = hashlib.sha256(TEXT.encode()).hexdigest()
+    cache = tmp_path / "cache"
+    made, calls = data._made_tokens, []
+    monkeypatch.setattr(data, "_made_tokens", lambda *a: calls.append(a) or made(*a))
+
+    def in_a_thread():  # (the lock is a flock: another open file of this process's waits too)
+        got = {}
+        t = threading.Thread(target=lambda: got.update(
+            out=data.corpus_tokens(TextSource([tmp_path / "t.txt"]), sha, 300,
+                                   cache_dir=cache)))
+        t.start()
+        return t, got
+
+    other = token_cache.TokenizingLock.for_text(cache, sha, 300)
+    assert other.take() and other.held
+    other.note("4321")
+    t, got = in_a_thread()
+    time.sleep(1.6)
+    assert t.is_alive() and not calls  # waiting, nothing made
+    want = made(TextSource([tmp_path / "t.txt"]), sha, 300, None, cache, None, 1)  # its work
+    other.release()
+    t.join(60)
+    assert not calls, "the tokens were made again"
+    tokenizer, tokens = got["out"]
+    assert isinstance(tokens, np.memmap) and np.array_equal(tokens, want[1])
+    assert tokenizer.identity == want[0].identity
+    err = capsys.readouterr().err
+    assert "waiting for process 4321 (another hslm run, or another MPI rank of this one), " \
+           f"which is tokenizing this text into the token cache {cache}" in err, err
+    assert not other.path.exists()
+    # control: a lock that cannot be held; the tokens are made here, the other holding it
+    for f in cache.iterdir():
+        f.unlink()
+    assert other.take() and other.held
+    monkeypatch.setattr(userlock.UserLock, "take", lambda self: True)
+    t, got = in_a_thread()
+    t.join(60)
+    other.release()
+    assert len(calls) == 1 and np.array_equal(got["out"][1], want[1])
+
+
+def test_a_removed_lock_is_never_held_through_a_file_its_path_no_longer_names(tmp_path,
+                                                                              monkeypatch):
+    """A lock whose holder deletes its file as it lets go (TokenizingLock): a process that
+    had opened that file before it was deleted gets its flock, but on a file nobody else
+    sees, so take() opens the path again. Control: a lock that does not expect its file
+    deleted (CompileLock's kind, which keeps it) takes the flock it gets."""
+    from hslm import userlock
+    for checks in (True, False):
+        path = tmp_path / f"l{checks}.lock"
+        holder = userlock.UserLock(path, removed=True)
+        assert holder.take() and holder.held
+        assert not userlock.UserLock(path, removed=True).take()  # held by the other
+        stale = os.open(path, os.O_RDWR)  # opened before the holder deleted the file
+        holder.release()
+        assert not path.exists()
+        opened = [stale]
+        real = userlock.own_file
+        monkeypatch.setattr(userlock, "own_file",
+                            lambda p, create=True: opened.pop() if opened else real(p, create))
+        lock = userlock.UserLock(path, removed=checks)
+        assert lock.take() and lock.held
+        named = path.exists() and os.fstat(lock.file.fileno()).st_ino == os.stat(path).st_ino
+        assert named == checks, "the lock is held through a file the path does not name"
+        if checks:
+            assert not userlock.UserLock(path, removed=True).take()  # truly held
+        lock.release()
+        monkeypatch.undo()
