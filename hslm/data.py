@@ -311,18 +311,22 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
     memory-mapped when a cache folder is given. check(n, tokenizer), where given, judges
     the tokens made before they are cached (Corpus: a text too short is refused before
     its cache folder is made). This user's processes on the machine that miss the same
-    cache at once (an MPI run's ranks, runs started together) make the tokens one at a
+    cache at once (runs started together, an MPI run's ranks) make the tokens one at a
     time (token_cache.TokenizingLock): the first writes the cache, with every core, and
-    the others, waiting meanwhile, read it."""
+    the others, waiting meanwhile, read it. Under MPI rank 0 alone writes; the other
+    ranks of its machine wait for it (_wait_for_rank_0)."""
     given = tokenizer
     tokenizer, arr = _cached_tokens(src, sha, vocab, given, cache_dir)
     if arr is not None:
         return tokenizer, arr
-    writes = cache_dir is not None and distributed.on_writers_machine()
-    lock = token_cache.TokenizingLock.for_text(cache_dir, sha, vocab) if writes else None
+    beside = cache_dir is not None and distributed.on_writers_machine()
+    lock = token_cache.TokenizingLock.for_text(cache_dir, sha, vocab) if beside else None
     try:
-        if lock is not None and not _take_after_rank_0(lock):
-            _wait_saying_for_whom(lock, cache_dir)
+        if lock is not None and (not distributed.is_writer() or not lock.take()):
+            if distributed.is_writer():
+                _wait_saying_for_whom(lock, cache_dir)
+            else:
+                _wait_for_rank_0(lock)
             tokenizer, arr = _cached_tokens(src, sha, vocab, given, cache_dir)
             if arr is not None:
                 return tokenizer, arr
@@ -332,6 +336,7 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
             lock.note(str(os.getpid()))
         # (under MPI, one core a rank: the ranks share the machine, unless the others wait)
         cores = available_cores() if held or distributed.current() is None else 1
+        writes = cache_dir is not None and distributed.is_writer()
         return _made_tokens(src, sha, vocab, tokenizer, cache_dir if writes else None, check,
                             cores)
     finally:
@@ -339,21 +344,26 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
             lock.release()
 
 
-RANK_0_HEAD_START = 2.0  # seconds (MPI): the other ranks of its machine let rank 0 lock first
+RANK_0_ARRIVES = 10.0  # seconds (MPI) the other ranks of rank 0's machine wait for it to lock
 
 
-def _take_after_rank_0(lock) -> bool:
-    """lock.take(), on an MPI rank other than 0 once rank 0 has had RANK_0_HEAD_START
-    seconds to take it first (the ranks reach it together, and rank 0's progress lines
-    are the ones a user sees): whether this process may go on."""
-    if distributed.is_writer():
-        return lock.take()
-    deadline = time.monotonic() + RANK_0_HEAD_START
-    while time.monotonic() < deadline:
-        if lock.noted():  # (another rank holds it)
-            return False
+def _wait_for_rank_0(lock):
+    """On an MPI rank of rank 0's machine other than 0: until no process holds the text's
+    lock, where one takes it (normally rank 0, making the tokens) within RANK_0_ARRIVES
+    seconds (the ranks come together; rank 0 may not come: it failed, and the run ends
+    once this rank is ready too). This rank never holds it (rank 0 alone writes): it
+    then reads the cache, or makes its own tokens."""
+    if lock.take():  # (free, or nothing can be locked here: the rank goes on alone then)
+        if not lock.held:
+            return
+        lock.release()
+    deadline = time.monotonic() + RANK_0_ARRIVES
+    while not lock.noted():  # (a holder notes its pid once it holds the lock)
+        if time.monotonic() > deadline:
+            return
         time.sleep(0.05)
-    return lock.take()
+    lock.wait()
+    lock.release()
 
 
 def _wait_saying_for_whom(lock, cache_dir):
@@ -364,12 +374,10 @@ def _wait_saying_for_whom(lock, cache_dir):
         if not said and time.monotonic() - t0 > 1.0:
             said = True
             pid = lock.noted()
-            if distributed.is_writer():
-                print(f"waiting for {'process ' + pid if pid.isdigit() else 'another process'} "
-                      f"(another hslm run, or another MPI rank of this one), which is "
-                      f"tokenizing this text into the token cache {one_line(str(cache_dir))}; "
-                      "its tokens are "
-                      "read from there then", file=sys.stderr, flush=True)
+            print(f"waiting for {'process ' + pid if pid.isdigit() else 'another process'}, "
+                  f"another hslm run's, which is tokenizing this text into the token cache "
+                  f"{one_line(str(cache_dir))}; its tokens are read from there then",
+                  file=sys.stderr, flush=True)
         time.sleep(0.1)
 
 

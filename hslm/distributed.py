@@ -258,11 +258,9 @@ def is_writer() -> bool:
 
 
 def on_writers_machine() -> bool:
-    """True in one process and on the ranks of rank 0's node (machine). These may write
-    the token cache in rank 0's stead, one at a time (hslm.data.corpus_tokens: the first
-    to come writes it, the others read it); the ranks of other machines make their own
-    tokens and write none (in a folder two machines share, their temporary files could
-    have the same names: a rank's pid on one machine may be another's on the other)."""
+    """True in one process and on the ranks of rank 0's node (machine): where a text's
+    tokens are missing from the cache, these wait for rank 0 to write them and read them
+    from there (hslm.data.corpus_tokens); the ranks of other machines make their own."""
     return _world is None or _world.beside_rank_0
 
 

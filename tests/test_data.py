@@ -310,10 +310,11 @@ def test_a_text_past_4_gib_is_tokenized_in_pieces_learned_from_the_first(tmp_pat
     whole = Corpus(TextSource(files), 300, 9, "t", cache_dir=tmp_path / "whole")
     assert whole.tokenizer.identity != c.tokenizer.identity
     assert not np.array_equal(whole.tokens[:len(want)], want)
-    # without a cache folder, and on an MPI rank of another machine than rank 0's (which
-    # writes none): an unnamed temporary file
+    # without a cache folder, and on an MPI rank that writes none (here on another machine
+    # than rank 0's: it waits for none): an unnamed temporary file
     _in_pieces(monkeypatch)
     for writer in (True, False):
+        monkeypatch.setattr(data.distributed, "is_writer", lambda w=writer: w)
         monkeypatch.setattr(data.distributed, "on_writers_machine", lambda w=writer: w)
         out = tmp_path / f"other{writer}"
         got = Corpus(TextSource(files), 300, 9, "t", cache_dir=None if writer else out)

@@ -859,12 +859,12 @@ if os.environ.get("NO_FLOCK"):  # a temporary folder without flock: nothing is h
 @needs_mpi
 @pytest.mark.parametrize("case", ["one machine", "nodes of 2", "no flock"])
 def test_the_ranks_of_rank_0s_machine_make_a_texts_tokens_once(tmp_path, case):
-    """Three ranks miss the token cache of a new text at once. Those on rank 0's machine
-    make the tokens once (rank 0 first: the others give it a head start), with the
-    machine's cores, and the others wait, then read the cache (an MPI run of P ranks on
-    a large text had held P times its memory). A rank on another machine (pretended:
-    nodes of 2) makes its own, on one core. Control: where nothing can be locked, every
-    rank makes them, one core each, as before. The checkpoint is one process's."""
+    """Three ranks miss the token cache of a new text at once. On rank 0's machine rank 0
+    makes the tokens, with the machine's cores, and writes the cache; the others wait,
+    then read it (an MPI run of P ranks on a large text had held P times its memory). A
+    rank on another machine (pretended: nodes of 2) makes its own, on one core. Control:
+    where nothing can be locked, every rank makes them, one core each, as before. The
+    checkpoint is one process's."""
     (tmp_path / "inj").mkdir()
     (tmp_path / "inj" / "sitecustomize.py").write_text(SPY_ON_TOKENIZING)
     text = tmp_path / "t.txt"

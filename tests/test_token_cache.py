@@ -692,8 +692,8 @@ def test_a_cache_folder_whose_files_cannot_be_mapped_is_a_warning(tmp_path, monk
 
 def test_a_process_missing_a_cache_another_is_writing_waits_and_reads_it(tmp_path, monkeypatch,
                                                                            capsys):
-    """Processes that miss the same text's token cache at once (an MPI run's ranks, runs
-    started together) make the tokens one at a time: one that finds another holding the
+    """Processes that miss the same text's token cache at once (runs started together, an
+    MPI run's ranks) make the tokens one at a time: one that finds another holding the
     text's TokenizingLock says for which process it waits, and then reads the cache that
     process wrote rather than making the tokens again (with the memory and cores that
     takes). The lock's file is gone once it is let go. Control: where the lock cannot be
@@ -730,8 +730,8 @@ def test_a_process_missing_a_cache_another_is_writing_waits_and_reads_it(tmp_pat
     assert isinstance(tokens, np.memmap) and np.array_equal(tokens, want[1])
     assert tokenizer.identity == want[0].identity
     err = capsys.readouterr().err
-    assert "waiting for process 4321 (another hslm run, or another MPI rank of this one), " \
-           f"which is tokenizing this text into the token cache {cache}" in err, err
+    assert "waiting for process 4321, another hslm run's, which is tokenizing this text " \
+           f"into the token cache {cache}" in err, err
     assert not other.path.exists()
     # control: a lock that cannot be held; the tokens are made here, the other holding it
     for f in cache.iterdir():
