@@ -315,21 +315,22 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
     time (token_cache.TokenizingLock): the first writes the cache, with every core, and
     the others, waiting meanwhile, read it. Under MPI rank 0 alone writes; the other
     ranks of its machine wait for it (_wait_for_rank_0)."""
-    given = tokenizer
-    tokenizer, arr = _cached_tokens(src, sha, vocab, given, cache_dir)
-    if arr is not None:
-        return tokenizer, arr
+    def cached():
+        return _cached_tokens(src, sha, vocab, tokenizer, cache_dir)
+    found = cached()
+    if found[1] is not None:
+        return found
     beside = cache_dir is not None and distributed.on_writers_machine()
     lock = token_cache.TokenizingLock.for_text(cache_dir, sha, vocab) if beside else None
     try:
-        if lock is not None and (not distributed.is_writer() or not lock.take()):
+        if lock is not None:
             if distributed.is_writer():
-                _wait_saying_for_whom(lock, cache_dir)
+                _take_saying_for_whom(lock, cache_dir)
+                found = cached()  # (written by the process it waited for, or just before)
             else:
-                _wait_for_rank_0(lock)
-            tokenizer, arr = _cached_tokens(src, sha, vocab, given, cache_dir)
-            if arr is not None:
-                return tokenizer, arr
+                found = _wait_for_rank_0(lock, cached)
+            if found[1] is not None:
+                return found
         from .precompile import available_cores
         held = lock is not None and lock.held
         if held:
@@ -337,7 +338,7 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
         # (under MPI, one core a rank: the ranks share the machine, unless the others wait)
         cores = available_cores() if held or distributed.current() is None else 1
         writes = cache_dir is not None and distributed.is_writer()
-        return _made_tokens(src, sha, vocab, tokenizer, cache_dir if writes else None, check,
+        return _made_tokens(src, sha, vocab, found[0], cache_dir if writes else None, check,
                             cores)
     finally:
         if lock is not None:
@@ -347,26 +348,32 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
 RANK_0_ARRIVES = 10.0  # seconds (MPI) the other ranks of rank 0's machine wait for it to lock
 
 
-def _wait_for_rank_0(lock):
-    """On an MPI rank of rank 0's machine other than 0: until no process holds the text's
-    lock, where one takes it (normally rank 0, making the tokens) within RANK_0_ARRIVES
-    seconds (the ranks come together; rank 0 may not come: it failed, and the run ends
-    once this rank is ready too). This rank never holds it (rank 0 alone writes): it
-    then reads the cache, or makes its own tokens."""
-    if lock.take():  # (free, or nothing can be locked here: the rank goes on alone then)
-        if not lock.held:
-            return
-        lock.release()
+def _wait_for_rank_0(lock, cached):
+    """On an MPI rank of rank 0's machine other than 0, which never holds the text's lock
+    (rank 0 alone writes): cached() once the cache holds the tokens, else once the lock,
+    held (normally by rank 0 making them), is let go, or where none takes it within
+    RANK_0_ARRIVES seconds (the ranks come together; a rank 0 that failed never comes,
+    and the run ends once this rank is ready too), or where nothing can be locked here
+    (the rank then makes its own tokens). Whether the lock is held is judged by taking
+    it for an instant: the note of a holder killed meanwhile is still in its file."""
     deadline = time.monotonic() + RANK_0_ARRIVES
-    while not lock.noted():  # (a holder notes its pid once it holds the lock)
-        if time.monotonic() > deadline:
-            return
-        time.sleep(0.05)
-    lock.wait()
-    lock.release()
+    was_held = False
+    while True:
+        if lock.take():
+            if not lock.held:
+                return cached()
+            lock.release()
+            if was_held or time.monotonic() > deadline:
+                return cached()
+        else:
+            was_held = True
+        found = cached()
+        if found[1] is not None:
+            return found
+        time.sleep(0.1)
 
 
-def _wait_saying_for_whom(lock, cache_dir):
+def _take_saying_for_whom(lock, cache_dir):
     """lock.wait(), saying once (after a second, when still waiting) for which process."""
     said = False
     t0 = time.monotonic()

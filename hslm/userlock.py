@@ -79,6 +79,9 @@ class UserLock:
             except OSError:  # (ENOLCK, ENOSYS: a file system without flock)
                 os.close(fd)
                 self.no_flock = True
+                if self.removed:  # (no process can hold it: none would remove it)
+                    with contextlib.suppress(OSError):
+                        os.unlink(self.path)
                 return True
             if not self.removed or self._still_named(fd):
                 self.file = os.fdopen(fd, "r+")

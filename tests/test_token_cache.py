@@ -718,12 +718,14 @@ def test_a_process_missing_a_cache_another_is_writing_waits_and_reads_it(tmp_pat
 
     other = token_cache.TokenizingLock.for_text(cache, sha, 300)
     assert other.take() and other.held
-    other.note("4321")
-    t, got = in_a_thread()
-    time.sleep(1.6)
-    assert t.is_alive() and not calls  # waiting, nothing made
-    want = made(TextSource([tmp_path / "t.txt"]), sha, 300, None, cache, None, 1)  # its work
-    other.release()
+    try:
+        other.note("4321")
+        t, got = in_a_thread()
+        time.sleep(1.6)
+        assert t.is_alive() and not calls  # waiting, nothing made
+        want = made(TextSource([tmp_path / "t.txt"]), sha, 300, None, cache, None, 1)  # its work
+    finally:
+        other.release()
     t.join(60)
     assert not calls, "the tokens were made again"
     tokenizer, tokens = got["out"]
@@ -737,11 +739,80 @@ def test_a_process_missing_a_cache_another_is_writing_waits_and_reads_it(tmp_pat
     for f in cache.iterdir():
         f.unlink()
     assert other.take() and other.held
-    monkeypatch.setattr(userlock.UserLock, "take", lambda self: True)
+    try:
+        monkeypatch.setattr(userlock.UserLock, "take", lambda self: True)
+        t, got = in_a_thread()
+        t.join(60)
+    finally:
+        other.release()
+    assert len(calls) == 1 and np.array_equal(got["out"][1], want[1])
+    # the cache written between the first look and the lock taken at once: read, not made
+    for f in cache.iterdir():
+        f.unlink()
+    monkeypatch.undo()
+    monkeypatch.setattr(data, "_made_tokens", lambda *a: calls.append(a) or made(*a))
+    take = userlock.UserLock.take
+    monkeypatch.setattr(userlock.UserLock, "take", lambda self: made(
+        TextSource([tmp_path / "t.txt"]), sha, 300, None, cache, None, 1) and take(self))
     t, got = in_a_thread()
     t.join(60)
-    other.release()
     assert len(calls) == 1 and np.array_equal(got["out"][1], want[1])
+    assert isinstance(got["out"][1], np.memmap)
+
+
+@pytest.mark.parametrize("case", ["rank 0 came and went", "rank 0 holds it", "a dead holder",
+                                  "rank 0 never came"])
+def test_mpi_ranks_beside_rank_0_wait_for_its_tokens_and_never_write(tmp_path, monkeypatch,
+                                                                       case):
+    """Under MPI rank 0 alone writes the token cache; the other ranks of its machine that
+    miss it wait for rank 0 and read the tokens it wrote. They never hold the text's
+    lock, and judge whether rank 0 does by the lock itself, not by the note in its file
+    (a holder killed leaves that). Rank 0 may have come and gone before they look (a
+    short text): the cache is looked at as they wait. A rank 0 that never comes (it
+    failed) is waited for RANK_0_ARRIVES seconds, and the rank then makes its own tokens
+    and writes none."""
+    import threading
+
+    from hslm import data, distributed
+    from hslm.textsource import TextSource
+    (tmp_path / "t.txt").write_text(TEXT, encoding="utf-8")
+    sha = hashlib.sha256(TEXT.encode()).hexdigest()
+    cache = tmp_path / "cache"
+    made, calls = data._made_tokens, []
+    monkeypatch.setattr(data, "_made_tokens", lambda *a: calls.append(a[-1]) or made(*a))
+    monkeypatch.setattr(distributed, "is_writer", lambda: False)  # (an MPI rank but 0)
+    monkeypatch.setattr(distributed, "current", lambda: "a World")
+    monkeypatch.setattr(data, "RANK_0_ARRIVES", 3.0)
+    rank_0 = token_cache.TokenizingLock.for_text(cache, sha, 300)
+    got = {}
+    try:
+        if case == "a dead holder":
+            rank_0.path.write_text("4321")  # its note, and no flock
+        if case == "rank 0 holds it":
+            assert rank_0.take() and rank_0.held
+            rank_0.note("4321")
+        t0 = time.monotonic()
+        t = threading.Thread(target=lambda: got.update(out=data.corpus_tokens(
+            TextSource([tmp_path / "t.txt"]), sha, 300, cache_dir=cache)))
+        t.start()
+        if case in ("rank 0 came and went", "rank 0 holds it"):
+            time.sleep(0.5 if case.endswith("went") else 4.0)
+            assert t.is_alive() and not calls  # (4 s: past RANK_0_ARRIVES, while it holds)
+            made(TextSource([tmp_path / "t.txt"]), sha, 300, None, cache, None, 1)
+            if case.endswith("went"):
+                time.sleep(0.5)
+                assert not t.is_alive()  # found as it waited
+    finally:
+        rank_0.release()
+    t.join(60)
+    took = time.monotonic() - t0
+    tokens = got["out"][1]
+    if case in ("a dead holder", "rank 0 never came"):
+        assert calls == [1] and not isinstance(tokens, np.memmap)  # its own, one core
+        assert 3.0 <= took < 20 and not cache.exists()  # (written by none)
+    else:
+        assert not calls and isinstance(tokens, np.memmap)
+    assert not rank_0.path.exists()
 
 
 def test_a_removed_lock_is_never_held_through_a_file_its_path_no_longer_names(tmp_path,
