@@ -581,14 +581,29 @@ def _check_disk_room(into, estimate: float, why: str):
                         "a --cache-dir with room for it")
 
 
+class _FirstPieceProgress:
+    """read_pieces' progress, drawn for the first piece alone: the later pieces are read
+    while others are encoded, whose line is the one on screen then."""
+
+    def __init__(self, phase: Phase):
+        self.phase = phase
+
+    def update(self, done: int):
+        if done <= self.phase.total:
+            self.phase.update(done)
+
+
 def _tokens_in_pieces(src, sha, vocab, tokenizer, into, check, show, why, cores):
     """_large_corpus_tokens' work, into the token cache folder `into` or, where `into` is
     an open spool file (token_cache.open_spool), that file, on up to `cores` cores."""
     k = -(-src.size // PIECE_BYTES)
     item = np.dtype(bpe.ids_dtype(vocab)).itemsize
-    pieces = src.read_pieces(bpe.ids_dtype(vocab), BYTE0, PIECE_BYTES, expect_sha256=sha)
+    reading = Phase(f"piece 1 of {k}: reading and checking", PIECE_BYTES, show=show)
+    pieces = src.read_pieces(bpe.ids_dtype(vocab), BYTE0, PIECE_BYTES,
+                             _FirstPieceProgress(reading), expect_sha256=sha)
     learn = tokenizer is None
     first = [next(pieces)]
+    reading.close()
     tokenizer, n = _tokenize(first[0], vocab, tokenizer, f"piece 1 of {k}: " + (
         "learning the tokenizer" if learn else "encoding"), show, cores)
     _check_disk_room(into, n / first[0].shape[0] * src.size * item, why)

@@ -427,3 +427,38 @@ def test_a_token_cache_folder_that_is_a_data_folder_is_refused(tmp_path):
         Corpus.load([d / "a.txt", d], 300, 9, cache_dir=tmp_path / "d" / ".." / "d")
     Corpus.load(d, 300, 9, cache_dir=tmp_path / "cache")  # control: a folder of its own
     assert [p.name for p in d.iterdir()] == ["a.txt"]
+
+
+def test_a_large_texts_first_piece_shows_its_reading_and_the_later_ones_do_not(tmp_path,
+                                                                               monkeypatch):
+    """The first piece of a text in pieces is read (1 GiB: seconds) before its merges are
+    learned: a progress line says so, drawn in place on a terminal, and closed before the
+    learning's line. The later pieces are read while others are encoded: nothing is
+    drawn over the encoding's line then. Control: the reading's progress reaches past the
+    first piece (the adapter's bound is what keeps it off the screen)."""
+    import io
+    import sys
+
+    from hslm import data
+    from hslm.textsource import TextSource
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+    _in_pieces(monkeypatch)
+    monkeypatch.setattr(data, "SHOW_FROM", 0)
+    screen = Tty()
+    monkeypatch.setattr(sys, "stderr", screen)
+    (tmp_path / "t.txt").write_bytes(LARGE_TEXT_BYTES)
+    seen = []
+    update = data._FirstPieceProgress.update
+    monkeypatch.setattr(data._FirstPieceProgress, "update",
+                        lambda self, done: seen.append(done) or update(self, done))
+    Corpus(TextSource([tmp_path / "t.txt"]), 300, 9, "t", cache_dir=tmp_path / "c")
+    k = -(-len(LARGE_TEXT_BYTES) // 3000)
+    lines = screen.getvalue().replace("\r", "\n").splitlines()
+    reading = [i for i, ln in enumerate(lines) if ln.startswith(f"piece 1 of {k}: reading")]
+    learning = [i for i, ln in enumerate(lines) if ln.startswith(f"piece 1 of {k}: learning")]
+    assert reading and learning and max(reading) < min(learning), lines
+    assert " in " in lines[max(reading)], lines  # (its closing line)
+    assert max(seen) > 3000  # control: the later pieces' reading reported too
