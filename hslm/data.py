@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from . import bpe, distributed, token_cache
-from .checkpoint import first_missing_folder, make_writable_folder, remove_empty_folders
+from .checkpoint import (first_missing_folder, make_writable_folder, probe_new_file,
+                         remove_empty_folders)
 from .errors import HslmError, one_line, warn
 from .validate import available_memory, check_fits, gib
 from .textsource import SHOW_FROM, DataChanged, Phase, TextSource, run_interruptible
@@ -320,8 +321,11 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
     found = cached()
     if found[1] is not None:
         return found
-    beside = cache_dir is not None and distributed.on_writers_machine()
-    lock = token_cache.TokenizingLock.for_text(cache_dir, sha, vocab) if beside else None
+    # (a cache no process can write: each makes its own tokens at once, none waits)
+    beside = (cache_dir is not None and distributed.on_writers_machine()
+              and _may_make_a_file_in(cache_dir))
+    lock = token_cache.TokenizingLock.for_text(
+        cache_dir, sha, vocab, tokenizer.identity if tokenizer else "") if beside else None
     try:
         if lock is not None:
             if distributed.is_writer():
@@ -343,6 +347,19 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
     finally:
         if lock is not None:
             lock.release()
+
+
+def _may_make_a_file_in(folder) -> bool:
+    """Whether a file can be made in folder or, where it is not there yet, in the nearest
+    folder above it (where it would be made)."""
+    f = Path(folder)
+    try:
+        while not os.path.lexists(f) and f.parent != f:
+            f = f.parent
+        probe_new_file(f, f".hslm-write-test-{os.getpid()}")
+    except OSError:
+        return False
+    return True
 
 
 RANK_0_ARRIVES = 10.0  # seconds (MPI) the other ranks of rank 0's machine wait for it to lock
@@ -381,8 +398,8 @@ def _take_saying_for_whom(lock, cache_dir):
         if not said and time.monotonic() - t0 > 1.0:
             said = True
             pid = lock.noted()
-            print(f"waiting for {'process ' + pid if pid.isdigit() else 'another process'}, "
-                  f"another hslm run's, which is tokenizing this text into the token cache "
+            print(f"waiting for another hslm run{f' (process {pid})' if pid.isdigit() else ''}"
+                  f", which is tokenizing this text into the token cache "
                   f"{one_line(str(cache_dir))}; its tokens are read from there then",
                   file=sys.stderr, flush=True)
         time.sleep(0.1)

@@ -55,11 +55,13 @@ class TokenizingLock(UserLock):
     the machine (an MPI run's ranks, runs started together): the others wait, then read
     them from the cache (hslm.data.corpus_tokens), rather than each making them at once
     with the memory and the cores that takes. A UserLock on a file in the temporary folder
-    named after the folder, the text and the vocabulary; its holder notes its pid there,
-    and removes the file as it lets go."""
+    named after the folder, the text, the vocabulary and the tokenizer (its identity, or
+    none where it is to be learned: a run resumed does not write the merges a new run
+    would read); its holder notes its pid there, and removes the file as it lets go."""
 
     @classmethod
-    def for_text(cls, folder, text_sha256: str, vocab: int) -> "TokenizingLock | None":
+    def for_text(cls, folder, text_sha256: str, vocab: int,
+                 identity: str = "") -> "TokenizingLock | None":
         """The lock (None without a temporary folder: each process then goes on alone)."""
         tmp = temporary_folder()
         if tmp is None:
@@ -67,7 +69,7 @@ class TokenizingLock(UserLock):
         where = os.path.abspath(folder)
         with contextlib.suppress(OSError):  # (a folder not there yet: its absolute name)
             where = os.path.realpath(folder)
-        key = hashlib.sha256(f"{where}\0{text_sha256}\0{vocab}".encode(
+        key = hashlib.sha256(f"{where}\0{text_sha256}\0{vocab}\0{identity}".encode(
             "utf-8", "surrogateescape")).hexdigest()[:16]
         return cls(tmp / f"hslm-tokens-{getattr(os, 'getuid', lambda: 0)()}-{key}.lock",
                    removed=True)

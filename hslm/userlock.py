@@ -22,11 +22,12 @@ def temporary_folder() -> Path | None:
 
 
 def own_file(path, create: bool = True) -> int | None:
-    """A descriptor of path where it is this user's own regular file (made so, 0o600,
-    where nothing is there and create), else None: the temporary folder's names are known to every
-    user, who could plant a link there (followed, its target had been written), a FIFO
-    (opening it had blocked) or a file of theirs held locked (every first run had waited
-    on it forever)."""
+    """A descriptor of path where it is this user's own regular file with no other name
+    (made so, 0o600, where nothing is there and create), else None: the temporary
+    folder's names are known to every user, who could plant a link there (followed, or a
+    hard link's, its target had been written: the holder's note), a FIFO (opening it had
+    blocked) or a file of theirs held locked (every first run had waited on it
+    forever)."""
     try:
         fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0) | getattr(os, "O_NOFOLLOW", 0)
                      | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0), 0o600)
@@ -34,7 +35,7 @@ def own_file(path, create: bool = True) -> int | None:
         return None
     try:
         st = os.fstat(fd)
-        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and st.st_nlink == 1:
             return fd
     except OSError:
         pass

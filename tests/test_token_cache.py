@@ -732,7 +732,7 @@ def test_a_process_missing_a_cache_another_is_writing_waits_and_reads_it(tmp_pat
     assert isinstance(tokens, np.memmap) and np.array_equal(tokens, want[1])
     assert tokenizer.identity == want[0].identity
     err = capsys.readouterr().err
-    assert "waiting for process 4321, another hslm run's, which is tokenizing this text " \
+    assert "waiting for another hslm run (process 4321), which is tokenizing this text " \
            f"into the token cache {cache}" in err, err
     assert not other.path.exists()
     # control: a lock that cannot be held; the tokens are made here, the other holding it
@@ -758,6 +758,41 @@ def test_a_process_missing_a_cache_another_is_writing_waits_and_reads_it(tmp_pat
     t.join(60)
     assert len(calls) == 1 and np.array_equal(got["out"][1], want[1])
     assert isinstance(got["out"][1], np.memmap)
+
+
+@pytest.mark.parametrize("case", ["the cache cannot be written", "another tokenizer's",
+                                  "the control"])
+def test_a_process_does_not_wait_for_tokens_it_would_not_read(tmp_path, monkeypatch, capsys,
+                                                                case):
+    """No process waits for one whose tokens it could not read: where the cache folder
+    cannot be written (here a file; each process makes its own tokens at once, as before),
+    or where the other makes another tokenizer's tokens (a run resumed, whose tokenizer is
+    given, writes no merges for a new run to read). Control: the same holder, learning
+    into a folder that can be written, is waited for."""
+    import threading
+
+    from hslm import data
+    from hslm.textsource import TextSource
+    (tmp_path / "t.txt").write_text(TEXT, encoding="utf-8")
+    sha = hashlib.sha256(TEXT.encode()).hexdigest()
+    cache = tmp_path / "cache"
+    if case == "the cache cannot be written":
+        cache.write_text("a file")
+    other = token_cache.TokenizingLock.for_text(
+        cache, sha, 300, "0" * 64 if case == "another tokenizer's" else "")
+    got = {}
+    assert other.take() and other.held
+    try:
+        t = threading.Thread(target=lambda: got.update(out=data.corpus_tokens(
+            TextSource([tmp_path / "t.txt"]), sha, 300, cache_dir=cache)))
+        t.start()
+        t.join(1.5)
+        assert t.is_alive() == (case == "the control")
+    finally:
+        other.release()
+    t.join(60)
+    assert got["out"][1].shape[0] > 0
+    assert ("waiting for" in capsys.readouterr().err) == (case == "the control")
 
 
 @pytest.mark.parametrize("case", ["rank 0 came and went", "rank 0 holds it", "a dead holder",
@@ -813,6 +848,27 @@ def test_mpi_ranks_beside_rank_0_wait_for_its_tokens_and_never_write(tmp_path, m
     else:
         assert not calls and isinstance(tokens, np.memmap)
     assert not rank_0.path.exists()
+
+
+def test_a_lock_file_planted_as_a_hard_link_is_not_written(tmp_path):
+    """The temporary folder's lock names are known to every user: one planted as a hard
+    link to a file had had that file truncated and given the holder's pid. Such a lock is
+    not used (the process goes on alone, holding nothing). Control: the file alone."""
+    from hslm import userlock
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    os.link(victim, tmp_path / "planted.lock")
+    lock = userlock.UserLock(tmp_path / "planted.lock", removed=True)
+    assert lock.take() and not lock.held
+    lock.note("4321")
+    lock.release()
+    assert victim.read_text() == "precious\n"
+    os.unlink(tmp_path / "planted.lock")
+    lock = userlock.UserLock(victim, removed=True)  # (control: one name, its own)
+    assert lock.take() and lock.held
+    lock.note("4321")
+    assert victim.read_text() == "4321"
+    lock.release()
 
 
 def test_a_removed_lock_is_never_held_through_a_file_its_path_no_longer_names(tmp_path,
