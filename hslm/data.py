@@ -309,13 +309,13 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
                   check=None):
     """(tokenizer, token stream) for a scanned text: from the token cache when it holds
     them, else learned (tokenizer None) or encoded, and then cached. The stream is
-    memory-mapped when a cache folder is given. check(n, tokenizer), where given, judges
-    the tokens made before they are cached (Corpus: a text too short is refused before
-    its cache folder is made). This user's processes on the machine that miss the same
-    cache at once (runs started together, an MPI run's ranks) make the tokens one at a
-    time (token_cache.TokenizingLock): the first writes the cache, with every core, and
-    the others, waiting meanwhile, read it. Under MPI rank 0 alone writes; the other
-    ranks of its machine wait for it (_wait_for_rank_0)."""
+    memory-mapped when it is read from a cache, or written to one. check(n, tokenizer),
+    where given, judges the tokens made before they are cached (Corpus: a text too short
+    is refused before its cache folder is made). This user's processes on the machine
+    that miss the same cache at once (runs started together, an MPI run's ranks) make
+    the tokens one at a time (token_cache.TokenizingLock): the first writes the cache,
+    with every core, and the others, waiting meanwhile, read it. Under MPI rank 0 alone
+    writes; the other ranks of its machine wait for it (_wait_for_rank_0)."""
     def cached():
         return _cached_tokens(src, sha, vocab, tokenizer, cache_dir)
     found = cached()
@@ -352,11 +352,10 @@ def corpus_tokens(src: TextSource, sha: str, vocab: int, tokenizer=None, cache_d
 def _may_make_a_file_in(folder) -> bool:
     """Whether a file can be made in folder or, where it is not there yet, in the nearest
     folder above it (where it would be made)."""
-    f = Path(folder)
     try:
-        while not os.path.lexists(f) and f.parent != f:
-            f = f.parent
-        probe_new_file(f, f".hslm-write-test-{os.getpid()}")
+        top = first_missing_folder(folder)
+        probe_new_file(Path(folder) if top is None else top.parent,
+                       f".hslm-write-test-{os.getpid()}")
     except OSError:
         return False
     return True
@@ -370,20 +369,18 @@ def _wait_for_rank_0(lock, cached):
     (rank 0 alone writes): cached() once the cache holds the tokens, else once the lock,
     held (normally by rank 0 making them), is let go, or where none takes it within
     RANK_0_ARRIVES seconds (the ranks come together; a rank 0 that failed never comes,
-    and the run ends once this rank is ready too), or where nothing can be locked here
-    (the rank then makes its own tokens). Whether the lock is held is judged by taking
-    it for an instant: the note of a holder killed meanwhile is still in its file."""
+    and the run ends once this rank is ready too), or where it cannot be told whether
+    the lock is held (the rank then makes its own tokens)."""
     deadline = time.monotonic() + RANK_0_ARRIVES
     was_held = False
     while True:
-        if lock.take():
-            if not lock.held:
-                return cached()
-            lock.release()
-            if was_held or time.monotonic() > deadline:
-                return cached()
-        else:
+        held = lock.held_elsewhere()
+        if held is None:
+            return cached()
+        if held:
             was_held = True
+        elif was_held or time.monotonic() > deadline:
+            return cached()
         found = cached()
         if found[1] is not None:
             return found

@@ -24,7 +24,6 @@ machine that need a text's tokens at once make them one at a time (TokenizingLoc
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -57,7 +56,9 @@ class TokenizingLock(UserLock):
     with the memory and the cores that takes. A UserLock on a file in the temporary folder
     named after the folder, the text, the vocabulary and the tokenizer (its identity, or
     none where it is to be learned: a run resumed does not write the merges a new run
-    would read); its holder notes its pid there, and removes the file as it lets go."""
+    would read; so a new run that finds merges learned before, and a resumed run given
+    the same, may make the same tokens at once); its holder notes its pid there, and
+    removes the file as it lets go."""
 
     @classmethod
     def for_text(cls, folder, text_sha256: str, vocab: int,
@@ -66,9 +67,7 @@ class TokenizingLock(UserLock):
         tmp = temporary_folder()
         if tmp is None:
             return None
-        where = os.path.abspath(folder)
-        with contextlib.suppress(OSError):  # (a folder not there yet: its absolute name)
-            where = os.path.realpath(folder)
+        where = os.path.realpath(folder)  # (one name, however the folder is named)
         key = hashlib.sha256(f"{where}\0{text_sha256}\0{vocab}\0{identity}".encode(
             "utf-8", "surrogateescape")).hexdigest()[:16]
         return cls(tmp / f"hslm-tokens-{getattr(os, 'getuid', lambda: 0)()}-{key}.lock",
@@ -229,7 +228,7 @@ def open_spool(folder=None):
 def spool_tokens(spool, parts, item: int, text_sha256: str, identity: str):
     """The ids of `parts` (as write_token_parts') written to `spool` (open_spool's) and
     memory-mapped: the tokens of a text too large to hold in memory where no token cache
-    is written (an MPI rank other than rank 0; a run with no cache folder). The file
+    is written (an MPI rank that writes no cache; a run with no cache folder). The file
     goes when the array does."""
     body, finish, count = _token_file(parts, item, text_sha256, identity)
     try:

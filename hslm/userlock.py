@@ -35,7 +35,8 @@ def own_file(path, create: bool = True) -> int | None:
         return None
     try:
         st = os.fstat(fd)
-        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and st.st_nlink == 1:
+        # (no link: its holder removed it as it let go; take() opens the path again)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and st.st_nlink <= 1:
             return fd
     except OSError:
         pass
@@ -53,6 +54,7 @@ class UserLock:
     def __init__(self, path: Path, removed: bool = False):
         self.path, self.file, self.removed = Path(path), None, removed
         self.no_flock = False  # the temporary folder's file system has no flock (take())
+        self._works = None     # whether flock works there (_flock_works), once tried
 
     @property
     def held(self) -> bool:
@@ -95,6 +97,50 @@ class UserLock:
         except OSError:
             return False
         return (here.st_dev, here.st_ino) == (named.st_dev, named.st_ino)
+
+    def held_elsewhere(self) -> bool | None:
+        """Whether another process holds the lock, judged without taking it: a shared
+        flock tried on the file (processes that ask at once do not stop each other, and
+        the file is neither made nor removed). None where it cannot be told (no flock in
+        the temporary folder's file system, a file that is not this user's own)."""
+        try:
+            import fcntl
+        except ImportError:
+            return None
+        if not self._flock_works():
+            return None
+        fd = own_file(self.path, create=False)
+        if fd is None:
+            return None if os.path.lexists(self.path) else False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return None
+        finally:
+            os.close(fd)  # (closing drops the shared flock)
+        return False
+
+    def _flock_works(self) -> bool:
+        """Whether flock works beside the lock's file (a file of this process's own tried
+        once, and removed)."""
+        if self._works is None:
+            import fcntl
+            probe = self.path.with_name(f"{self.path.name}.{os.getpid()}")
+            fd = own_file(probe)
+            self._works = False
+            if fd is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    self._works = True
+                except OSError:
+                    pass
+                finally:
+                    os.close(fd)
+                    with contextlib.suppress(OSError):
+                        os.unlink(probe)
+        return self._works
 
     def wait(self, poll: float = 0.1) -> None:
         """Until the lock is free, then hold it (polled: a signal's handler runs at once)."""

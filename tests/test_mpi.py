@@ -854,6 +854,7 @@ def spy(*a):
 data._made_tokens = spy
 if os.environ.get("NO_FLOCK"):  # a temporary folder without flock: nothing is held
     userlock.UserLock.take = lambda self: True
+    userlock.UserLock.held_elsewhere = lambda self: None
 """
 
 
@@ -871,7 +872,8 @@ def test_the_ranks_of_rank_0s_machine_make_a_texts_tokens_once(tmp_path, case):
     text = tmp_path / "t.txt"
     text.write_text(TEXT_A * 3)
     log = tmp_path / "made.log"
-    extra = {"TOKENIZED_LOG": str(log), "HSLM_CACHE_DIR": "",
+    (tmp_path / "tmp").mkdir()
+    extra = {"TOKENIZED_LOG": str(log), "HSLM_CACHE_DIR": "", "TMPDIR": str(tmp_path / "tmp"),
              "PYTHONPATH": str(tmp_path / "inj") + os.pathsep + env()["PYTHONPATH"]}
     if case == "nodes of 2":
         extra["HSLM_MPI_TEST_NODE_SIZE"] = "2"
@@ -886,3 +888,4 @@ def test_the_ranks_of_rank_0s_machine_make_a_texts_tokens_once(tmp_path, case):
     assert made == {"one machine": [("0", every)], "nodes of 2": [("0", every), ("2", "1")],
                     "no flock": [("0", "1"), ("1", "1"), ("2", "1")]}[case], made
     assert not list(tmp_path.glob("mpi/.*tmp*"))
+    assert not list(tmp_path.glob("tmp/hslm-tokens-*"))  # (the lock's file, removed)

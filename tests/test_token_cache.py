@@ -690,6 +690,14 @@ def test_a_cache_folder_whose_files_cannot_be_mapped_is_a_warning(tmp_path, monk
     assert f"tokens    {len(mapped.tokens):,} of 2 bytes" in lines and "checksum  ok" in lines
 
 
+def _own_temporary_folder(tmp_path, monkeypatch):
+    """The locks' files in the test's folder, not the machine's temporary folder (one
+    left by a failing test would stay there)."""
+    import tempfile
+    (tmp_path / "tmp").mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+
+
 def test_a_process_missing_a_cache_another_is_writing_waits_and_reads_it(tmp_path, monkeypatch,
                                                                            capsys):
     """Processes that miss the same text's token cache at once (runs started together, an
@@ -702,6 +710,7 @@ def test_a_process_missing_a_cache_another_is_writing_waits_and_reads_it(tmp_pat
 
     from hslm import data, userlock
     from hslm.textsource import TextSource
+    _own_temporary_folder(tmp_path, monkeypatch)
     (tmp_path / "t.txt").write_text(TEXT, encoding="utf-8")
     sha = hashlib.sha256(TEXT.encode()).hexdigest()
     cache = tmp_path / "cache"
@@ -750,6 +759,7 @@ def test_a_process_missing_a_cache_another_is_writing_waits_and_reads_it(tmp_pat
     for f in cache.iterdir():
         f.unlink()
     monkeypatch.undo()
+    _own_temporary_folder(tmp_path / "again", monkeypatch)
     monkeypatch.setattr(data, "_made_tokens", lambda *a: calls.append(a) or made(*a))
     take = userlock.UserLock.take
     monkeypatch.setattr(userlock.UserLock, "take", lambda self: made(
@@ -773,6 +783,7 @@ def test_a_process_does_not_wait_for_tokens_it_would_not_read(tmp_path, monkeypa
 
     from hslm import data
     from hslm.textsource import TextSource
+    _own_temporary_folder(tmp_path, monkeypatch)
     (tmp_path / "t.txt").write_text(TEXT, encoding="utf-8")
     sha = hashlib.sha256(TEXT.encode()).hexdigest()
     cache = tmp_path / "cache"
@@ -786,7 +797,7 @@ def test_a_process_does_not_wait_for_tokens_it_would_not_read(tmp_path, monkeypa
         t = threading.Thread(target=lambda: got.update(out=data.corpus_tokens(
             TextSource([tmp_path / "t.txt"]), sha, 300, cache_dir=cache)))
         t.start()
-        t.join(1.5)
+        t.join(1.5 if case == "the control" else 60)  # (done while the other holds it)
         assert t.is_alive() == (case == "the control")
     finally:
         other.release()
@@ -802,10 +813,11 @@ def test_mpi_ranks_beside_rank_0_wait_for_its_tokens_and_never_write(tmp_path, m
     """Under MPI rank 0 alone writes the token cache; the other ranks of its machine that
     miss it wait for rank 0 and read the tokens it wrote. They never hold the text's
     lock, and judge whether rank 0 does by the lock itself, not by the note in its file
-    (a holder killed leaves that). Rank 0 may have come and gone before they look (a
-    short text): the cache is looked at as they wait. A rank 0 that never comes (it
-    failed) is waited for RANK_0_ARRIVES seconds, and the rank then makes its own tokens
-    and writes none."""
+    (a holder killed leaves that), and without taking it (waiters that had taken it for
+    an instant to see had seen each other as rank 0). Rank 0 may have come and gone
+    before they look (a short text): the cache is looked at as they wait. A rank 0 that
+    never comes (it failed) is waited for RANK_0_ARRIVES seconds, and the rank then
+    makes its own tokens and writes none."""
     import threading
 
     from hslm import data, distributed
@@ -817,7 +829,9 @@ def test_mpi_ranks_beside_rank_0_wait_for_its_tokens_and_never_write(tmp_path, m
     monkeypatch.setattr(data, "_made_tokens", lambda *a: calls.append(a[-1]) or made(*a))
     monkeypatch.setattr(distributed, "is_writer", lambda: False)  # (an MPI rank but 0)
     monkeypatch.setattr(distributed, "current", lambda: "a World")
-    monkeypatch.setattr(data, "RANK_0_ARRIVES", 1.5)
+    # (rank 0 coming and going is seen long before the wait for it ends)
+    monkeypatch.setattr(data, "RANK_0_ARRIVES", 30.0 if case.endswith("went") else 1.5)
+    _own_temporary_folder(tmp_path, monkeypatch)
     rank_0 = token_cache.TokenizingLock.for_text(cache, sha, 300)
     got = {}
     try:
@@ -835,7 +849,7 @@ def test_mpi_ranks_beside_rank_0_wait_for_its_tokens_and_never_write(tmp_path, m
             assert t.is_alive() and not calls  # (2.5 s: past RANK_0_ARRIVES, while it holds)
             made(TextSource([tmp_path / "t.txt"]), sha, 300, None, cache, None, 1)
             if case.endswith("went"):
-                time.sleep(0.5)
+                t.join(20)
                 assert not t.is_alive()  # found as it waited
     finally:
         rank_0.release()
@@ -847,7 +861,33 @@ def test_mpi_ranks_beside_rank_0_wait_for_its_tokens_and_never_write(tmp_path, m
         assert 1.5 <= took < 20 and not cache.exists()  # (written by none)
     else:
         assert not calls and isinstance(tokens, np.memmap)
-    assert not rank_0.path.exists()
+    # (a dead holder's file stays for the next holder to remove: a waiter removes none)
+    assert rank_0.path.exists() == (case == "a dead holder")
+
+
+def test_whether_a_lock_is_held_is_told_without_taking_it(tmp_path, monkeypatch):
+    """held_elsewhere: processes asking at once do not see each other (a shared flock),
+    and make or remove no file; a holder is seen. None where flock fails there.
+    Control: take() as the test, while another asks, fails (what waiters had done)."""
+    import fcntl
+
+    from hslm import userlock
+    path = tmp_path / "t.lock"
+    asking = userlock.UserLock(path, removed=True)
+    assert asking.held_elsewhere() is False and not path.exists()
+    holder = userlock.UserLock(path, removed=True)
+    assert holder.take() and holder.held
+    assert asking.held_elsewhere() is True
+    holder.release()
+    assert asking.held_elsewhere() is False and not path.exists()
+    path.write_text("")  # (a file there, and another process asking this instant)
+    fd = os.open(path, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    assert asking.held_elsewhere() is False
+    assert not userlock.UserLock(path, removed=True).take()  # control
+    os.close(fd)
+    monkeypatch.setattr(fcntl, "flock", lambda *a: (_ for _ in ()).throw(OSError(37, "no")))
+    assert userlock.UserLock(path, removed=True).held_elsewhere() is None
 
 
 def test_a_lock_file_planted_as_a_hard_link_is_not_written(tmp_path):
