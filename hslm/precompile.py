@@ -47,7 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .userlock import UserLock, own_file, temporary_folder
+from .userlock import UserLock, lock_path, own_file
 
 # name: the jobs it needs done first. Order is priority: the ternary tile starts the
 # longest chain (tile -> forward or backward), the tokenizer fills a core meanwhile.
@@ -83,10 +83,7 @@ def _cache_lock_path():
     """One lock for every parallel compile of this user's (two first runs at once
     included), in the temporary folder; None when no temporary folder is usable (then
     nothing compiles in parallel: a run needs none of its own)."""
-    folder = temporary_folder()
-    if folder is None:
-        return None
-    return folder / f"hslm-numba-cache-{getattr(os, 'getuid', lambda: 0)()}.lock"
+    return lock_path("hslm-numba-cache")
 
 
 CACHE_LOCK = _cache_lock_path()

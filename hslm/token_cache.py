@@ -35,7 +35,7 @@ from numba import njit
 
 from .checkpoint import write_atomic
 from .errors import HslmError, open_regular, read_bytes
-from .userlock import UserLock, temporary_folder
+from .userlock import UserLock, lock_path
 from .validate import MAX_JSON
 
 MAGIC = b"HSLMTOK2"
@@ -64,14 +64,11 @@ class TokenizingLock(UserLock):
     def for_text(cls, folder, text_sha256: str, vocab: int,
                  identity: str = "") -> "TokenizingLock | None":
         """The lock (None without a temporary folder: each process then goes on alone)."""
-        tmp = temporary_folder()
-        if tmp is None:
-            return None
         where = os.path.realpath(folder)  # (one name, however the folder is named)
         key = hashlib.sha256(f"{where}\0{text_sha256}\0{vocab}\0{identity}".encode(
             "utf-8", "surrogateescape")).hexdigest()[:16]
-        return cls(tmp / f"hslm-tokens-{getattr(os, 'getuid', lambda: 0)()}-{key}.lock",
-                   removed=True)
+        path = lock_path("hslm-tokens", key)
+        return None if path is None else cls(path, removed=True)
 
 
 def tokens_path(folder: Path, text_sha256: str, identity: str) -> Path:

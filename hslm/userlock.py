@@ -13,12 +13,15 @@ import time
 from pathlib import Path
 
 
-def temporary_folder() -> Path | None:
-    """The temporary folder, or None where none is usable (then nothing is locked)."""
+def lock_path(name: str, key: str = "") -> Path | None:
+    """This user's lock file `name` (and key) in the temporary folder,
+    `<name>-<uid>[-<key>].lock`; None where no temporary folder is usable (then nothing
+    is locked)."""
     try:
-        return Path(tempfile.gettempdir())
+        folder = Path(tempfile.gettempdir())
     except OSError:  # (FileNotFoundError: "No usable temporary directory found")
         return None
+    return folder / f"{name}-{getattr(os, 'getuid', lambda: 0)()}{'-' + key if key else ''}.lock"
 
 
 def own_file(path, create: bool = True) -> int | None:
